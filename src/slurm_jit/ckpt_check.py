@@ -1,0 +1,175 @@
+"""``ckpt-check OUT_DIR``: the gate run before a job is resubmitted.
+
+Prints a table of the ``checkpoint-<step>`` directories under OUT_DIR, newest first, and as the LAST line of
+standard output the path to resume from (an empty line when there is none: start fresh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from slurm_jit import protocol
+
+EXIT_RESUMABLE = 0
+EXIT_NONE_RESUMABLE = 1
+EXIT_USAGE = 2
+EXIT_NO_CHECKPOINT = 3
+
+EPILOG = f"""\
+exit status:
+  {EXIT_RESUMABLE}  a resumable checkpoint exists; the last line of output is its path
+  {EXIT_NONE_RESUMABLE}  checkpoints exist but none is resumable (last line empty)
+  {EXIT_NO_CHECKPOINT}  no checkpoint at all: a fresh start (last line empty)
+  {EXIT_USAGE}  usage or I/O error (missing directory, not a directory, permission denied)
+
+statuses:
+  complete    manifest present and verified (sizes; checksums too with --deep)
+  unverified  no manifest (plain Trainer) but structurally whole; resumable unless --strict
+  incomplete  sentinel {protocol.SENTINEL_NAME} present, or required files missing
+  corrupt     manifest present but a file is missing, resized, or (--deep) has the wrong checksum
+"""
+
+
+class UsageError(Exception):
+    """Exit 2 with a one-line message."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ckpt-check",
+        description="Say which checkpoint under OUT_DIR is complete and resumable, before resubmitting a job.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("out_dir", metavar="OUT_DIR", help="the Trainer's output_dir")
+    parser.add_argument("--deep", action="store_true", help="verify every file's checksum (reads everything)")
+    parser.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    parser.add_argument("--strict", action="store_true", help="unverified (manifest-less) checkpoints are not resumable")
+    parser.add_argument(
+        "--quarantine",
+        action="store_true",
+        help=f"rename non-resumable checkpoints newer than the resume point to checkpoint-<step>"
+        f"{protocol.QUARANTINE_SUFFIX} (never deletes)",
+    )
+    return parser
+
+
+def _human_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+def _human_age(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def _check_out_dir(out_dir: str) -> None:
+    if not os.path.lexists(out_dir):
+        raise UsageError(f"{out_dir}: no such directory. HINT: pass the Trainer's output_dir")
+    if not os.path.isdir(out_dir):
+        raise UsageError(f"{out_dir}: not a directory. HINT: pass the Trainer's output_dir, not a file in it")
+    if not os.access(out_dir, os.R_OK | os.X_OK):
+        raise UsageError(f"{out_dir}: permission denied. HINT: run as the job's user")
+
+
+def _deep_progress(out_dir: str) -> tuple[Callable[[int], None] | None, Callable[[], None]]:
+    if not sys.stderr.isatty():
+        return None, lambda: None
+    from tqdm import tqdm
+
+    bar = tqdm(unit="B", unit_scale=True, desc="verifying checksums", file=sys.stderr)
+    return bar.update, bar.close
+
+
+def _table(resolution: protocol.Resolution, now: float) -> list[str]:
+    header = f"{'step':>8}  {'status':<10}  {'kind':<8}  {'size':>10}  {'age':>6}  reason"
+    lines = [header]
+    for ckpt in resolution.checkpoints:
+        reason = ckpt.reason or "ok"
+        if resolution.checkpoint is not None and ckpt.path == resolution.checkpoint.path:
+            reason += "  <- resume"
+        lines.append(
+            f"{ckpt.step:>8}  {ckpt.status.value:<10}  {ckpt.kind or '-':<8}  "
+            f"{_human_bytes(ckpt.size_bytes):>10}  {_human_age(now - ckpt.mtime):>6}  {reason}"
+        )
+    return lines
+
+
+def _exit_code(resolution: protocol.Resolution) -> int:
+    if resolution.checkpoint is not None:
+        return EXIT_RESUMABLE
+    return EXIT_NONE_RESUMABLE if resolution.checkpoints else EXIT_NO_CHECKPOINT
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    _check_out_dir(args.out_dir)
+    progress, close = _deep_progress(args.out_dir) if args.deep else (None, lambda: None)
+    try:
+        resolution = protocol.find_resumable(args.out_dir, strict=args.strict, deep=args.deep, progress=progress)
+    finally:
+        close()
+    moved = protocol.quarantine(resolution) if args.quarantine else []
+    code = _exit_code(resolution)
+    resume = str(resolution.checkpoint.path) if resolution.checkpoint else ""
+    if args.json:
+        print(json.dumps(_as_json(args.out_dir, resolution, moved, code, resume), indent=1))
+        return code
+    for note in resolution.ignored:
+        print(f"ckpt-check: ignored {note}", file=sys.stderr)
+    if resolution.checkpoints:
+        print("\n".join(_table(resolution, time.time())))
+    else:
+        print(f"no checkpoint-<step> directory in {args.out_dir}: a fresh start")
+    for src, dst in moved:
+        print(f"quarantined {src} -> {dst}", file=sys.stderr)
+    print(resume)
+    return code
+
+
+def _as_json(out_dir: str, resolution: protocol.Resolution, moved: list[tuple[Path, Path]], code: int,
+             resume: str) -> dict[str, object]:
+    return {
+        "out_dir": out_dir,
+        "exit_code": code,
+        "resume_from": resume or None,
+        "checkpoints": [
+            {"path": str(c.path), "step": c.step, "status": c.status.value, "kind": c.kind,
+             "size_bytes": c.size_bytes, "mtime": c.mtime, "reason": c.reason,
+             "resumable": resolution.checkpoint is not None and c.path == resolution.checkpoint.path}
+            for c in resolution.checkpoints
+        ],
+        "ignored": resolution.ignored,
+        "quarantined": [{"from": str(a), "to": str(b)} for a, b in moved],
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    try:
+        code = run(argv)
+    except UsageError as exc:
+        print(f"ckpt-check: {exc}", file=sys.stderr)
+        code = EXIT_USAGE
+    except OSError as exc:
+        hint = "HINT: check the path and that you may read it"
+        print(f"ckpt-check: {exc.filename or ''}: {exc.strerror or exc}. {hint}", file=sys.stderr)
+        code = EXIT_USAGE
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

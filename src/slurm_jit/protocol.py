@@ -1,0 +1,383 @@
+"""The checkpoint completeness protocol: the one definition of "a complete checkpoint".
+
+A checkpoint is a ``checkpoint-<step>`` directory laid out as the HF Trainer lays it out (with the DeepSpeed
+tag directory, e.g. ``global_step10/``, inside when DeepSpeed is on). Writing one:
+
+1. Global rank 0 creates the sentinel ``checkpoint-is-incomplete.txt`` (the name transformers uses), fsyncs it
+   and the directory, before any rank writes a byte of the checkpoint.
+2. Every rank writes its files and fsyncs them; then all ranks meet at a barrier.
+3. Rank 0 writes the manifest ``slurm-jit-manifest.json`` last: every file with its size and xxh3-128 checksum,
+   plus step, world size, ZeRO stage, DeepSpeed tag, kind (jit / periodic / final) and format version; through
+   a temporary file, fsync, atomic rename and an fsync of the directory.
+4. Rank 0 removes the sentinel and fsyncs the directory.
+
+Reading one gives a :class:`Status`:
+
+- ``complete``: no sentinel, manifest present and verified (sizes; checksums too with ``deep``).
+- ``incomplete``: sentinel present, or neither a manifest nor the files a resume needs.
+- ``corrupt``: a manifest whose listed file is missing, has the wrong size or (deep) checksum, or escapes the
+  directory; ``trainer_state.json`` unparseable or its ``global_step`` not the directory's step.
+- ``unverified``: no manifest (written by a plain ``Trainer``) but structurally whole: see :mod:`.structure`.
+
+Nothing is ever unpickled to check it: checkpoint files are untrusted input (see :mod:`.formats`).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import re
+import stat
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from slurm_jit import formats, structure
+
+SENTINEL_NAME = "checkpoint-is-incomplete.txt"  # transformers' own name (trainer_jit_checkpoint.py)
+MANIFEST_NAME = "slurm-jit-manifest.json"
+MANIFEST_FORMAT = "slurm-jit-checkpoint"
+FORMAT_VERSION = 1
+HASH_NAME = "xxh3_128"
+HASH_CHUNK_BYTES = 8 * 1024 * 1024
+CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")  # the same pattern as transformers.trainer_utils
+QUARANTINE_SUFFIX = ".incomplete"
+SAVE_KINDS = ("jit", "periodic", "final")
+TRAINER_STATE_NAME = "trainer_state.json"
+
+
+class Status(str, enum.Enum):
+    COMPLETE = "complete"
+    INCOMPLETE = "incomplete"
+    CORRUPT = "corrupt"
+    UNVERIFIED = "unverified"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointInfo:
+    path: Path  # the checkpoint directory
+    step: int  # from the directory name
+    status: Status
+    reason: str  # why this status ("" for a verified complete checkpoint)
+    kind: str | None = None  # jit / periodic / final, from the manifest
+    size_bytes: int = 0  # regular files under the directory (symlinks not followed)
+    mtime: float = 0.0
+
+    def resumable(self, strict: bool = False) -> bool:
+        return self.status is Status.COMPLETE or (self.status is Status.UNVERIFIED and not strict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Resolution:
+    """The answer to "where do I resume from?"."""
+
+    checkpoint: CheckpointInfo | None  # the newest resumable checkpoint, or None
+    passed_over: list[CheckpointInfo]  # every newer checkpoint, with its status and reason
+    checkpoints: list[CheckpointInfo]  # all checkpoint directories, newest first
+    ignored: list[str] = field(default_factory=list)  # entries named like checkpoints that are not
+
+
+class ProtocolError(RuntimeError):
+    """A checkpoint could not be written through the protocol; the message says why."""
+
+
+# ---------------------------------------------------------------- reading
+
+
+def hash_file(path: str | os.PathLike[str], progress: Callable[[int], None] | None = None) -> str:
+    """xxh3-128 hex digest of a file, read in chunks."""
+    digest = xxhash.xxh3_128()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(HASH_CHUNK_BYTES):
+            digest.update(chunk)
+            if progress is not None:
+                progress(len(chunk))
+    return digest.hexdigest()
+
+
+def _tree_size(directory: Path) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(directory):  # os.walk does not follow symlinked directories
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(root, name))
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_size
+    return total
+
+
+def _safe_member(ckpt_dir: Path, rel: object) -> Path | None:
+    """The path of a manifest entry, or None when it could escape the checkpoint directory."""
+    if not isinstance(rel, str) or not rel or "\\" in rel or "\0" in rel:
+        return None
+    parts = Path(rel).parts
+    if Path(rel).is_absolute() or any(p in ("..", ".", "") for p in parts):
+        return None
+    return ckpt_dir / rel
+
+
+def _check_trainer_state(ckpt_dir: Path, step: int) -> str | None:
+    path = ckpt_dir / TRAINER_STATE_NAME
+    try:
+        with open(path, encoding="utf-8") as handle:
+            state = json.load(handle)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return f"{TRAINER_STATE_NAME} unreadable: {exc}"
+    if not isinstance(state, dict) or state.get("global_step") != step:
+        found = state.get("global_step") if isinstance(state, dict) else None
+        return f"{TRAINER_STATE_NAME} global_step {found!r} != directory step {step}"
+    return None
+
+
+def read_manifest(ckpt_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(manifest, None) or (None, why it cannot be used)."""
+    try:
+        with open(ckpt_dir / MANIFEST_NAME, encoding="utf-8") as handle:
+            manifest = json.load(handle)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return None, f"manifest unreadable: {exc}"
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+        return None, "manifest is not a slurm-jit manifest"
+    if manifest.get("version") != FORMAT_VERSION:
+        return None, f"manifest version {manifest.get('version')!r} not supported (want {FORMAT_VERSION})"
+    if not isinstance(manifest.get("files"), dict) or not isinstance(manifest.get("step"), int):
+        return None, "manifest lacks files or step"
+    return manifest, None
+
+
+def _verify_manifest(
+    ckpt_dir: Path, step: int, manifest: dict[str, Any], deep: bool, progress: Callable[[int], None] | None
+) -> str | None:
+    if manifest["step"] != step:
+        return f"manifest step {manifest['step']} != directory step {step}"
+    for rel, entry in sorted(manifest["files"].items()):
+        path = _safe_member(ckpt_dir, rel)
+        if path is None:
+            return f"manifest path {rel!r} escapes the checkpoint"
+        if not isinstance(entry, dict) or not isinstance(entry.get("size"), int):
+            return f"manifest entry for {rel} is malformed"
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return f"{rel} is missing"
+        if not stat.S_ISREG(st.st_mode):
+            return f"{rel} is not a regular file (symlink?)"
+        if st.st_size != entry["size"]:
+            return f"{rel} has {st.st_size} bytes, manifest says {entry['size']}"
+        if deep and hash_file(path, progress) != entry.get(HASH_NAME):
+            return f"{rel} checksum mismatch"
+    return None
+
+
+def inspect(
+    ckpt_dir: str | os.PathLike[str],
+    step: int,
+    deep: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> CheckpointInfo:
+    """The status of one ``checkpoint-<step>`` directory."""
+    path = Path(ckpt_dir)
+    mtime = 0.0
+    try:
+        mtime = os.lstat(path).st_mtime
+    except OSError:
+        pass
+
+    def info(status: Status, reason: str, kind: str | None = None) -> CheckpointInfo:
+        return CheckpointInfo(
+            path=path, step=step, status=status, reason=reason, kind=kind, size_bytes=_tree_size(path),
+            mtime=mtime,
+        )
+
+    if path.is_symlink():
+        return info(Status.CORRUPT, "the checkpoint directory is a symlink: not trusted")
+    if (path / SENTINEL_NAME).exists() or (path / SENTINEL_NAME).is_symlink():
+        return info(Status.INCOMPLETE, f"{SENTINEL_NAME} present: the save did not finish")
+    if (path / MANIFEST_NAME).exists() or (path / MANIFEST_NAME).is_symlink():
+        manifest, why = read_manifest(path)
+        if manifest is None:
+            return info(Status.CORRUPT, why or "manifest unusable")
+        kind = manifest.get("kind") if isinstance(manifest.get("kind"), str) else None
+        why = _verify_manifest(path, step, manifest, deep, progress) or _check_trainer_state(path, step)
+        return info(Status.CORRUPT, why, kind) if why else info(Status.COMPLETE, "", kind)
+    return _inspect_unmanifested(path, step, info)
+
+
+def _inspect_unmanifested(path: Path, step: int, info: Callable[..., CheckpointInfo]) -> CheckpointInfo:
+    if not (path / TRAINER_STATE_NAME).exists():
+        return info(Status.INCOMPLETE, f"no manifest and no {TRAINER_STATE_NAME}")
+    why = _check_trainer_state(path, step)
+    if why:
+        return info(Status.CORRUPT, why)
+    missing = structure.check(path)
+    if missing:
+        return info(Status.INCOMPLETE, f"no manifest; {missing}")
+    return info(Status.UNVERIFIED, "no manifest (plain Trainer save); structure whole")
+
+
+def scan(out_dir: str | os.PathLike[str], deep: bool = False,
+         progress: Callable[[int], None] | None = None) -> tuple[list[CheckpointInfo], list[str]]:
+    """(checkpoint directories newest first, names ignored). Raises OSError when out_dir is unreadable."""
+    root = Path(out_dir)
+    found: list[CheckpointInfo] = []
+    ignored: list[str] = []
+    for name in sorted(os.listdir(root)):
+        match = CHECKPOINT_RE.match(name)
+        if match is None:
+            if name.startswith("checkpoint-") and not name.endswith(QUARANTINE_SUFFIX):
+                ignored.append(f"{name}: not checkpoint-<step>")
+            continue
+        entry = root / name
+        if not entry.is_symlink() and not entry.is_dir():
+            ignored.append(f"{name}: not a directory")
+            continue
+        found.append(inspect(entry, int(match.group(1)), deep=deep, progress=progress))
+    found.sort(key=lambda c: c.step, reverse=True)
+    return found, ignored
+
+
+def find_resumable(out_dir: str | os.PathLike[str], strict: bool = False, deep: bool = False,
+                   progress: Callable[[int], None] | None = None) -> Resolution:
+    """The newest resumable checkpoint under ``out_dir`` and why every newer one was passed over.
+
+    Raises OSError when ``out_dir`` cannot be listed; a missing ``out_dir`` means a fresh start.
+    """
+    if not os.path.lexists(out_dir):
+        return Resolution(checkpoint=None, passed_over=[], checkpoints=[])
+    checkpoints, ignored = scan(out_dir, deep=deep, progress=progress)
+    passed_over: list[CheckpointInfo] = []
+    for ckpt in checkpoints:
+        if ckpt.resumable(strict):
+            return Resolution(checkpoint=ckpt, passed_over=passed_over, checkpoints=checkpoints, ignored=ignored)
+        passed_over.append(ckpt)
+    return Resolution(checkpoint=None, passed_over=passed_over, checkpoints=checkpoints, ignored=ignored)
+
+
+def quarantine_path(ckpt_dir: Path) -> Path:
+    """``checkpoint-<step>.incomplete``, or ``.incomplete.N`` when that name is taken."""
+    target = ckpt_dir.with_name(ckpt_dir.name + QUARANTINE_SUFFIX)
+    n = 1
+    while os.path.lexists(target):
+        target = ckpt_dir.with_name(f"{ckpt_dir.name}{QUARANTINE_SUFFIX}.{n}")
+        n += 1
+    return target
+
+
+def quarantine(resolution: Resolution) -> list[tuple[Path, Path]]:
+    """Rename every non-resumable directory newer than the resume point; never deletes anything."""
+    moved = []
+    for ckpt in resolution.passed_over:
+        target = quarantine_path(ckpt.path)
+        os.rename(ckpt.path, target)
+        moved.append((ckpt.path, target))
+    for parent in {src.parent for src, _ in moved}:
+        fsync_dir(parent)
+    return moved
+
+
+# ---------------------------------------------------------------- writing
+
+
+def fsync_dir(directory: str | os.PathLike[str]) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(directory: str | os.PathLike[str]) -> None:
+    """fsync every regular file and directory under ``directory`` (the files this rank wrote among them)."""
+    for root, _dirs, files in os.walk(directory):
+        for name in files:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                with open(path, "rb") as handle:
+                    os.fsync(handle.fileno())
+        fsync_dir(root)
+
+
+def write_sentinel(ckpt_dir: str | os.PathLike[str], step: int, kind: str) -> None:
+    """Step 1: create the directory and the sentinel, durably. Global rank 0 only."""
+    path = Path(ckpt_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    sentinel = path / SENTINEL_NAME
+    with open(sentinel, "w", encoding="utf-8") as handle:
+        handle.write(f"slurm-jit: {kind} checkpoint of step {step} started at {time.time():.3f}; "
+                     "it is not complete until this file is gone and the manifest exists.\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    fsync_dir(path)
+    fsync_dir(path.parent)
+
+
+def payload_files(ckpt_dir: str | os.PathLike[str]) -> list[str]:
+    """Relative paths of the files a manifest lists: everything but the sentinel and the manifest."""
+    root = Path(ckpt_dir)
+    rels = []
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            rel = os.path.relpath(os.path.join(dirpath, name), root)
+            if rel not in (SENTINEL_NAME, MANIFEST_NAME) and not name.startswith(f".{MANIFEST_NAME}"):
+                rels.append(rel.replace(os.sep, "/"))
+    return sorted(rels)
+
+
+def file_entries(ckpt_dir: str | os.PathLike[str], rels: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """Size and checksum of each file: the manifest's ``files`` (ranks may each hash a share)."""
+    root = Path(ckpt_dir)
+    entries = {}
+    for rel in rels:
+        path = root / rel
+        entries[rel] = {"size": os.lstat(path).st_size, HASH_NAME: hash_file(path)}
+    return entries
+
+
+def write_manifest(
+    ckpt_dir: str | os.PathLike[str],
+    *,
+    step: int,
+    kind: str,
+    world_size: int,
+    zero_stage: int | None,
+    deepspeed_tag: str | None,
+    files: dict[str, dict[str, Any]],
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Step 3 and 4: write the manifest atomically, then remove the sentinel. Global rank 0 only."""
+    if kind not in SAVE_KINDS:
+        raise ProtocolError(f"unknown save kind {kind!r}; expected one of {SAVE_KINDS}")
+    root = Path(ckpt_dir)
+    if not (root / SENTINEL_NAME).exists():
+        raise ProtocolError(f"{root}: no sentinel; write_sentinel() must run before the checkpoint is written")
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "version": FORMAT_VERSION,
+        "step": step,
+        "kind": kind,
+        "world_size": world_size,
+        "zero_stage": zero_stage,
+        "deepspeed_tag": deepspeed_tag,
+        "hash": HASH_NAME,
+        "created": time.time(),
+        "total_bytes": sum(entry["size"] for entry in files.values()),
+        "files": files,
+        **(extra or {}),
+    }
+    tmp = root / f".{MANIFEST_NAME}.tmp"
+    with open(tmp, "w", encoding="utf-8") as handle:
+        json.dump(manifest, handle, indent=1, sort_keys=True)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.rename(tmp, root / MANIFEST_NAME)
+    fsync_dir(root)
+    os.remove(root / SENTINEL_NAME)
+    fsync_dir(root)
+    return manifest

@@ -1,0 +1,75 @@
+"""The runtime grace check: does the signal lead this job was given cover what it measurably needs?
+
+Run by the JitTrainer on global rank 0 under Slurm, after warm-up and after the first save. The need is the
+longest step + the longest save + kill_wait (the terms of :func:`slurm_jit.grace.compute_grace`, from the timing
+log); what the job has is ``SLURM_JIT_SIGNAL_LEAD_S`` (exported by this project's launchers and sbatch scripts:
+the N of ``--signal=TERM@N``), and, at preemption, the partition's GraceTime. Warnings only, never an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from slurm_jit import grace, slurm, timing
+
+logger = logging.getLogger(__name__)
+
+
+def assess(*, step_s: float, save_s: float | None, kill_wait_s: float, lead_s: float | None,
+           facts: grace.ClusterFacts | None) -> list[str]:
+    """Warnings (with a HINT each) when the grace this job has is shorter than what it needs. Pure."""
+    result = grace.compute_grace(grace.GraceInputs(
+        step_s=step_s, save_s=save_s if save_s else 1e-9, kill_wait_s=kill_wait_s, margin=grace.Margin(),
+    ))
+    needed_s = step_s + (save_s or 0.0) + kill_wait_s
+    what = f"longest step {step_s:.1f} s + save {save_s or 0:.1f} s + kill_wait {kill_wait_s:.0f} s"
+    warnings = []
+    if lead_s is None:
+        warnings.append(f"{grace.LEAD_ENV_VAR} is not set, so the signal lead cannot be checked (needed: {what}"
+                        f" = {needed_s:.0f} s). HINT: submit with launch/submit.py or export it beside "
+                        f"#SBATCH --signal")
+    elif lead_s < needed_s:
+        warnings.append(f"signal lead {lead_s:.0f} s < needed {needed_s:.0f} s ({what}): the JIT checkpoint "
+                        f"will be killed half-written. HINT: #SBATCH {result.option}")
+    if facts is not None and facts.preemptable and facts.grace_time_s is not None \
+            and facts.grace_time_s < needed_s and not facts.preempt_send_user_signal:
+        warnings.append(f"partition {facts.partition} preempts with GraceTime {facts.grace_time_s} s < needed "
+                        f"{needed_s:.0f} s: a preemption will kill the checkpoint. HINT: ask for GraceTime >= "
+                        f"{result.lead_s} s, or a partition that is not preempted")
+    return warnings
+
+
+def _cluster_facts() -> grace.ClusterFacts | None:
+    try:
+        return grace.read_cluster_facts(
+            os.environ.get("SLURM_JOB_PARTITION"), show_config=slurm.show_config,
+            show_partition=slurm.show_partition, default_partition=slurm.default_partition, seconds=slurm.seconds,
+        )
+    except (slurm.SlurmError, OSError) as exc:
+        logger.info("slurm_jit: grace check without cluster facts: %s", exc)
+        return None
+
+
+def check_and_warn(output_dir: str, kill_wait_s: float, when: str) -> list[str]:
+    """Log the warnings of :func:`assess` from the timing log; does nothing outside a Slurm job."""
+    if "SLURM_JOB_ID" not in os.environ:
+        return []
+    try:
+        summary = timing.load_summary(output_dir)
+    except timing.TimingLogError as exc:
+        logger.info("slurm_jit: grace check skipped: %s", exc)
+        return []
+    if summary.step_max_s is None:
+        return []
+    saves = [s.max_dur_s for s in summary.saves.values()]
+    lead = os.environ.get(grace.LEAD_ENV_VAR)
+    try:
+        lead_s = float(lead) if lead else None
+    except ValueError:
+        lead_s = None
+    warnings = assess(step_s=summary.step_max_s, save_s=max(saves) if saves else None, kill_wait_s=kill_wait_s,
+                      lead_s=lead_s, facts=_cluster_facts())
+    for warning in warnings:
+        logger.warning("slurm_jit grace check (%s): %s", when, warning)
+    return warnings

@@ -1,0 +1,77 @@
+"""Signal latch: the handler only records that and when the first signal arrived.
+
+No I/O, no locks, no collectives run inside the handler; the training loop reads the latch at step boundaries
+(the pattern Lightning's SIGTERM path follows). Further signals after the first are counted and otherwise ignored.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable, Iterable
+from types import FrameType
+from typing import Any
+
+_Handler = Callable[[int, FrameType | None], Any] | int | None
+
+
+def parse_signal(name: str | int | signal.Signals) -> signal.Signals:
+    """``"TERM"``, ``"SIGUSR1"``, ``15`` or a ``signal.Signals`` -> ``signal.Signals``."""
+    if isinstance(name, signal.Signals):
+        return name
+    if isinstance(name, int):
+        return signal.Signals(name)
+    upper = name.upper()
+    try:
+        return signal.Signals[upper if upper.startswith("SIG") else f"SIG{upper}"]
+    except KeyError:
+        raise ValueError(f"unknown signal {name!r}. HINT: use a name such as TERM or USR1") from None
+
+
+class SignalLatch:
+    """Records the first of ``signums``; install() in the main thread, restore() when done."""
+
+    def __init__(self, signums: Iterable[signal.Signals]) -> None:
+        self.signums = tuple(signums)
+        self.first_at: float | None = None  # time.monotonic() of the first signal
+        self.first_signum: int | None = None
+        self.count = 0
+        self._previous: dict[int, _Handler] = {}
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        self.count += 1
+        if self.first_at is None:
+            self.first_at = time.monotonic()
+            self.first_signum = signum
+
+    @property
+    def seen(self) -> bool:
+        return self.first_at is not None
+
+    def install(self) -> None:
+        for signum in self.signums:
+            self._previous[signum] = signal.signal(signum, self._handler)
+
+    def restore(self) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+
+class IgnoreSignalsInWorker:
+    """A DataLoader ``worker_init_fn`` wrapper: workers ignore the stop signals.
+
+    Slurm signals every process of a task (with proctrack/linuxproc, forked DataLoader workers included). A worker
+    that dies of SIGTERM makes the main process raise before it can checkpoint; the main process alone acts on it.
+    Picklable, so it also works with the spawn and forkserver start methods.
+    """
+
+    def __init__(self, inner: Callable[[int], Any] | None, signums: Iterable[int]) -> None:
+        self.inner = inner
+        self.signums = tuple(int(s) for s in signums)
+
+    def __call__(self, worker_id: int) -> None:
+        for signum in self.signums:
+            signal.signal(signum, signal.SIG_IGN)
+        if self.inner is not None:
+            self.inner(worker_id)

@@ -1,0 +1,134 @@
+"""The one gateway to Slurm.
+
+Every call of ``sbatch``, ``squeue``, ``scontrol``, ``scancel`` and ``sinfo`` in this project goes through
+:func:`run`. Unit tests swap :data:`runner` for a fake at this single boundary; tests marked ``slurm`` use the
+real local cluster (``tools/local-slurm up``).
+
+Accounting is usually off on small clusters (and on the embedded local one), so job state is read with
+``scontrol show job``, never ``sacct``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Callable, Sequence
+
+SLURM_COMMANDS = frozenset({"sbatch", "squeue", "scontrol", "scancel", "sinfo", "srun"})
+COMMAND_TIMEOUT_S = 60.0  # a healthy slurmctld answers in well under a second; 60 s covers a loaded one
+
+
+class SlurmError(RuntimeError):
+    """A Slurm command failed or is not installed; the message says which and how to fix it."""
+
+
+def _subprocess_runner(argv: Sequence[str], timeout_s: float) -> str:
+    if shutil.which(argv[0]) is None:
+        raise SlurmError(
+            f"{argv[0]} not found on PATH. HINT: run on a Slurm login node, or start the local cluster "
+            "with tools/local-slurm up"
+        )
+    try:
+        proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired as exc:
+        raise SlurmError(f"{' '.join(argv)} did not answer within {timeout_s:.0f} s") from exc
+    if proc.returncode != 0:
+        detail = (proc.stderr or proc.stdout).strip().splitlines()
+        raise SlurmError(f"{' '.join(argv)} failed (exit {proc.returncode}): {detail[-1] if detail else ''}")
+    return proc.stdout
+
+
+# Swapped by unit tests for a fake taking (argv, timeout_s) -> stdout.
+runner: Callable[[Sequence[str], float], str] = _subprocess_runner
+
+
+def run(argv: Sequence[str], timeout_s: float = COMMAND_TIMEOUT_S) -> str:
+    """Run one Slurm command (argv list, never a shell string) and return its standard output."""
+    if not argv or argv[0] not in SLURM_COMMANDS:
+        raise ValueError(f"not a Slurm command: {argv!r}")
+    return runner(argv, timeout_s)
+
+
+def available() -> bool:
+    """True when a Slurm controller answers here."""
+    try:
+        run(["scontrol", "ping"], timeout_s=10)
+    except SlurmError:
+        return False
+    return True
+
+
+def parse_key_values(text: str) -> dict[str, str]:
+    """Parse ``scontrol show`` output (``Key=Value`` pairs, several per line) into a dict."""
+    pairs: dict[str, str] = {}
+    for match in re.finditer(r"(\w[\w:/.]*)=(\S*)", text):
+        pairs.setdefault(match.group(1), match.group(2))
+    return pairs
+
+
+def show_config() -> dict[str, str]:
+    """``scontrol show config`` as a dict (``Key = Value`` lines)."""
+    config: dict[str, str] = {}
+    for line in run(["scontrol", "show", "config"]).splitlines():
+        key, sep, value = line.partition("=")
+        if sep:
+            config[key.strip()] = value.strip()
+    return config
+
+
+def show_partition(name: str) -> dict[str, str]:
+    """``scontrol show partition NAME`` as a dict."""
+    return parse_key_values(run(["scontrol", "show", "partition", name]))
+
+
+def default_partition() -> str | None:
+    """The name of the default partition (marked ``*`` by sinfo), if any."""
+    for name in run(["sinfo", "-h", "-o", "%P"]).split():
+        if name.endswith("*"):
+            return name.rstrip("*")
+    return None
+
+
+def show_job(job_id: str) -> dict[str, str]:
+    """``scontrol show job JOBID`` as a dict (kept by slurmctld for MinJobAge seconds after the end)."""
+    return parse_key_values(run(["scontrol", "show", "job", str(job_id)]))
+
+
+def job_script(job_id: str) -> str:
+    """The batch script of a job, as ``scontrol write batch_script JOBID -`` prints it."""
+    return run(["scontrol", "write", "batch_script", str(job_id), "-"])
+
+
+def submit(script_path: str | os.PathLike[str], extra_args: Sequence[str] = ()) -> str:
+    """``sbatch --parsable`` a script; returns the job id."""
+    out = run(["sbatch", "--parsable", *extra_args, os.fspath(script_path)])
+    return out.strip().split(";")[0]
+
+
+def cancel(job_id: str, signal_name: str | None = None) -> None:
+    """``scancel`` a job, or send it a signal with ``--signal``."""
+    argv = ["scancel"]
+    if signal_name:
+        argv.append(f"--signal={signal_name}")
+    run([*argv, str(job_id)])
+
+
+def seconds(value: str) -> int | None:
+    """A Slurm duration or plain seconds (``30``, ``30 sec``, ``00:05:00``, ``1-00:00:00``) in seconds."""
+    value = value.strip()
+    if value in {"", "UNLIMITED", "INFINITE", "NONE", "(null)", "N/A"}:
+        return None
+    match = re.fullmatch(r"(\d+)\s*(sec|s)?", value)
+    if match:
+        return int(match.group(1))
+    days = 0
+    if "-" in value:
+        day_str, _, value = value.partition("-")
+        days = int(day_str)
+    parts = [int(p) for p in value.split(":")]
+    while len(parts) < 3:
+        parts.insert(0, 0)
+    hours, minutes, secs = parts[-3:]
+    return ((days * 24 + hours) * 60 + minutes) * 60 + secs

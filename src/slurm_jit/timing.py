@@ -1,0 +1,198 @@
+"""The timing log: step, save and evaluation times that the grace-period calculator sizes ``--signal`` from.
+
+The JitTrainer appends one JSON object per line to ``OUT_DIR/slurm-jit/timing-rank<R>.jsonl`` (one file per
+global rank, so ranks never contend for a lock, and kept across restarts: every run appends). Records::
+
+    {"v": 1, "event": "start", "rank": 0, "world_size": 2, "run_id": "...", "job_id": "123", "time": 1.7e9}
+    {"v": 1, "event": "step",  "rank": 0, "world_size": 2, "run_id": "...", "step": 12, "dur_s": 0.21,
+     "warmup": false}
+    {"v": 1, "event": "save",  "rank": 0, "world_size": 2, "run_id": "...", "step": 12, "dur_s": 3.4,
+     "kind": "jit", "bytes": 123456}
+    {"v": 1, "event": "eval",  "rank": 0, "world_size": 2, "run_id": "...", "step": 12, "dur_s": 1.9,
+     "aborted": false}
+
+The first ``WARMUP_STEPS`` steps of every run are marked ``warmup`` (they include one-time compilation and
+allocation) and are left out of the step statistics. This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+FORMAT_VERSION = 1
+TIMING_DIR = "slurm-jit"
+WARMUP_STEPS = 2  # the first steps of a run pay for allocator warm-up and DeepSpeed's first-use op builds
+FLUSH_EVERY_STEPS = 20  # bounded loss on a SIGKILL, without a write per step
+
+
+def timing_dir(output_dir: str | os.PathLike[str]) -> Path:
+    return Path(output_dir) / TIMING_DIR
+
+
+def timing_path(output_dir: str | os.PathLike[str], rank: int) -> Path:
+    return timing_dir(output_dir) / f"timing-rank{rank}.jsonl"
+
+
+class TimingLog:
+    """Appends one rank's timing records; cheap enough to call every step."""
+
+    def __init__(self, output_dir: str | os.PathLike[str], rank: int, world_size: int, run_id: str) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.run_id = run_id
+        self._steps_seen = 0
+        self._unflushed = 0
+        path = timing_path(output_dir, rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: IO[str] | None = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self._write({"event": "start", "job_id": os.environ.get("SLURM_JOB_ID"), "time": time.time()})
+        self.flush()
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self._file is None:
+            return
+        base = {"v": FORMAT_VERSION, "rank": self.rank, "world_size": self.world_size, "run_id": self.run_id}
+        self._file.write(json.dumps({**base, **record}) + "\n")
+        self._unflushed += 1
+
+    def step(self, step: int, dur_s: float) -> None:
+        self._steps_seen += 1
+        self._write({"event": "step", "step": step, "dur_s": dur_s, "warmup": self._steps_seen <= WARMUP_STEPS})
+        if self._unflushed >= FLUSH_EVERY_STEPS:
+            self.flush()
+
+    def save(self, step: int, kind: str, dur_s: float, nbytes: int) -> None:
+        self._write({"event": "save", "step": step, "kind": kind, "dur_s": dur_s, "bytes": nbytes})
+        self.flush()
+
+    def evaluation(self, step: int, dur_s: float, aborted: bool) -> None:
+        self._write({"event": "eval", "step": step, "dur_s": dur_s, "aborted": aborted})
+        self.flush()
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+            self._unflushed = 0
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class TimingLogError(ValueError):
+    """The timing log is missing or malformed; the message says where."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveStats:
+    count: int  # saves of this kind that finished
+    max_dur_s: float  # the longest one (over all ranks: a save ends when its slowest rank ends)
+    max_bytes: int  # the largest checkpoint of this kind, in bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class TimingSummary:
+    """What the grace-period calculator needs from a timing log."""
+
+    n_steps: int  # step samples used (all ranks, warm-up left out)
+    n_runs: int  # how many starts (restarts included) the log covers
+    world_sizes: frozenset[int]  # the world sizes the records were written with
+    step_max_s: float | None
+    step_p99_s: float | None
+    step_median_s: float | None
+    saves: dict[str, SaveStats] = field(default_factory=dict)  # by kind: jit / periodic / final
+    n_evals: int = 0
+    eval_max_s: float | None = None
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank percentile of an already sorted, non-empty list."""
+    index = max(0, math.ceil(q / 100.0 * len(sorted_values)) - 1)
+    return sorted_values[index]
+
+
+def read_records(output_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """All records of all ranks; raises TimingLogError with the file and line of a malformed one."""
+    directory = timing_dir(output_dir)
+    paths = sorted(directory.glob("timing-rank*.jsonl")) if directory.is_dir() else []
+    if not paths:
+        raise TimingLogError(
+            f"no timing log in {directory}. HINT: run the training with slurm_jit.JitTrainer first, "
+            "or give --step-time and --save-time"
+        )
+    records: list[dict[str, Any]] = []
+    for path in paths:
+        records.extend(_read_file(path))
+    return records
+
+
+def _read_file(path: Path) -> Iterable[dict[str, Any]]:
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        lines = handle.readlines()
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if lineno == len(lines) and not line.endswith("\n"):
+                continue  # the last line of a killed run may be cut short: not an error
+            raise TimingLogError(f"{path}:{lineno}: not JSON. HINT: the file is damaged; move it away") from None
+        if not isinstance(record, dict) or not isinstance(record.get("event"), str):
+            raise TimingLogError(f"{path}:{lineno}: not a timing record")
+        dur = record.get("dur_s")
+        if record["event"] != "start" and not (isinstance(dur, int | float) and math.isfinite(dur) and dur >= 0):
+            raise TimingLogError(f"{path}:{lineno}: bad dur_s {dur!r}")
+        yield record
+
+
+def summarize(records: Iterable[dict[str, Any]]) -> TimingSummary:
+    """Step, save and eval statistics over all ranks and all runs of a timing log."""
+    steps: list[float] = []
+    saves: dict[str, list[dict[str, Any]]] = {}
+    evals: list[float] = []
+    runs: set[str] = set()
+    world_sizes: set[int] = set()
+    for record in records:
+        runs.add(str(record.get("run_id")))
+        if isinstance(record.get("world_size"), int):
+            world_sizes.add(record["world_size"])
+        event = record["event"]
+        if event == "step" and not record.get("warmup"):
+            steps.append(float(record["dur_s"]))
+        elif event == "save":
+            saves.setdefault(str(record.get("kind", "unknown")), []).append(record)
+        elif event == "eval":
+            evals.append(float(record["dur_s"]))
+    steps.sort()
+    return TimingSummary(
+        n_steps=len(steps),
+        n_runs=len(runs),
+        world_sizes=frozenset(world_sizes),
+        step_max_s=steps[-1] if steps else None,
+        step_p99_s=_percentile(steps, 99) if steps else None,
+        step_median_s=_percentile(steps, 50) if steps else None,
+        saves={
+            kind: SaveStats(
+                count=len({(r.get("run_id"), r.get("step")) for r in recs}),
+                max_dur_s=max(float(r["dur_s"]) for r in recs),
+                max_bytes=max(int(r.get("bytes") or 0) for r in recs),
+            )
+            for kind, recs in saves.items()
+        },
+        n_evals=len(evals),
+        eval_max_s=max(evals) if evals else None,
+    )
+
+
+def load_summary(output_dir: str | os.PathLike[str]) -> TimingSummary:
+    """Read and summarize ``OUT_DIR/slurm-jit/timing-rank*.jsonl``."""
+    return summarize(read_records(output_dir))
