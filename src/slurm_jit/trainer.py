@@ -152,7 +152,9 @@ class JitTrainer(transformers.Trainer):
     def _get_dataloader(self, *args: Any, **kwargs: Any) -> Any:
         loader = super()._get_dataloader(*args, **kwargs)
         if self.jit_config.ignore_signals_in_workers and self.args.dataloader_num_workers > 0:
-            loader.worker_init_fn = IgnoreSignalsInWorker(loader.worker_init_fn, self._jit_signums)
+            # accelerate's DataLoaderAdapter delegates to the torch DataLoader it wraps: set it there.
+            base = getattr(loader, "base_dataloader", loader)
+            base.worker_init_fn = IgnoreSignalsInWorker(base.worker_init_fn, self._jit_signums)
         return loader
 
     # ------------------------------------------------------------ train
