@@ -58,9 +58,18 @@ class StopAgreement:
         _, flag = self._reduce(local, async_op=False)
         return agreed or bool(flag.item())
 
-    def finish(self) -> None:
-        """Wait for the round in flight, so that no collective is left behind."""
+    def close(self) -> None:
+        """Finish the round in flight, wait for every rank, and tear the side group down.
+
+        A gloo group left to the interpreter's exit can abort the process ("terminate called without an active
+        exception") when the peer rank has already exited.
+        """
         self._drain()
+        if self.distributed and self.group is not None:
+            dist.barrier(group=self.group)
+            dist.destroy_process_group(self.group)
+            self.group = None
+            self.distributed = False
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank."""

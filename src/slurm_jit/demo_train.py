@@ -151,6 +151,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         trainer = transformers.Trainer(**common)
     trainer.train(resume_from_checkpoint=True if args.resume else None)
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # a clean teardown, so that no rank aborts at exit while its peer is gone
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

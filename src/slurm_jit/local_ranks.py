@@ -68,13 +68,17 @@ def start(argv: Sequence[str], world_size: int, log_dir: str | os.PathLike[str],
           env: Mapping[str, str] | None = None) -> Ranks:
     """Start ``python argv`` once per rank with RANK/WORLD_SIZE/MASTER_* set; output to log_dir/rank<R>.log."""
     port = free_port()
+    # This interpreter's bin directory first: DeepSpeed's op loader runs `ninja`, and another ninja version
+    # (Debian's) discards the build log and rebuilds the op from scratch.
+    bin_dir = os.path.dirname(sys.executable)
+    path = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
     log_path = Path(log_dir)
     log_path.mkdir(parents=True, exist_ok=True)
     procs, logs = [], []
     for rank in range(world_size):
         rank_env = {**os.environ, **(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank),
                     "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
-                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PATH": path}
         log = log_path / f"rank{rank}.log"
         with open(log, "ab") as out:
             procs.append(subprocess.Popen([sys.executable, *argv], env=rank_env, stdout=out,

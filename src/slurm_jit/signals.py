@@ -52,9 +52,13 @@ class SignalLatch:
         for signum in self.signums:
             self._previous[signum] = signal.signal(signum, self._handler)
 
-    def restore(self) -> None:
+    def restore(self, keep_ignoring: bool = False) -> None:
+        """Put the previous handlers back; or, with ``keep_ignoring``, ignore the signals from now on."""
         for signum, previous in self._previous.items():
-            signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+            if keep_ignoring:
+                signal.signal(signum, signal.SIG_IGN)
+            else:
+                signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
 
 

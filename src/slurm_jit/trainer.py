@@ -182,7 +182,8 @@ class JitTrainer(transformers.Trainer):
                                        ignore_keys_for_eval=ignore_keys_for_eval)
             except _StopBeforeFirstStep:
                 output = TrainOutput(self.state.global_step, 0.0, {})
-            self._agreement.finish()
+            self._agreement.close()
+            self._jit_agreement = None
             self.jit_stopped = run.stopped
             if self._is_rank0:
                 state = "jit_stop" if run.stopped else "finished"
@@ -196,7 +197,10 @@ class JitTrainer(transformers.Trainer):
             raise
         finally:
             run.in_loop = False
-            run.latch.restore()
+            # After a JIT stop the process is on its way out: a late signal (another node's copy, or Slurm's
+            # second SIGTERM at the time limit) must not kill it mid-exit, so the stop signals stay ignored.
+            # Otherwise the original handlers come back.
+            run.latch.restore(keep_ignoring=run.stopped)
             if run.timing is not None:
                 run.timing.close()
             self._jit_run = None
