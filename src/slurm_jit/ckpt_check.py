@@ -78,8 +78,12 @@ def _human_age(seconds: float) -> str:
 
 
 def _check_out_dir(out_dir: str) -> None:
-    if not os.path.lexists(out_dir):
-        raise UsageError(f"{out_dir}: no such directory. HINT: pass the Trainer's output_dir")
+    try:
+        os.stat(out_dir)
+    except FileNotFoundError:
+        raise UsageError(f"{out_dir}: no such directory. HINT: pass the Trainer's output_dir") from None
+    except PermissionError:
+        raise UsageError(f"{out_dir}: permission denied. HINT: run as the job's user") from None
     if not os.path.isdir(out_dir):
         raise UsageError(f"{out_dir}: not a directory. HINT: pass the Trainer's output_dir, not a file in it")
     if not os.access(out_dir, os.R_OK | os.X_OK):

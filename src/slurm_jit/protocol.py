@@ -47,6 +47,7 @@ HASH_NAME = "xxh3_128"
 HASH_CHUNK_BYTES = 8 * 1024 * 1024
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")  # the same pattern as transformers.trainer_utils
 QUARANTINE_SUFFIX = ".incomplete"
+QUARANTINED_RE = re.compile(r"^checkpoint-\d+\.incomplete(\.\d+)?$")
 SAVE_KINDS = ("jit", "periodic", "final")
 TRAINER_STATE_NAME = "trainer_state.json"
 
@@ -128,8 +129,8 @@ def _check_trainer_state(ckpt_dir: Path, step: int) -> str | None:
     try:
         with open(path, encoding="utf-8") as handle:
             state = json.load(handle)
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        return f"{TRAINER_STATE_NAME} unreadable: {exc}"
+    except (OSError, ValueError, RecursionError) as exc:
+        return f"{TRAINER_STATE_NAME} unreadable: {type(exc).__name__}: {exc}"
     if not isinstance(state, dict) or state.get("global_step") != step:
         found = state.get("global_step") if isinstance(state, dict) else None
         return f"{TRAINER_STATE_NAME} global_step {found!r} != directory step {step}"
@@ -141,14 +142,16 @@ def read_manifest(ckpt_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
     try:
         with open(ckpt_dir / MANIFEST_NAME, encoding="utf-8") as handle:
             manifest = json.load(handle)
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        return None, f"manifest unreadable: {exc}"
+    except (OSError, ValueError, RecursionError) as exc:
+        return None, f"manifest unreadable: {type(exc).__name__}: {exc}"
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
         return None, "manifest is not a slurm-jit manifest"
     if manifest.get("version") != FORMAT_VERSION:
         return None, f"manifest version {manifest.get('version')!r} not supported (want {FORMAT_VERSION})"
     if not isinstance(manifest.get("files"), dict) or not isinstance(manifest.get("step"), int):
         return None, "manifest lacks files or step"
+    if TRAINER_STATE_NAME not in manifest["files"]:
+        return None, f"manifest does not list {TRAINER_STATE_NAME}"
     return manifest, None
 
 
@@ -169,6 +172,8 @@ def _verify_manifest(
             return f"{rel} is missing"
         if not stat.S_ISREG(st.st_mode):
             return f"{rel} is not a regular file (symlink?)"
+        if os.path.realpath(path) != os.path.join(os.path.realpath(ckpt_dir), *Path(rel).parts):
+            return f"{rel} is reached through a symlink: not trusted"
         if st.st_size != entry["size"]:
             return f"{rel} has {st.st_size} bytes, manifest says {entry['size']}"
         if deep and hash_file(path, progress) != entry.get(HASH_NAME):
@@ -182,8 +187,17 @@ def inspect(
     deep: bool = False,
     progress: Callable[[int], None] | None = None,
 ) -> CheckpointInfo:
-    """The status of one ``checkpoint-<step>`` directory."""
-    path = Path(ckpt_dir)
+    """The status of one ``checkpoint-<step>`` directory; a check that fails in an unforeseen way is ``corrupt``."""
+    try:
+        return _inspect(Path(ckpt_dir), step, deep, progress)
+    except OSError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - untrusted input must give a verdict, never crash the gate
+        return CheckpointInfo(path=Path(ckpt_dir), step=step, status=Status.CORRUPT,
+                              reason=f"could not be checked: {type(exc).__name__}: {exc}")
+
+
+def _inspect(path: Path, step: int, deep: bool, progress: Callable[[int], None] | None) -> CheckpointInfo:
     mtime = 0.0
     try:
         mtime = os.lstat(path).st_mtime
@@ -231,7 +245,7 @@ def scan(out_dir: str | os.PathLike[str], deep: bool = False,
     for name in sorted(os.listdir(root)):
         match = CHECKPOINT_RE.match(name)
         if match is None:
-            if name.startswith("checkpoint-") and not name.endswith(QUARANTINE_SUFFIX):
+            if name.startswith("checkpoint-") and not QUARANTINED_RE.match(name):
                 ignored.append(f"{name}: not checkpoint-<step>")
             continue
         entry = root / name

@@ -9,7 +9,8 @@ For a checkpoint written by a plain ``transformers.Trainer``:
 - without DeepSpeed: model weights and ``optimizer.pt``;
 - every ``.pt``/``.pth``/``.bin``/``.safetensors``/``.json`` file passes its header check (:mod:`.formats`).
 
-The data-parallel world size is taken to be the number of RNG state files (no tensor or pipeline parallelism).
+The data-parallel world size is the highest rank named by an RNG state file or a DeepSpeed shard, plus one
+(no tensor or pipeline parallelism); every rank below it must have both.
 """
 
 from __future__ import annotations
@@ -36,16 +37,30 @@ def _regular(path: Path) -> bool:
         return False
 
 
+SHARD_RANK_RE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_\d+_(optim|model)_states\.pt$")
+
+
+def _shard_ranks(ckpt_dir: Path) -> set[int]:
+    """Ranks named by the DeepSpeed shard files under any tag directory."""
+    ranks = set()
+    for tag_dir in ckpt_dir.iterdir():
+        if tag_dir.is_dir() and not tag_dir.is_symlink():
+            ranks.update(int(m.group(1)) for name in os.listdir(tag_dir) if (m := SHARD_RANK_RE.search(name)))
+    return ranks
+
+
 def world_size(ckpt_dir: Path) -> tuple[int | None, str | None]:
-    """(world size from the RNG state files, None) or (None, what is wrong)."""
+    """(world size, None) or (None, what is wrong): the RNG state files and the shards must agree."""
     ranks = sorted(int(m.group(1)) for name in os.listdir(ckpt_dir) if (m := RNG_RE.match(name)))
-    if ranks:
-        if ranks != list(range(len(ranks))):
-            return None, f"RNG state files for ranks {ranks}: some rank's file is missing"
-        return len(ranks), None
-    if _regular(ckpt_dir / "rng_state.pth"):
-        return 1, None
-    return None, "no RNG state file"
+    if not ranks and _regular(ckpt_dir / "rng_state.pth"):
+        ranks = [0]
+    world = max([*ranks, *_shard_ranks(ckpt_dir)], default=-1) + 1
+    if world == 0:
+        return None, "no RNG state file"
+    missing = sorted(set(range(world)) - set(ranks))
+    if missing:
+        return None, f"RNG state file of rank {missing[0]} missing ({world} ranks)"
+    return world, None
 
 
 def _deepspeed_missing(ckpt_dir: Path, world: int) -> str | None:
