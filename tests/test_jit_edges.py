@@ -79,21 +79,22 @@ def test_double_sigterm_is_ignored(tmp_path: Path) -> None:
 
 def test_sigkill_within_kill_wait_starts_no_checkpoint(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    args = [*BASE[:-2], "--kill-wait", "3", "--save-steps", "4"]  # the default kill_wait of transformers
+    args = [*BASE[:-2], "--kill-wait", "3"]  # transformers' default kill_wait; no periodic saves
     ranks = local_ranks.start(["-m", "slurm_jit.demo_train", "--output-dir", str(out), *args], 2, tmp_path / "logs")
-    while not (out / "checkpoint-4" / protocol.MANIFEST_NAME).exists():
+    while len(losses(out)) < 3:
         assert all(p.poll() is None for p in ranks.procs), ranks.log(0)[-3000:]
         time.sleep(0.02)
     for rank in (0, 1):
         ranks.signal(rank, signal.SIGTERM)
-    time.sleep(1.5)  # inside kill_wait: scancel's SIGTERM then SIGKILL
+    time.sleep(1.5)  # inside kill_wait: scancel's SIGTERM, then SIGKILL
+    assert all(p.poll() is None for p in ranks.procs)  # SIGTERM alone did not end them
     for rank in (0, 1):
         ranks.signal(rank, signal.SIGKILL)
     ranks.wait(10)
-    check = ckpt_check(out, "--deep")
-    assert check.returncode == 0 and check.stdout.splitlines()[-1].endswith("checkpoint-4"), check.stdout
-    # no checkpoint was begun after the SIGTERM: every checkpoint directory is complete
-    assert all(c.status is protocol.Status.COMPLETE for c in protocol.scan(out)[0]), check.stdout
+    assert len(losses(out)) > 3  # training went on during kill_wait
+    assert _checkpoint_dirs(out) == []  # and no checkpoint was begun
+    assert ckpt_check(out).returncode == 3
+    assert stop_record.read(out)["state"] == "running"  # type: ignore[index]  # killed: not a clean JIT stop
 
 
 def test_sigkill_mid_save_falls_back_and_rotation_keeps_last_complete(tmp_path: Path) -> None:

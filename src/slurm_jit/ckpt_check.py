@@ -50,7 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("out_dir", metavar="OUT_DIR", help="the Trainer's output_dir")
     parser.add_argument("--deep", action="store_true", help="verify every file's checksum (reads everything)")
     parser.add_argument("--json", action="store_true", help="machine-readable output on stdout")
-    parser.add_argument("--strict", action="store_true", help="unverified (manifest-less) checkpoints are not resumable")
+    parser.add_argument("--strict", action="store_true",
+                        help="unverified (manifest-less) checkpoints are not resumable")
     parser.add_argument(
         "--quarantine",
         action="store_true",

@@ -91,10 +91,13 @@ def deepspeed_config(zero_stage: int) -> dict[str, Any]:
 def _callbacks(args: argparse.Namespace, rank: int) -> list[Any]:
     import transformers
 
+    out_dir = args.output_dir
+
     class LossLog(transformers.TrainerCallback):
-        def on_log(self, targs: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any) -> None:
+        def on_log(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            logs = kwargs.get("logs")
             if rank == 0 and logs and "loss" in logs:
-                with open(os.path.join(args.output_dir, "losses-rank0.jsonl"), "a", encoding="utf-8") as f:
+                with open(os.path.join(out_dir, "losses-rank0.jsonl"), "a", encoding="utf-8") as f:
                     f.write(json.dumps({"step": state.global_step, "loss": logs["loss"]}) + "\n")
 
     class Sleep(transformers.TrainerCallback):

@@ -31,7 +31,8 @@ def from_slurm(env: MutableMapping[str, str] | None = None) -> bool:
     env["RANK"] = env["SLURM_PROCID"]
     env["WORLD_SIZE"] = env.get("SLURM_NTASKS", env.get("SLURM_STEP_NUM_TASKS", "1"))
     env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
-    env.setdefault("MASTER_ADDR", first_host(env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", "127.0.0.1"))))
+    nodelist = env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
+    env.setdefault("MASTER_ADDR", first_host(nodelist))
     job_id = int(env.get("SLURM_JOB_ID", "0") or 0)
     env.setdefault("MASTER_PORT", str(MASTER_PORT_BASE + job_id % MASTER_PORT_SPAN))
     return True

@@ -37,7 +37,7 @@ from typing import Any
 
 import xxhash
 
-from slurm_jit import formats, structure
+from slurm_jit import structure
 
 SENTINEL_NAME = "checkpoint-is-incomplete.txt"  # transformers' own name (trainer_jit_checkpoint.py)
 MANIFEST_NAME = "slurm-jit-manifest.json"

@@ -32,8 +32,8 @@ def assess(*, step_s: float, save_s: float | None, kill_wait_s: float, lead_s: f
     elif lead_s < needed_s:
         warnings.append(f"signal lead {lead_s:.0f} s < needed {needed_s:.0f} s ({what}): the JIT checkpoint "
                         f"will be killed half-written. HINT: #SBATCH {result.option}")
-    if facts is not None and facts.preemptable and facts.grace_time_s is not None \
-            and facts.grace_time_s < needed_s and not facts.preempt_send_user_signal:
+    # preempt_send_user_signal changes which signal comes at preemption, not the GraceTime budget after it.
+    if facts is not None and facts.preemptable and facts.grace_time_s is not None and facts.grace_time_s < needed_s:
         warnings.append(f"partition {facts.partition} preempts with GraceTime {facts.grace_time_s} s < needed "
                         f"{needed_s:.0f} s: a preemption will kill the checkpoint. HINT: ask for GraceTime >= "
                         f"{result.lead_s} s, or a partition that is not preempted")

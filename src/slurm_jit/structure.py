@@ -42,7 +42,7 @@ SHARD_RANK_RE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_\d+_(optim|model)_states
 
 def _shard_ranks(ckpt_dir: Path) -> set[int]:
     """Ranks named by the DeepSpeed shard files under any tag directory."""
-    ranks = set()
+    ranks: set[int] = set()
     for tag_dir in ckpt_dir.iterdir():
         if tag_dir.is_dir() and not tag_dir.is_symlink():
             ranks.update(int(m.group(1)) for name in os.listdir(tag_dir) if (m := SHARD_RANK_RE.search(name)))

@@ -70,6 +70,10 @@ class JitConfig:
                 raise ValueError(f"{name} cannot be caught. HINT: use TERM or USR1")
 
 
+def _signal_name(signum: int | None) -> str | None:
+    return signal.Signals(signum).name if signum is not None else None
+
+
 class _StopBeforeFirstStep(Exception):
     """Raised from on_train_begin when a stop was agreed before the first step."""
 
@@ -137,7 +141,7 @@ class JitTrainer(transformers.Trainer):
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
             self.callback_handler.remove_callback(callback)
-            logger.info("slurm_jit: replaced transformers' JIT checkpoint callback (enable_jit_checkpoint)")
+            logger.warning("slurm_jit: replaced transformers' JIT checkpoint callback (enable_jit_checkpoint=True)")
 
     @property
     def _agreement(self) -> StopAgreement:
@@ -168,13 +172,13 @@ class JitTrainer(transformers.Trainer):
         run = _Run(latch=SignalLatch(self._jit_signums))
         self._jit_run = run
         self.jit_stopped = False
-        out_dir = self.args.output_dir
+        out_dir = str(self.args.output_dir)
         run.latch.install()
         try:
             resume = self._resolve_resume(resume_from_checkpoint)
             run.checkpoint = resume
-            run.timing = TimingLog(out_dir, int(self.args.process_index), int(self.args.world_size),
-                                   uuid.uuid4().hex[:12])
+            run_id = self._agreement.broadcast(uuid.uuid4().hex[:12])  # one id for all ranks of this run
+            run.timing = TimingLog(out_dir, int(self.args.process_index), int(self.args.world_size), run_id)
             if self._is_rank0:
                 stop_record.write(out_dir, "running", step=None, resumed_from=resume)
             try:
@@ -188,7 +192,7 @@ class JitTrainer(transformers.Trainer):
             if self._is_rank0:
                 state = "jit_stop" if run.stopped else "finished"
                 stop_record.write(out_dir, state, step=self.state.global_step, checkpoint=run.checkpoint,
-                                  signal=signal.Signals(run.latch.first_signum).name if run.latch.seen else None)
+                                  signal=_signal_name(run.latch.first_signum))
             return output
         except BaseException as exc:
             if self._is_rank0:
@@ -211,7 +215,7 @@ class JitTrainer(transformers.Trainer):
             return resume_from_checkpoint or None
         decision = None
         if self._is_rank0:
-            resolution = protocol.find_resumable(self.args.output_dir)
+            resolution = protocol.find_resumable(str(self.args.output_dir))
             for ckpt in resolution.passed_over:
                 logger.warning("slurm_jit: passing over %s: %s (%s)", ckpt.path, ckpt.status.value, ckpt.reason)
             if resolution.checkpoint is None:
@@ -335,8 +339,9 @@ class JitTrainer(transformers.Trainer):
             # A resume reads the DeepSpeed shards; the consolidated weights would be a third copy (and a ZeRO-3
             # gather). Keep the config so that the directory still says what model it holds.
             if self.is_deepspeed_enabled:
-                if self._is_rank0 and output_dir and hasattr(self.model, "config"):
-                    self.model.config.save_pretrained(output_dir)
+                config = getattr(self.model, "config", None)
+                if self._is_rank0 and output_dir and config is not None:
+                    config.save_pretrained(output_dir)
                 return
         super().save_model(output_dir, _internal_call=_internal_call)
 
@@ -375,6 +380,7 @@ class JitTrainer(transformers.Trainer):
         dur_s = time.monotonic() - t0
         if run is not None:
             run.saved_step = step
+            run.checkpoint = str(ckpt)
             if run.timing is not None:
                 run.timing.save(step, kind, dur_s, nbytes)
         logger.info("slurm_jit: %s checkpoint %s complete in %.2f s", kind, ckpt, dur_s)
@@ -393,7 +399,8 @@ class JitTrainer(transformers.Trainer):
         total = sum(e["size"] for e in files.values())
         latest = ckpt / "latest"
         tag = latest.read_text().strip() if latest.is_file() else None
-        zero_stage = self.model_wrapped.zero_optimization_stage() if self.is_deepspeed_enabled else None
+        engine: Any = self.model_wrapped
+        zero_stage = engine.zero_optimization_stage() if self.is_deepspeed_enabled else None
         protocol.write_manifest(
             ckpt, step=step, kind=kind, world_size=int(self.args.world_size), zero_stage=zero_stage,
             deepspeed_tag=tag, files=files,
@@ -425,4 +432,4 @@ class JitTrainer(transformers.Trainer):
         if run is None or not self.jit_config.grace_check or when in run.grace_checked or not self._is_rank0:
             return
         run.grace_checked.add(when)
-        runtime_grace.check_and_warn(self.args.output_dir, self.jit_config.kill_wait_s, when)
+        runtime_grace.check_and_warn(str(self.args.output_dir), self.jit_config.kill_wait_s, when)
