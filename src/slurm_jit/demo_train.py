@@ -45,6 +45,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="slurm_jit.JitTrainer, or transformers.Trainer for comparison")
     p.add_argument("--upstream-jit", action="store_true", help="TrainingArguments(enable_jit_checkpoint=True)")
     p.add_argument("--kill-wait", type=float, default=3.0)
+    p.add_argument("--workers-take-signals", action="store_true",
+                   help="JitConfig(ignore_signals_in_workers=False), to show what the default prevents")
     p.add_argument("--seed", type=int, default=42)
     return p.parse_args(argv)
 
@@ -150,7 +152,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.trainer == "jit":
         from slurm_jit.trainer import JitConfig, JitTrainer
 
-        trainer: Any = JitTrainer(**common, jit_config=JitConfig(kill_wait_s=args.kill_wait))
+        trainer: Any = JitTrainer(**common, jit_config=JitConfig(
+            kill_wait_s=args.kill_wait, ignore_signals_in_workers=not args.workers_take_signals))
     else:
         trainer = transformers.Trainer(**common)
     trainer.train(resume_from_checkpoint=True if args.resume else None)
