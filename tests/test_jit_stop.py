@@ -53,7 +53,7 @@ def test_zero2_staggered_sigterm_stops_resumes_bitwise(tmp_path: Path, reference
     _stop_resume_compare(tmp_path / "out", ZERO2, [(0, 0.0), (1, stagger_s)], reference["zero2"], 0.0)
 
 
-@pytest.mark.parametrize("stagger_s", [0.5, 2.0])
+@pytest.mark.parametrize("stagger_s", [0.0, 0.1, 0.5, 2.0])
 def test_zero3_accum_workers_staggered_sigterm_resumes_exactly(tmp_path: Path, reference: dict,
                                                                stagger_s: float) -> None:
     _stop_resume_compare(tmp_path / "out", ZERO3, [(1, 0.0), (0, stagger_s)], reference["zero3"], ZERO3_TOL)
