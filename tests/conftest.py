@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from slurm_jit import local_ranks
+from slurm_jit import local_ranks, slurm
+
+LOCAL_SLURM = Path(__file__).resolve().parents[1] / "tools" / "local-slurm"
+CLUSTER_UP_TIMEOUT_S = 300  # a fresh CI machine apt-installs slurm-wlm and munge first; then up waits <= 60 s
 
 RANK_TIMEOUT_S = 300  # the first DeepSpeed start on a fresh machine builds its CPU comm op (~80 s on 2 cores)
 
@@ -54,3 +60,38 @@ def copy_run(tmp_path: Path):
 
     return copy
 
+
+
+def ensure_cluster() -> None:
+    """``tools/local-slurm up`` (idempotent); skip when the cluster cannot come up, fail instead under ``CI``."""
+    try:
+        proc = subprocess.run([str(LOCAL_SLURM), "up"], capture_output=True, text=True,
+                              timeout=CLUSTER_UP_TIMEOUT_S, check=False)
+        message = (proc.stderr or proc.stdout).strip()
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        message = str(exc)
+    if not slurm.available():
+        message = f"local Slurm cluster not up: {message}"
+        if "HINT:" not in message:
+            message += ". HINT: run tools/local-slurm up as root"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster() -> None:
+    """The real local cluster, up."""
+    ensure_cluster()
+
+
+@pytest.fixture
+def jobs() -> Iterator[list[str]]:
+    """Job ids to scancel after the test, whatever happens."""
+    ids: list[str] = []
+    yield ids
+    for job_id in ids:
+        try:
+            slurm.cancel(job_id)
+        except slurm.SlurmError:
+            pass  # already gone

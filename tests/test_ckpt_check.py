@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import shlex
 import shutil
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from test_formats import write_evil_pt
 from transformers.trainer_utils import get_last_checkpoint
 
 from slurm_jit import protocol
@@ -86,21 +86,6 @@ def tree(root: Path) -> dict[str, bytes]:
             rel = path.relative_to(root).as_posix()
             found[rel] = os.readlink(path).encode() if path.is_symlink() else path.read_bytes()
     return found
-
-
-class _TouchOnUnpickle:
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self) -> tuple[object, tuple[str]]:
-        return (os.system, (f"touch {shlex.quote(str(self.marker))}",))
-
-
-def write_evil_pt(path: Path, marker: Path) -> None:
-    """A zip laid out like ``torch.save`` output whose data.pkl touches ``marker`` when unpickled."""
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
-        archive.writestr("archive/data.pkl", pickle.dumps(_TouchOnUnpickle(marker), protocol=2))
-        archive.writestr("archive/version", "3\n")
 
 
 @pytest.fixture

@@ -10,10 +10,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,27 +31,8 @@ QUEUE_TIMEOUT_S = 180  # the cluster has 2 CPUs; another test's job may hold the
 
 
 @pytest.fixture(scope="module", autouse=True)
-def cluster() -> None:
-    if not slurm.available() and LOCAL_SLURM.exists():
-        subprocess.run([str(LOCAL_SLURM), "up"], capture_output=True, timeout=CLUSTER_UP_TIMEOUT_S,
-                       check=False)
-    if not slurm.available():
-        message = "Slurm is not reachable. HINT: tools/local-slurm up"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-
-
-@pytest.fixture
-def jobs() -> Iterator[list[str]]:
-    """Job ids to scancel after the test, whatever happens."""
-    ids: list[str] = []
-    yield ids
-    for job_id in ids:
-        try:
-            slurm.cancel(job_id)
-        except slurm.SlurmError:
-            pass  # already gone
+def cluster(slurm_cluster: None) -> None:
+    """Every test here needs the cluster up."""
 
 
 def raw_value(text: str, key: str) -> str:

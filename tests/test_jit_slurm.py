@@ -12,7 +12,7 @@ from jit_helpers import ckpt_check, losses
 
 from slurm_jit import protocol, slurm, stop_record
 
-pytestmark = [pytest.mark.slurm, pytest.mark.deepspeed]
+pytestmark = [pytest.mark.slurm, pytest.mark.deepspeed, pytest.mark.usefixtures("slurm_cluster")]
 
 JOB_TIMEOUT_S = 300
 
@@ -57,7 +57,6 @@ echo "stop_record exit $?"
 
 
 def test_scancel_signal_to_srun_tasks_with_workers_gives_jit_stop(tmp_path: Path) -> None:
-    assert slurm.available(), "the local cluster is down. HINT: tools/local-slurm up"
     out = tmp_path / "out"
     job, job_id, log = _run_and_signal(tmp_path, "")
     assert job["JobState"] == "COMPLETED", log[-4000:]
@@ -74,7 +73,6 @@ def test_scancel_signal_to_srun_tasks_with_workers_gives_jit_stop(tmp_path: Path
 
 def test_without_the_worker_signal_mask_the_step_signal_kills_a_worker(tmp_path: Path) -> None:
     """The control: Slurm really signals the DataLoader workers, so the default mask is what saves the run."""
-    assert slurm.available(), "the local cluster is down. HINT: tools/local-slurm up"
     _, _, log = _run_and_signal(tmp_path, "--workers-take-signals")
     assert "DataLoader worker" in log and "killed by signal" in log, log[-3000:]
     assert "stop_record exit 1" in log  # failed: the launcher must not take it for a JIT stop

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -43,37 +43,9 @@ def local_slurm(*args: str, env: dict[str, str] | None = None) -> subprocess.Com
                           check=False, env=env)
 
 
-def ensure_cluster() -> None:
-    """``tools/local-slurm up``; skip when it cannot (fail when ``CI`` is set)."""
-    try:
-        proc = local_slurm("up")
-        message = (proc.stderr or proc.stdout).strip()
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        message = str(exc)
-    if not slurm.available():
-        message = f"local Slurm cluster not up: {message}"
-        if "HINT:" not in message:
-            message += ". HINT: run tools/local-slurm up as root"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-
-
 @pytest.fixture(scope="module", autouse=True)
-def cluster() -> None:
-    ensure_cluster()
-
-
-@pytest.fixture
-def jobs() -> Iterator[list[str]]:
-    """Job ids to scancel after the test, whatever happens."""
-    ids: list[str] = []
-    yield ids
-    for job_id in ids:
-        try:
-            slurm.cancel(job_id)
-        except slurm.SlurmError:
-            pass  # already gone
+def cluster(slurm_cluster: None) -> None:
+    """Every test here needs the cluster up."""
 
 
 def wait_job(job_id: str, done: Callable[[dict[str, str]], bool], timeout_s: float) -> dict[str, str]:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from test_local_slurm import ensure_cluster
+from conftest import ensure_cluster
 
 from slurm_jit import slurm
 
