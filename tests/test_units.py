@@ -80,10 +80,13 @@ def test_worker_init_makes_a_forked_worker_survive_sigterm() -> None:
 def test_agreement_single_process_is_pipelined_one_round() -> None:
     agreement = StopAgreement()
     assert not agreement.distributed
-    assert agreement.poll(True) is False  # the answer comes one round later
-    assert agreement.poll(False) is True
-    assert agreement.poll(False) is False
-    assert agreement.agree_now(True) is True
+    assert agreement.poll(True, 2.0).stop is False  # the answer comes one round later
+    decision = agreement.poll(False)
+    assert decision.stop is True and 1.5 < decision.wait_s <= 2.0  # the kill_wait left, minus time since sent
+    assert agreement.poll(False).stop is False
+    assert agreement.poll(False).wait_s == 0.0  # no signal anywhere: nothing to wait for
+    late = agreement.agree_now(True, -1.0)
+    assert late.stop is True and late.wait_s == 0.0  # kill_wait already over
     assert agreement.broadcast({"x": 1}) == {"x": 1}
     assert agreement.gather(3) == [3]
 

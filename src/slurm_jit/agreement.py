@@ -12,12 +12,32 @@ A gloo side group keeps GPU runs free of an extra device synchronisation.
 from __future__ import annotations
 
 import datetime
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 SIDE_GROUP_TIMEOUT_S = 1800  # torch.distributed's default collective timeout
+
+
+NO_SIGNAL_MS = 2**62  # "no signal on this rank": never the minimum
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What all ranks agreed on in one round."""
+
+    stop: bool  # some rank wants to stop
+    wait_s: float = 0.0  # until kill_wait has passed since the earliest signal on any rank (0: it has)
+
+
+@dataclass
+class _Round:
+    work: Any
+    values: torch.Tensor
+    sent_at: float
 
 
 class StopAgreement:
@@ -28,35 +48,47 @@ class StopAgreement:
         self.group: Any = None
         if self.distributed:
             self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
-        self._pending: tuple[Any, torch.Tensor] | None = None
+        self._pending: _Round | None = None
 
-    def _reduce(self, local: bool, async_op: bool) -> tuple[Any, torch.Tensor]:
-        flag = torch.tensor([1 if local else 0], dtype=torch.int32)
+    def _reduce(self, stop: bool, remaining_s: float | None, async_op: bool) -> _Round:
+        # One MAX all-reduce carries both answers: max(stop) and, negated, min(remaining kill_wait).
+        remaining_ms = NO_SIGNAL_MS if remaining_s is None else int(remaining_s * 1000)
+        values = torch.tensor([1 if stop else 0, -remaining_ms], dtype=torch.int64)
         work = None
         if self.distributed:
-            work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=async_op)
-        return work, flag
+            work = dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group, async_op=async_op)
+        return _Round(work=work, values=values, sent_at=time.monotonic())
 
-    def _drain(self) -> bool:
+    @staticmethod
+    def _read(round_: _Round) -> Decision:
+        if round_.work is not None:
+            round_.work.wait()
+        stop, neg_remaining_ms = (int(v) for v in round_.values.tolist())
+        if -neg_remaining_ms >= NO_SIGNAL_MS:
+            return Decision(stop=bool(stop))
+        remaining_s = -neg_remaining_ms / 1000 - (time.monotonic() - round_.sent_at)
+        return Decision(stop=bool(stop), wait_s=max(0.0, remaining_s))
+
+    def _drain(self) -> Decision:
         if self._pending is None:
-            return False
-        work, flag = self._pending
-        self._pending = None
-        if work is not None:
-            work.wait()
-        return bool(flag.item())
+            return Decision(stop=False)
+        pending, self._pending = self._pending, None
+        return self._read(pending)
 
-    def poll(self, local: bool) -> bool:
-        """The agreed answer of the previous round; starts the next round with ``local``."""
+    def poll(self, stop: bool, remaining_s: float | None = None) -> Decision:
+        """The agreed answer of the previous round; starts the next round with this rank's wish.
+
+        ``remaining_s``: how long until kill_wait has passed since this rank's first signal (None: no signal).
+        """
         agreed = self._drain()
-        self._pending = self._reduce(local, async_op=True)
+        self._pending = self._reduce(stop, remaining_s, async_op=True)
         return agreed
 
-    def agree_now(self, local: bool) -> bool:
+    def agree_now(self, stop: bool, remaining_s: float | None = None) -> Decision:
         """A blocking round (after the pending one, whose answer counts too)."""
-        agreed = self._drain()
-        _, flag = self._reduce(local, async_op=False)
-        return agreed or bool(flag.item())
+        earlier = self._drain()
+        now = self._read(self._reduce(stop, remaining_s, async_op=False))
+        return Decision(stop=earlier.stop or now.stop, wait_s=now.wait_s)
 
     def close(self) -> None:
         """Finish the round in flight, wait for every rank, and tear the side group down.

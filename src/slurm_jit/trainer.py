@@ -34,7 +34,7 @@ import transformers
 from transformers.trainer_utils import TrainOutput
 
 from slurm_jit import protocol, runtime_grace, stop_record
-from slurm_jit.agreement import SIDE_GROUP_TIMEOUT_S, StopAgreement
+from slurm_jit.agreement import SIDE_GROUP_TIMEOUT_S, Decision, StopAgreement
 from slurm_jit.signals import IgnoreSignalsInWorker, SignalLatch, parse_signal
 from slurm_jit.timing import WARMUP_STEPS, TimingLog
 
@@ -91,6 +91,7 @@ class _Run:
     in_loop: bool = False  # between on_train_begin and the end of the training loop
     polled_step: int = -1  # the global_step of the last step-boundary poll
     stop_now: bool = False  # a stop has been agreed
+    kill_wait_until: float = 0.0  # monotonic time when kill_wait since the earliest signal (any rank) has passed
     stopped: bool = False  # training stopped for a JIT checkpoint
     eval_aborted: bool = False
     saved_step: int = -1  # the step of the last checkpoint written by this run
@@ -227,18 +228,28 @@ class JitTrainer(transformers.Trainer):
 
     # ------------------------------------------------------------ the stop decision
 
-    def _local_stop_wish(self) -> bool:
-        """This rank wants to stop once kill_wait since its first signal will have passed by the next boundary."""
+    def _wish(self) -> tuple[bool, float | None]:
+        """(stop, remaining kill_wait): this rank wants to stop once kill_wait since its first signal will have
+        passed by the next boundary, where the answer of this round is read."""
         run = self._jit_run
         if run is None or run.latch.first_at is None:
-            return False
-        return time.monotonic() + run.est_step_s >= run.latch.first_at + self.jit_config.kill_wait_s
+            return False, None
+        remaining_s = run.latch.first_at + self.jit_config.kill_wait_s - time.monotonic()
+        return run.est_step_s >= remaining_s, remaining_s
+
+    def _take(self, decision: Decision) -> bool:
+        """Record an agreed stop and when kill_wait (since the earliest signal on any rank) will have passed."""
+        run = self._jit_run
+        if decision.stop and run is not None and not run.stop_now:
+            run.stop_now = True
+            run.kill_wait_until = time.monotonic() + decision.wait_s
+        return decision.stop
 
     def _jit_on_train_begin(self) -> None:
         run = self._jit_run
         if run is None:
             return
-        if self._agreement.agree_now(run.latch.seen):
+        if self._agreement.agree_now(run.latch.seen).stop:
             run.stopped = True
             logger.warning("slurm_jit: stop signal before the first step: exiting without a new checkpoint")
             raise _StopBeforeFirstStep
@@ -262,19 +273,18 @@ class JitTrainer(transformers.Trainer):
             super()._maybe_log_save_evaluate(*args, **kwargs)
             return
         step = self.state.global_step
+        last_step = bool(self.state.max_steps) and step >= self.state.max_steps  # training ends here anyway
         if step != run.polled_step:  # once per optimizer step; epoch ends call this again at the same step
             run.polled_step = step
-            run.stop_now = run.stop_now or self._agreement.poll(self._local_stop_wish())
-            if run.stop_now and self.state.max_steps and step >= self.state.max_steps:
-                run.stop_now = False  # the last step: training ends here anyway, the normal way
-        if run.stop_now:
+            self._take(self._agreement.poll(*self._wish()))
+        if run.stop_now and not last_step:
             self.control.should_evaluate = False
             self.control.should_save = False
         super()._maybe_log_save_evaluate(*args, **kwargs)
         if not run.stop_now and run.saved_step == step:
             # A periodic save just ended: a stop that came during it is taken here, not a step later.
-            run.stop_now = self._agreement.agree_now(self._local_stop_wish())
-        if run.stop_now or run.eval_aborted:
+            self._take(self._agreement.agree_now(*self._wish()))
+        if (run.stop_now or run.eval_aborted) and not last_step:
             if run.saved_step != step:
                 self._save_jit(args[2] if len(args) > 2 else kwargs["model"], args[3] if len(args) > 3 else None)
             run.checkpoint = str(Path(self._get_output_dir(trial=None)) / f"checkpoint-{step}")
@@ -295,7 +305,7 @@ class JitTrainer(transformers.Trainer):
             metrics = {}
             logger.warning("slurm_jit: evaluation aborted at step %d for a JIT checkpoint", self.state.global_step)
         else:
-            run.stop_now = self._agreement.agree_now(self._local_stop_wish())
+            self._take(self._agreement.agree_now(*self._wish()))
         if run.timing is not None:
             run.timing.evaluation(self.state.global_step, time.monotonic() - t0, run.eval_aborted)
         return metrics
@@ -308,7 +318,7 @@ class JitTrainer(transformers.Trainer):
     def prediction_step(self, model: Any, inputs: Any, prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None) -> Any:
         run = self._jit_run
-        if run is not None and run.in_loop and self._agreement.poll(self._local_stop_wish()):
+        if run is not None and run.in_loop and self._take(self._agreement.poll(*self._wish())):
             raise _EvalAborted
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
@@ -323,10 +333,9 @@ class JitTrainer(transformers.Trainer):
                 f"slurm_jit: DeepSpeed engine at step {engine_step} but Trainer at {self.state.global_step}; "
                 "refusing a checkpoint whose name and contents would disagree"
             )
-        if run.latch.first_at is not None:  # kill_wait, counted from this rank's first signal
-            remaining = run.latch.first_at + self.jit_config.kill_wait_s - time.monotonic()
-            if remaining > 0:
-                time.sleep(remaining)
+        remaining_s = run.kill_wait_until - time.monotonic()  # the wish was sent a step ahead of kill_wait
+        if remaining_s > 0:
+            time.sleep(remaining_s)
         run.save_kind = "jit"
         try:
             self._save_checkpoint(model, trial)
