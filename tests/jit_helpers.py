@@ -86,6 +86,10 @@ def assert_jit_stop(out: Path, result: StopResult) -> Path:
     info = protocol.inspect(ckpt, record["step"], deep=True)
     assert info.status is protocol.Status.COMPLETE and info.kind == "jit", info
     assert (ckpt / "latest").read_text().strip() == f"global_step{record['step']}"
+    # what resume needs, once: no consolidated weights beside the DeepSpeed shards, and the excess is reported
+    assert not (ckpt / "model.safetensors").exists()
+    manifest = json.loads((ckpt / protocol.MANIFEST_NAME).read_text())
+    assert manifest["bytes_needed_for_resume"] + manifest["bytes_weights_duplicate"] == manifest["total_bytes"]
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert state["global_step"] == record["step"]
     return ckpt
