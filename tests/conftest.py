@@ -9,34 +9,33 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from jit_helpers import run_to_end
 
-from slurm_jit import local_ranks, slurm
+from slurm_jit import slurm
 
 LOCAL_SLURM = Path(__file__).resolve().parents[1] / "tools" / "local-slurm"
 CLUSTER_UP_TIMEOUT_S = 300  # a fresh CI machine apt-installs slurm-wlm and munge first; then up waits <= 60 s
 
-RANK_TIMEOUT_S = 300  # the first DeepSpeed start on a fresh machine builds its CPU comm op (~80 s on 2 cores)
 
 
-def run_ranks(out_dir: Path, *train_args: str, world_size: int = 2, env: dict[str, str] | None = None,
-              timeout_s: float = RANK_TIMEOUT_S) -> list[int | None]:
-    """Run slurm_jit.demo_train on ``world_size`` local ranks to the end; returns their exit codes."""
-    ranks = local_ranks.start(["-m", "slurm_jit.demo_train", "--output-dir", str(out_dir), *train_args],
-                              world_size, out_dir.parent / f"logs-{out_dir.name}", env=env)
-    return ranks.wait(timeout_s)
-
-
-def logs_of(out_dir: Path) -> str:
+def _logs_of(out_dir: Path) -> str:
     log_dir = out_dir.parent / f"logs-{out_dir.name}"
     return "\n".join(p.read_text(errors="replace") for p in sorted(log_dir.glob("rank*.log")))
+
+
+def flip_middle_byte(path: Path, mask: int = 0x01) -> None:
+    """Damage a file without changing its size: only a checksum can tell."""
+    blob = bytearray(path.read_bytes())
+    blob[len(blob) // 2] ^= mask
+    path.write_bytes(bytes(blob))
 
 
 @pytest.fixture(scope="session")
 def plain_zero2_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """OUT_DIR of a plain transformers.Trainer run, ZeRO-2, 2 ranks: checkpoint-3 and checkpoint-6, no manifest."""
     out = tmp_path_factory.mktemp("plain") / "out"
-    codes = run_ranks(out, "--trainer", "plain", "--max-steps", "6", "--save-steps", "3")
-    assert codes == [0, 0], logs_of(out)
+    codes = run_to_end(out, ["--trainer", "plain", "--max-steps", "6", "--save-steps", "3"])
+    assert codes == [0, 0], _logs_of(out)
     return out
 
 
@@ -44,8 +43,8 @@ def plain_zero2_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def jit_zero2_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """OUT_DIR of a JitTrainer run, ZeRO-2, 2 ranks: periodic checkpoint-3, final checkpoint-6, with manifests."""
     out = tmp_path_factory.mktemp("jit") / "out"
-    codes = run_ranks(out, "--max-steps", "6", "--save-steps", "3")
-    assert codes == [0, 0], logs_of(out)
+    codes = run_to_end(out, ["--max-steps", "6", "--save-steps", "3"])
+    assert codes == [0, 0], _logs_of(out)
     return out
 
 

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from conftest import flip_middle_byte
 from test_formats import write_evil_pt
 from transformers.trainer_utils import get_last_checkpoint
 
@@ -242,9 +243,7 @@ def test_no_resumable_checkpoint_exits_1(jit_zero2_run: Path, copy_run: Callable
 def test_deep_catches_a_same_size_byte_flip(jit_zero2_run: Path, copy_run: Callable[[Path], Path]) -> None:
     out = copy_run(jit_zero2_run)
     path = out / "checkpoint-6" / OPTIM_1
-    blob = bytearray(path.read_bytes())
-    blob[len(blob) // 2] ^= 0x80
-    path.write_bytes(bytes(blob))
+    flip_middle_byte(path, 0x80)
     shallow = ckpt_check(out)
     assert shallow.returncode == 0 and last_line(shallow) == str(out / "checkpoint-6")
     assert table_rows(shallow) == [("6", "complete"), ("3", "complete")]

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from conftest import flip_middle_byte
 
 from slurm_jit import protocol
 from slurm_jit.protocol import MANIFEST_NAME, SENTINEL_NAME, Status
@@ -351,9 +352,7 @@ def test_broken_jit_checkpoint(jit_zero2_run: Path, copy_run: Callable[[Path], P
 def test_same_size_byte_flip_needs_deep(jit_zero2_run: Path, copy_run: Callable[[Path], Path]) -> None:
     out = copy_run(jit_zero2_run)
     path = out / "checkpoint-6" / OPTIM_1
-    blob = bytearray(path.read_bytes())
-    blob[len(blob) // 2] ^= 0x01
-    path.write_bytes(bytes(blob))
+    flip_middle_byte(path, 0x01)
     shallow = protocol.inspect(out / "checkpoint-6", 6)
     assert (shallow.status, shallow.reason) == (Status.COMPLETE, "")
     seen: list[int] = []
