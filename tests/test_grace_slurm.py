@@ -21,12 +21,10 @@ from slurm_jit import slurm
 
 pytestmark = pytest.mark.slurm
 
-ROOT = Path(__file__).resolve().parents[1]
-LOCAL_SLURM = ROOT / "tools" / "local-slurm"
-CLUSTER_UP_TIMEOUT_S = 180  # tools/local-slurm waits up to 60 s for the daemons, plus a package install
-# A job with --time=1 and --signal=...@60 is due its signal at once; slurmctld sends it on its next time-limit
-# pass (every 30 s), so a delivery job is done ~35 s after it starts.
-DELIVERY_TIMEOUT_S = 90
+# slurmctld sends a --signal=...@60 warning on its time-limit pass (every 30 s) once start + limit - 60 - 30 <= now.
+# With --time=1 that can be the very instant the job starts, before the batch shell has set its trap (seen here:
+# the shell died of the TERM 50 ms after the start). With --time=2 it comes 30-60 s after the start.
+DELIVERY_TIMEOUT_S = 120
 QUEUE_TIMEOUT_S = 180  # the cluster has 2 CPUs; another test's job may hold them for a few minutes
 
 
@@ -157,7 +155,7 @@ def test_signal_delivery_rules(tmp_path: Path, jobs: list[str]) -> None:
     steps = tmp_path / "steps.sbatch"
     steps.write_text(f"""#!/bin/bash
 #SBATCH --signal=TERM@60
-#SBATCH --time=1
+#SBATCH --time=2
 #SBATCH --output={tmp_path}/steps.out
 {py} {waiter} {tmp_path}/steps-batch-child &
 child=$!
@@ -170,7 +168,7 @@ echo done > {tmp_path}/steps-done
     batch = tmp_path / "batch.sbatch"
     batch.write_text(f"""#!/bin/bash
 #SBATCH --signal=B:TERM@60
-#SBATCH --time=1
+#SBATCH --time=2
 #SBATCH --output={tmp_path}/batch.out
 trap 'echo got TERM > {tmp_path}/batch-shell' TERM
 srun {py} {waiter} {tmp_path}/batch-step &
