@@ -10,7 +10,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from slurm_jit import local_ranks, protocol, stop_record
+from slurm_jit import local_ranks
+from slurm_jit.checkpoint import protocol
+from slurm_jit.train import stop_record
 
 START_TIMEOUT_S = 300  # a fresh machine builds DeepSpeed's CPU comm op on first use (~80 s on 2 cores)
 # Not a benchmark: a hang detector. A stop that does not end within this long after the last signal is hung
@@ -70,7 +72,7 @@ def run_and_signal(out: Path, args: list[str], plan: list[tuple[int, float]], af
 
 
 def ckpt_check(out: Path, *flags: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "slurm_jit.ckpt_check", str(out), *flags],
+    return subprocess.run([sys.executable, "-m", "slurm_jit.checkpoint.ckpt_check", str(out), *flags],
                           capture_output=True, text=True, check=False)
 
 

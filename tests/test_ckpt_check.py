@@ -18,8 +18,8 @@ from conftest import flip_middle_byte
 from test_formats import write_evil_pt
 from transformers.trainer_utils import get_last_checkpoint
 
-from slurm_jit import protocol
-from slurm_jit.protocol import MANIFEST_NAME, SENTINEL_NAME
+from slurm_jit.checkpoint import protocol
+from slurm_jit.checkpoint.protocol import MANIFEST_NAME, SENTINEL_NAME
 
 CLI_TIMEOUT_S = 60  # a hang detector: the check reads a few MB and takes well under a second
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
@@ -30,7 +30,7 @@ NESTING_DEPTH = 100_000  # deeper than CPython's recursion limit
 
 
 def ckpt_check(*args: object, prefix: list[str] | None = None) -> subprocess.CompletedProcess[str]:
-    cmd = [*(prefix or []), sys.executable, "-m", "slurm_jit.ckpt_check", *map(str, args)]
+    cmd = [*(prefix or []), sys.executable, "-m", "slurm_jit.checkpoint.ckpt_check", *map(str, args)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=CLI_TIMEOUT_S, check=False, cwd="/")
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_jit import formats
+from slurm_jit.checkpoint import formats
 
 CD_SIGNATURE = b"PK\x01\x02"  # a zip central directory file header
 CD_EXTRACT_VERSION_OFFSET = 6  # its "version needed to extract" byte (zipfile.structCentralDir)

@@ -1,4 +1,4 @@
-"""The grace-period calculator (slurm_jit.grace) and the sbatch script reader (slurm_jit.sbatch_script).
+"""The grace-period calculator (slurm_jit.grace.calc) and the sbatch script reader (slurm_jit.grace.sbatch_script).
 
 Exact timelines for the docs' 243 s example, property tests for the sum, and each mistake `check` knows.
 """
@@ -13,9 +13,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from slurm_jit import grace, grace_cli, protocol, timing
-from slurm_jit.grace import ClusterFacts, Event, GraceError, GraceInputs, Margin, compute_grace
-from slurm_jit.sbatch_script import ScriptError, check_script, parse_script, parse_signal, parse_time_limit
+from slurm_jit import timing
+from slurm_jit.checkpoint import protocol
+from slurm_jit.grace import calc as grace
+from slurm_jit.grace import cli as grace_cli
+from slurm_jit.grace.calc import ClusterFacts, Event, GraceError, GraceInputs, Margin, compute_grace
+from slurm_jit.grace.sbatch_script import ScriptError, check_script, parse_script, parse_signal, parse_time_limit
 
 DOCS = GraceInputs(step_s=120, save_s=120, margin=Margin(fraction=0, floor_s=0))  # the transformers docs
 LOCAL = ClusterFacts(kill_wait_s=30, kill_wait_source="test", partition="debug", grace_time_s=20,

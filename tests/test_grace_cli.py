@@ -27,7 +27,7 @@ def grace_calc(
     run_env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), run_env.get("PYTHONPATH", "")])
     run_env.update(env or {})
     exe = Path(sys.executable).parent / "grace-calc"
-    argv = [str(exe)] if script else [sys.executable, "-m", "slurm_jit.grace_cli"]
+    argv = [str(exe)] if script else [sys.executable, "-m", "slurm_jit.grace.cli"]
     return subprocess.run([*argv, *args], capture_output=True, text=True, env=run_env, timeout=CLI_TIMEOUT_S,
                           cwd=ROOT, check=False)
 

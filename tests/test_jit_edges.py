@@ -18,8 +18,10 @@ from jit_helpers import (
     run_to_end,
 )
 
-from slurm_jit import local_ranks, protocol, stop_record, timing
-from slurm_jit.trainer import FAULT_SAVE_SLEEP_ENV
+from slurm_jit import local_ranks, timing
+from slurm_jit.checkpoint import protocol
+from slurm_jit.train import stop_record
+from slurm_jit.train.trainer import FAULT_SAVE_SLEEP_ENV
 
 pytestmark = pytest.mark.deepspeed
 

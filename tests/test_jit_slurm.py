@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 from jit_helpers import ckpt_check, losses
 
-from slurm_jit import protocol, slurm, stop_record
+from slurm_jit import slurm
+from slurm_jit.checkpoint import protocol
+from slurm_jit.train import stop_record
 
 pytestmark = [pytest.mark.slurm, pytest.mark.deepspeed, pytest.mark.usefixtures("slurm_cluster")]
 
@@ -41,7 +43,7 @@ export PATH={bin_dir}:$PATH
 export SLURM_JIT_SIGNAL_LEAD_S=1
 srun python -m slurm_jit.demo_train --output-dir {out} --max-steps 3000 --step-sleep 0.03 --workers 2 \\
   --kill-wait 1 --resume {extra}
-python -m slurm_jit.stop_record {out}
+python -m slurm_jit.train.stop_record {out}
 echo "stop_record exit $?"
 """)
     job_id = slurm.submit(script)

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from conftest import flip_middle_byte
 
-from slurm_jit import protocol
-from slurm_jit.protocol import MANIFEST_NAME, SENTINEL_NAME, Status
+from slurm_jit.checkpoint import protocol
+from slurm_jit.checkpoint.protocol import MANIFEST_NAME, SENTINEL_NAME, Status
 
 OPTIM_1 = "global_step6/zero_pp_rank_1_mp_rank_00_optim_states.pt"  # rank 1's ZeRO-2 optimizer shard
 INNER_DOTDOT = "global_step6/../../checkpoint-3/latest"  # leaves the checkpoint half way

@@ -14,10 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from slurm_jit import dist_env, grace, runtime_grace, stop_record, timing
-from slurm_jit.agreement import StopAgreement
-from slurm_jit.signals import IgnoreSignalsInWorker, SignalLatch, parse_signal
-from slurm_jit.trainer import JitConfig
+from slurm_jit import timing
+from slurm_jit.grace import calc as grace
+from slurm_jit.signal_names import parse_signal
+from slurm_jit.train import dist_env, runtime_grace, stop_record
+from slurm_jit.train.agreement import StopAgreement
+from slurm_jit.train.signals import IgnoreSignalsInWorker, SignalLatch
+from slurm_jit.train.trainer import JitConfig
 
 
 def test_latch_records_first_signal_only_and_restores() -> None:
@@ -100,7 +103,7 @@ def test_jit_config_rejects_bad_values(kwargs: dict) -> None:
 
 def test_stop_record_round_trip_and_cli(tmp_path: Path) -> None:
     def cli() -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "slurm_jit.stop_record", str(tmp_path)],
+        return subprocess.run([sys.executable, "-m", "slurm_jit.train.stop_record", str(tmp_path)],
                               capture_output=True, text=True, check=False)
 
     assert cli().returncode == stop_record.EXIT_NO_RECORD

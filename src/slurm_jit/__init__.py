@@ -13,7 +13,7 @@ __all__ = ["JitTrainer", "JitConfig", "__version__"]
 
 def __getattr__(name: str) -> Any:
     if name in ("JitTrainer", "JitConfig"):
-        from slurm_jit import trainer
+        from slurm_jit.train import trainer
 
         return getattr(trainer, name)
     raise AttributeError(f"module 'slurm_jit' has no attribute {name!r}")

@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from slurm_jit import dist_env
+from slurm_jit.train import dist_env
 
 VOCAB = 128
 SEQ_LEN = 32
@@ -150,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         callbacks=_callbacks(args, rank),
     )
     if args.trainer == "jit":
-        from slurm_jit.trainer import JitConfig, JitTrainer
+        from slurm_jit.train.trainer import JitConfig, JitTrainer
 
         trainer: Any = JitTrainer(**common, jit_config=JitConfig(
             kill_wait_s=args.kill_wait, ignore_signals_in_workers=not args.workers_take_signals))

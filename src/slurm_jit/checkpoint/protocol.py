@@ -17,9 +17,10 @@ Reading one gives a :class:`Status`:
 - ``incomplete``: sentinel present, or neither a manifest nor the files a resume needs.
 - ``corrupt``: a manifest whose listed file is missing, has the wrong size or (deep) checksum, or escapes the
   directory; ``trainer_state.json`` unparseable or its ``global_step`` not the directory's step.
-- ``unverified``: no manifest (written by a plain ``Trainer``) but structurally whole: see :mod:`.structure`.
+- ``unverified``: no manifest (written by a plain ``Trainer``) but structurally whole: see
+  :mod:`slurm_jit.checkpoint.structure`.
 
-Nothing is ever unpickled to check it: checkpoint files are untrusted input (see :mod:`.formats`).
+Nothing is ever unpickled to check it: checkpoint files are untrusted input (see :mod:`slurm_jit.checkpoint.formats`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import Any
 
 import xxhash
 
-from slurm_jit import structure
+from slurm_jit.checkpoint import structure
 
 SENTINEL_NAME = "checkpoint-is-incomplete.txt"  # transformers' own name (trainer_jit_checkpoint.py)
 MANIFEST_NAME = "slurm-jit-manifest.json"

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from slurm_jit import protocol
+from slurm_jit.checkpoint import protocol
 
 EXIT_RESUMABLE = 0
 EXIT_NONE_RESUMABLE = 1

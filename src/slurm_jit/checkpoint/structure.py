@@ -7,7 +7,8 @@ For a checkpoint written by a plain ``transformers.Trainer``:
   or one ``zero_pp_rank_R_mp_rank_00_model_states.pt`` per rank under ZeRO-3) and one optimizer shard
   ``[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt`` per data-parallel rank;
 - without DeepSpeed: model weights and ``optimizer.pt``;
-- every ``.pt``/``.pth``/``.bin``/``.safetensors``/``.json`` file passes its header check (:mod:`.formats`).
+- every ``.pt``/``.pth``/``.bin``/``.safetensors``/``.json`` file passes its header check
+  (:mod:`slurm_jit.checkpoint.formats`).
 
 The data-parallel world size is the highest rank named by an RNG state file or a DeepSpeed shard, plus one
 (no tensor or pipeline parallelism); every rank below it must have both.
@@ -20,7 +21,7 @@ import re
 import stat
 from pathlib import Path
 
-from slurm_jit import formats
+from slurm_jit.checkpoint import formats
 
 RNG_RE = re.compile(r"^rng_state_(\d+)\.pth$")
 DS_LATEST = "latest"

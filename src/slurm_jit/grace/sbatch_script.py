@@ -1,7 +1,7 @@
 """Reading an sbatch script (its ``#SBATCH --signal``, ``--time``, ``--partition`` and how it starts training)
 and judging it against a computed grace period: is the lead long enough, and does the signal reach Python?
 
-Pure: no Slurm calls, no torch. The Slurm rules applied are stated in :mod:`slurm_jit.grace`.
+Pure: no Slurm calls, no torch. The Slurm rules applied are stated in :mod:`slurm_jit.grace.calc`.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import re
 import shlex
 from dataclasses import dataclass
 
-from slurm_jit import signals
-from slurm_jit.grace import (
+from slurm_jit import signal_names
+from slurm_jit.grace.calc import (
     GRACE_FRACTION_WARN,
     LAUNCHER_KILL_AFTER_S,
     LEAD_ENV_VAR,
@@ -90,7 +90,7 @@ def signal_name(sig: str) -> str:
     """Normalise ``TERM``, ``SIGTERM``, ``15`` to ``TERM``; raises ScriptError for an unknown name."""
     try:
         text = sig.strip()
-        return signals.parse_signal(int(text) if text.isdigit() else text).name.removeprefix("SIG")
+        return signal_names.parse_signal(int(text) if text.isdigit() else text).name.removeprefix("SIG")
     except ValueError:
         raise ScriptError(f"unknown signal {sig!r} in --signal. HINT: use --signal=TERM@N") from None
 

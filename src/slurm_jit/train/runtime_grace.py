@@ -1,7 +1,7 @@
 """The runtime grace check: does the signal lead this job was given cover what it measurably needs?
 
 Run by the JitTrainer on global rank 0 under Slurm, after warm-up and after the first save. The need is the
-longest step + the longest save + kill_wait (the terms of :func:`slurm_jit.grace.compute_grace`, from the timing
+longest step + the longest save + kill_wait (the terms of :func:`slurm_jit.grace.calc.compute_grace`, from the timing
 log); what the job has is ``SLURM_JIT_SIGNAL_LEAD_S`` (exported by this project's launchers and sbatch scripts:
 the N of ``--signal=TERM@N``), and, at preemption, the partition's GraceTime. Warnings only, never an error.
 """
@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 import os
 
-from slurm_jit import grace, slurm, timing
+from slurm_jit import slurm, timing
+from slurm_jit.grace import calc as grace
 
 logger = logging.getLogger(__name__)
 

@@ -1,10 +1,11 @@
 """``slurm_jit.JitTrainer``: a drop-in ``transformers.Trainer`` that survives SIGTERM with a JIT checkpoint.
 
-On a stop signal (SIGTERM by default) every rank agrees on one optimizer step (:mod:`.agreement`), a checkpoint of
-exactly that step is written through the crash-safe protocol (:mod:`.protocol`), ``train()`` returns normally and
-the stop record (:mod:`.stop_record`) says ``jit_stop`` so that the job can be requeued. ``train(
-resume_from_checkpoint=True)`` resumes from the newest checkpoint that ``ckpt-check`` calls resumable, or starts
-fresh when there is none.
+On a stop signal (SIGTERM by default) every rank agrees on one optimizer step
+(:mod:`slurm_jit.train.agreement`), a checkpoint of exactly that step is written through the crash-safe protocol
+(:mod:`slurm_jit.checkpoint.protocol`), ``train()`` returns normally and the stop record
+(:mod:`slurm_jit.train.stop_record`) says ``jit_stop`` so that the job can be requeued.
+``train(resume_from_checkpoint=True)`` resumes from the newest checkpoint that ``ckpt-check`` calls resumable, or
+starts fresh when there is none.
 
 Where a stop lands:
 
@@ -33,10 +34,12 @@ from typing import Any
 import transformers
 from transformers.trainer_utils import TrainOutput
 
-from slurm_jit import protocol, runtime_grace, stop_record
-from slurm_jit.agreement import SIDE_GROUP_TIMEOUT_S, Decision, StopAgreement
-from slurm_jit.signals import IgnoreSignalsInWorker, SignalLatch, parse_signal
+from slurm_jit.checkpoint import protocol
+from slurm_jit.signal_names import parse_signal
 from slurm_jit.timing import WARMUP_STEPS, TimingLog
+from slurm_jit.train import runtime_grace, stop_record
+from slurm_jit.train.agreement import SIDE_GROUP_TIMEOUT_S, Decision, StopAgreement
+from slurm_jit.train.signals import IgnoreSignalsInWorker, SignalLatch
 
 logger = logging.getLogger(__name__)
 

@@ -21,9 +21,10 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
-from slurm_jit import grace, slurm, timing
-from slurm_jit.grace import ClusterFacts, GraceError, GraceInputs, GraceResult
-from slurm_jit.sbatch_script import CheckReport, SbatchScript, check_script, parse_script, read_script
+from slurm_jit import slurm, timing
+from slurm_jit.grace import calc as grace
+from slurm_jit.grace.calc import ClusterFacts, GraceError, GraceInputs, GraceResult
+from slurm_jit.grace.sbatch_script import CheckReport, SbatchScript, check_script, parse_script, read_script
 
 PROG = "grace-calc"
 EXIT_OK, EXIT_NOT_ENOUGH, EXIT_ERROR = 0, 1, 2
@@ -251,7 +252,7 @@ def probe_write_bandwidth(
 
 def newest_checkpoint_bytes(output_dir: str | os.PathLike[str]) -> tuple[int, str] | None:
     """(size, description) of the newest complete checkpoint under ``output_dir``, None if there is none."""
-    from slurm_jit import protocol  # lazily: the grace calculator must work without the trainer's modules
+    from slurm_jit.checkpoint import protocol  # lazily: the grace calculator must work without the trainer's modules
 
     found = protocol.find_resumable(output_dir, strict=False)
     ckpt = getattr(found, "checkpoint", None)

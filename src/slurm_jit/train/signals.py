@@ -15,19 +15,6 @@ from typing import Any
 _Handler = Callable[[int, FrameType | None], Any] | int | None
 
 
-def parse_signal(name: str | int | signal.Signals) -> signal.Signals:
-    """``"TERM"``, ``"SIGUSR1"``, ``15`` or a ``signal.Signals`` -> ``signal.Signals``."""
-    if isinstance(name, signal.Signals):
-        return name
-    if isinstance(name, int):
-        return signal.Signals(name)
-    upper = name.upper()
-    try:
-        return signal.Signals[upper if upper.startswith("SIG") else f"SIG{upper}"]
-    except KeyError:
-        raise ValueError(f"unknown signal {name!r}. HINT: use a name such as TERM or USR1") from None
-
-
 class SignalLatch:
     """Records the first of ``signums``; install() in the main thread, restore() when done."""
 

@@ -21,7 +21,7 @@ Environment contract: this project's launchers and sbatch scripts export ``SLURM
 of ``#SBATCH --signal=TERM@N``, so the trainer knows the budget it was given.
 
 Pure: no torch, no I/O, no Slurm calls of its own (the queries are passed in), no clock (passed in).
-The I/O that feeds it (timing log, write probe, checkpoint sizes) lives in :mod:`slurm_jit.grace_cli`.
+The I/O that feeds it (timing log, write probe, checkpoint sizes) lives in :mod:`slurm_jit.grace.cli`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""The grace-period calculator (pure), the sbatch script checks and the grace-calc CLI."""

@@ -1,0 +1,18 @@
+"""Signal names as users write them (``TERM``, ``SIGUSR1``, ``15``): shared by the trainer and the sbatch checks."""
+
+from __future__ import annotations
+
+import signal
+
+
+def parse_signal(name: str | int | signal.Signals) -> signal.Signals:
+    """``"TERM"``, ``"SIGUSR1"``, ``15`` or a ``signal.Signals`` -> ``signal.Signals``."""
+    if isinstance(name, signal.Signals):
+        return name
+    if isinstance(name, int):
+        return signal.Signals(name)
+    upper = name.upper()
+    try:
+        return signal.Signals[upper if upper.startswith("SIG") else f"SIG{upper}"]
+    except KeyError:
+        raise ValueError(f"unknown signal {name!r}. HINT: use a name such as TERM or USR1") from None

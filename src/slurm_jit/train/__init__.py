@@ -1,0 +1,1 @@
+"""The JitTrainer and what it uses: rank agreement, the signal latch, the stop record, the runtime grace check."""

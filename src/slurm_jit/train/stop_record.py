@@ -1,0 +1,87 @@
+"""Why did training stop? The stop record ``OUT_DIR/slurm-jit/stop.json``, written by global rank 0.
+
+- ``running``: written when ``train()`` starts. Still there after the processes exited: they crashed or were
+  killed (a failure: do not requeue blindly).
+- ``jit_stop``: a stop signal arrived; the JIT checkpoint (``checkpoint``) is complete (the record is written after
+  its manifest), or, for a signal before the first step, the checkpoint resumed from is still the newest. Requeue.
+- ``finished``: training reached its end. Do not requeue.
+- ``failed``: ``train()`` raised; ``error`` says what.
+
+``python -m slurm_jit.stop_record OUT_DIR`` prints the state and exits 0 (finished), 10 (jit_stop: requeue),
+1 (running or failed: a crash) or 2 (no record, or unreadable). The launchers' requeue loop uses this.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from slurm_jit.timing import TIMING_DIR
+
+STOP_RECORD_NAME = "stop.json"
+STATES = ("running", "jit_stop", "finished", "failed")
+EXIT_FINISHED = 0
+EXIT_CRASHED = 1
+EXIT_NO_RECORD = 2
+EXIT_REQUEUE = 10
+EXIT_BY_STATE = {"finished": EXIT_FINISHED, "jit_stop": EXIT_REQUEUE, "running": EXIT_CRASHED,
+                 "failed": EXIT_CRASHED}
+
+
+def path(output_dir: str | os.PathLike[str]) -> Path:
+    return Path(output_dir) / TIMING_DIR / STOP_RECORD_NAME
+
+
+def write(output_dir: str | os.PathLike[str], state: str, **fields: Any) -> None:
+    """Atomically replace the stop record (temporary file, fsync, rename, fsync of the directory)."""
+    if state not in STATES:
+        raise ValueError(f"unknown stop state {state!r}")
+    target = path(output_dir)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    record = {"state": state, "time": time.time(), "job_id": os.environ.get("SLURM_JOB_ID"),
+              "restart_count": os.environ.get("SLURM_RESTART_COUNT"), **fields}
+    tmp = target.with_suffix(".tmp")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        json.dump(record, handle, indent=1, default=str)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.rename(tmp, target)
+    fd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read(output_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The stop record, or None when there is none or it is unreadable."""
+    try:
+        with open(path(output_dir), encoding="utf-8") as handle:
+            record = json.load(handle)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return record if isinstance(record, dict) and record.get("state") in STATES else None
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 1 or args[0].startswith("-"):
+        print("usage: python -m slurm_jit.stop_record OUT_DIR  (exit 0 finished, 10 requeue, 1 crashed, "
+              "2 no record)", file=sys.stderr)
+        sys.exit(EXIT_NO_RECORD)
+    record = read(args[0])
+    if record is None:
+        print(f"stop_record: no readable {path(args[0])}. HINT: did the job reach train()?", file=sys.stderr)
+        sys.exit(EXIT_NO_RECORD)
+    detail = record.get("checkpoint") or record.get("error") or ""
+    print(f"{record['state']} step={record.get('step')} {detail}".rstrip())
+    sys.exit(EXIT_BY_STATE[record["state"]])
+
+
+if __name__ == "__main__":
+    main()
