@@ -132,3 +132,9 @@ def seconds(value: str) -> int | None:
         parts.insert(0, 0)
     hours, minutes, secs = parts[-3:]
     return ((days * 24 + hours) * 60 + minutes) * 60 + secs
+
+
+def node_address(node_name: str) -> str:
+    """The address Slurm reaches a node at (its ``NodeAddr``; the node name itself when slurm.conf gives none)."""
+    node = parse_key_values(run(["scontrol", "show", "node", node_name]))
+    return node.get("NodeAddr") or node_name
