@@ -35,6 +35,8 @@ SIGTERM_TIMEOUT_S = GRACE_TIME_S / 2
 PERIODIC_PASS_S = 30
 REQUEUE_TIMEOUT_S = GRACE_TIME_S + PERIODIC_PASS_S + 10
 RERUN_TIMEOUT_S = 15 + START_TIMEOUT_S
+# The first line of every slurm.conf tools/local-slurm writes.
+MARKER = "# slurm-jit local cluster: written by tools/local-slurm; remove this line to keep local edits"
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED"}
 
 
@@ -110,6 +112,29 @@ def test_foreign_config_is_left_alone_and_reported(tmp_path: Path) -> None:
     assert up.stderr.count("\n") == 1 and "not written by local-slurm" in up.stderr and "HINT:" in up.stderr
     assert foreign.read_text() == text
     assert status.returncode == 1 and "HINT: run" in status.stdout
+
+
+def test_nodes_other_than_1_or_2_are_refused_in_one_line() -> None:
+    proc = local_slurm("up", "--nodes", "3")
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "1 or 2 nodes" in proc.stderr and "HINT:" in proc.stderr
+
+
+def test_the_other_local_clusters_config_is_refused_and_left_alone(tmp_path: Path) -> None:
+    """SLURM_CONF left pointing at the two-node cluster's config: the single-node commands must neither rewrite
+    it nor act on one cluster's daemons with the other's config."""
+    conf = tmp_path / "slurm-2nodes.conf"
+    text = f"{MARKER}\nClusterName=slurm-jit-2nodes\nSlurmctldPort=6999\n"
+    conf.write_text(text)
+    # its own (empty) state dir too, so that nothing here can touch the running cluster's daemons
+    env = {**os.environ, "SLURM_CONF": str(conf), "SLURM_JIT_LOCAL_STATE": str(tmp_path / "state")}
+
+    for command in ("up", "status", "down"):
+        proc = local_slurm(command, env=env)
+        assert proc.returncode == 1 and proc.stdout == "", (command, proc.stdout)
+        assert proc.stderr.count("\n") == 1 and "holds the local cluster slurm-jit-2nodes, not slurm-jit-local" \
+            in proc.stderr and "HINT: unset SLURM_CONF" in proc.stderr, (command, proc.stderr)
+    assert conf.read_text() == text
 
 
 def test_cluster_facts_match_what_local_slurm_wrote() -> None:

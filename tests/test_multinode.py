@@ -31,6 +31,10 @@ UP_TIMEOUT_S = 300  # a fresh CI machine may apt-install first; then up waits <=
 USE_LINE = "local-slurm: use it with: export SLURM_CONF="
 # Settings of one instance, which the two-node one must not inherit from the caller's environment.
 INSTANCE_VARS = ("SLURM_CONF", "SLURM_JIT_LOCAL_STATE")
+CALLER_ENV = dict(os.environ)  # as the session started, before the module points SLURM_CONF at two nodes
+TWO_NODE_ENV = {k: v for k, v in CALLER_ENV.items() if k not in INSTANCE_VARS}
+NETNS = "slurm-jit-node2"  # tools/local-slurm's names for node2's network namespace and node1's veth end
+HOST_VETH = "sjl-node1"
 NODES = ("node1", "node2")  # tools/local-slurm names them so
 START_TIMEOUT_S = 240  # the cluster is free within seconds; a loaded machine is slow to start python
 JOB_TIMEOUT_S = 300  # a 2-rank DeepSpeed run to its end, on 2 busy cores
@@ -104,15 +108,19 @@ def test_master_addr_falls_back_to_the_name_when_slurm_cannot_say(monkeypatch: p
 # --- the real two-node cluster ---------------------------------------------------------------------------
 
 
+def local_slurm(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """tools/local-slurm ARGS, by default with the two-node cluster's own settings."""
+    return subprocess.run([str(LOCAL_SLURM), *args], capture_output=True, text=True, timeout=UP_TIMEOUT_S,
+                          check=False, env=TWO_NODE_ENV if env is None else env)
+
+
 @pytest.fixture(scope="module")
 def two_nodes() -> Iterator[Path]:
     """``tools/local-slurm up --nodes 2`` (idempotent); the gateway talks to it until the module ends.
 
     Skips when it cannot come up (not root, no network namespaces), fails instead under ``CI``."""
-    env = {k: v for k, v in os.environ.items() if k not in INSTANCE_VARS}
     try:
-        proc = subprocess.run([str(LOCAL_SLURM), "up", "--nodes", "2"], capture_output=True, text=True,
-                              timeout=UP_TIMEOUT_S, check=False, env=env)
+        proc = local_slurm("up", "--nodes", "2")
         message = (proc.stderr or proc.stdout).strip()
         confs = [line.removeprefix(USE_LINE) for line in proc.stdout.splitlines() if line.startswith(USE_LINE)]
         up = proc.returncode == 0 and len(confs) == 1
@@ -263,3 +271,52 @@ def test_deepspeed_jit_stop_across_two_nodes_then_a_second_job_resumes_and_finis
     steps = [step for step, _ in losses(out)]
     # The second job went on from the JIT checkpoint's step: nothing lost, nothing repeated.
     assert steps == list(range(1, stop_step + RESUMED_EXTRA_STEPS + 1)), steps
+
+
+def processes_mentioning(text: str) -> list[str]:
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue  # exited meanwhile
+        if any(text.encode() in arg for arg in argv):
+            found.append(b" ".join(argv).decode(errors="replace"))
+    return found
+
+
+def daemon_lines(status: subprocess.CompletedProcess[str]) -> list[str]:
+    return [line for line in status.stdout.splitlines() if not line.startswith("sinfo:")]
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(3 * UP_TIMEOUT_S)
+def test_two_node_up_again_is_a_no_op_and_down_removes_its_daemons_and_network(two_nodes: Path) -> None:
+    """Last in this module: it takes the two-node cluster down and brings it up again."""
+    single_before = local_slurm("status", env=CALLER_ENV)
+    again = local_slurm("up", "--nodes", "2")
+    status = local_slurm("status", "--nodes", "2")
+    addrs = [slurm.node_address(node) for node in NODES]
+
+    assert again.returncode == 0 and again.stdout.startswith("local-slurm: already up;"), again.stderr
+    assert status.returncode == 0, status.stdout
+    assert "slurmd node1: running" in status.stdout and "slurmd node2: running" in status.stdout
+    assert f"network: node1 {addrs[0]} ({HOST_VETH}), node2 {addrs[1]} (sjl-node2 in netns {NETNS})" \
+        in status.stdout.splitlines()
+
+    down = local_slurm("down", "--nodes", "2")
+
+    assert down.returncode == 0 and down.stdout.startswith("local-slurm: stopped slurmd node1, slurmd node2, "
+                                                           "slurmctld, munged, netns "), down.stdout + down.stderr
+    assert NETNS not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert subprocess.run(["ip", "link", "show", HOST_VETH], capture_output=True).returncode != 0
+    assert processes_mentioning(str(two_nodes)) == []  # slurmctld and both slurmd ran with -f CONF
+    assert local_slurm("status", "--nodes", "2").returncode == 1
+    # The single-node cluster is another cluster: the same daemons, answering (or not) as before.
+    single_after = local_slurm("status", env=CALLER_ENV)
+    assert (single_after.returncode, daemon_lines(single_after)) == \
+        (single_before.returncode, daemon_lines(single_before))
+
+    up = local_slurm("up", "--nodes", "2")
+    assert up.returncode == 0 and f"created netns {NETNS}" in up.stdout, up.stdout + up.stderr
+    assert slurm.available()
