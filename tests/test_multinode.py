@@ -4,8 +4,8 @@ and a DeepSpeed JIT stop and resume across them. Plus unit tests of how each ran
 
 The two-node cluster is a second instance beside the single-node one: these tests point the Slurm gateway at
 its config for the module's duration and cancel their own jobs there (the ``jobs`` fixture cancels through the
-default config). About 2-3 min on 2 cores: ~5 s to start the cluster, ~10 s for the all-reduce job, and two
-DeepSpeed jobs (start, 5 steps, JIT stop; resume, finish) of ~40-60 s each.
+default config). 2.4 min measured on 2 cores under load ~13: the all-reduce job 13 s, the two DeepSpeed jobs
+(start, JIT stop; resume, finish) 87 s, the cluster's down and up 16 s (~5 s to start it on first use).
 """
 
 from __future__ import annotations
@@ -220,8 +220,8 @@ def test_two_nodes_have_own_names_and_addresses_and_their_ranks_all_reduce_over_
 TRAIN_JOB = """\
 srun python -c 'import os; from slurm_jit.train import dist_env; dist_env.from_slurm(); \
 print("RANK", os.environ["RANK"], os.environ["SLURMD_NODENAME"], os.environ["MASTER_ADDR"], flush=True)'
-srun python -m slurm_jit.demo_train --output-dir {out} --max-steps {max_steps} --step-sleep {step_sleep} \
-  --kill-wait 1 --resume
+srun python -m slurm_jit.demo_train --model gpt2 --zero-stage 2 --output-dir {out} --max-steps {max_steps} \
+  --step-sleep {step_sleep} --kill-wait 1 --resume
 python -m slurm_jit.train.stop_record {out}
 echo "stop_record exit $?"
 """
