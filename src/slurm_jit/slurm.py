@@ -132,3 +132,16 @@ def seconds(value: str) -> int | None:
         parts.insert(0, 0)
     hours, minutes, secs = parts[-3:]
     return ((days * 24 + hours) * 60 + minutes) * 60 + secs
+
+
+def requeue(job_id: str) -> None:
+    """``scontrol requeue JOBID``: the same job id runs again (SLURM_RESTART_COUNT + 1).
+
+    Slurm accepts this even for a job that ``scancel`` already cancelled: check :func:`show_job` first.
+    """
+    run(["scontrol", "requeue", str(job_id)])
+
+
+def job_state(job: dict[str, str]) -> str:
+    """``JobState`` of a :func:`show_job` dict, without a reason suffix; ``UNKNOWN`` when absent."""
+    return job.get("JobState", "UNKNOWN").split("+")[0] or "UNKNOWN"
