@@ -1,4 +1,4 @@
-"""One srun task = one rank: ``python -m slurm_jit.launch.task SPEC.json``.
+"""One srun task = one rank: ``python -m slurm_jit.launch.task SPEC.json`` (or ``-- PROGRAM ARGS...``).
 
 The spec (written by ``python launch/submit.py``) holds the training entry as data, never as shell text, so that
 arguments with spaces, quotes, ``$()`` or ``;`` reach the training process unchanged:
@@ -8,7 +8,8 @@ arguments with spaces, quotes, ``$()`` or ``;`` reach the training process uncha
 - ``{"function": "package.module:function", "args": [...]}``: imported and called with no arguments, ``sys.argv``
   set to ``[module, *args]``.
 
-Before either, RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT are set from Slurm's variables.
+The raw sbatch scripts use the second form, ``srun python -m slurm_jit.launch.task -- python train.py ...``.
+Before any of them, RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT are set from Slurm's variables.
 """
 
 from __future__ import annotations
@@ -52,8 +53,16 @@ def run(spec: dict[str, Any]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["--"] and len(args) > 1:
+        dist_env.from_slurm()
+        try:
+            os.execvp(args[1], args[1:])
+        except OSError as exc:
+            print(f"slurm-jit task: cannot run {args[1]}: {exc.strerror}. HINT: give the program's path",
+                  file=sys.stderr)
+            sys.exit(EXIT_BAD_SPEC)
     if len(args) != 1:
-        print("usage: python -m slurm_jit.launch.task SPEC.json", file=sys.stderr)
+        print("usage: python -m slurm_jit.launch.task SPEC.json | -- PROGRAM ARGS...", file=sys.stderr)
         sys.exit(EXIT_BAD_SPEC)
     try:
         spec = load(args[0])
