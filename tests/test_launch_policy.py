@@ -60,6 +60,12 @@ def test_cases(change: dict[str, object], cause: str, requeue: bool, reason: str
     assert decision.failure_retry == (requeue and cause == policy.CAUSE_CRASH)
 
 
+def test_finished_reads_as_finished() -> None:
+    facts = replace(JIT_AT_LIMIT, record_state="finished", record_step=400)
+    assert policy.decide(facts).line(facts) == (
+        "slurm-jit: finished at step 400 (restart 0); policy: no requeue: training reached its end")
+
+
 def test_the_time_limit_window_is_the_lead_plus_slurms_early_signal() -> None:
     at_edge = replace(JIT_AT_LIMIT, time_left_s=60 + policy.SLURM_SIGNAL_EARLY_S)
     assert policy.stop_cause(at_edge) == policy.CAUSE_TIME_LIMIT

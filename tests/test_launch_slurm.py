@@ -69,7 +69,7 @@ def _steps_at_least(out: Path, n: int) -> bool:
 
 
 def _decisions(log: str) -> list[str]:
-    return [line for line in log.splitlines() if line.startswith("slurm-jit: stopped by")]
+    return [line for line in log.splitlines() if line.startswith("slurm-jit: ") and "; policy: " in line]
 
 
 def _reference(tmp: Path, args: list[str]) -> list[tuple[int, float]]:
@@ -102,7 +102,7 @@ def test_time_limit_signal_jit_requeue_resume_finish_through_submit(tmp_path: Pa
     decisions = _decisions(log)
     assert len(decisions) == 2, log[-3000:]
     assert "stopped by time limit" in decisions[0] and "policy: requeue: JIT checkpoint complete" in decisions[0]
-    assert "stopped by finished" in decisions[1] and "policy: no requeue: training reached its end" in decisions[1]
+    assert decisions[1] == "slurm-jit: finished at step 400 (restart 1); policy: no requeue: training reached its end"
     assert f"slurm-jit: job {job_id} restart 1 on" in log  # the same job id, restart count shown
     record = stop_record.read(out)
     assert record is not None and record["state"] == "finished" and record["step"] == 400

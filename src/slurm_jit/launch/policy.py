@@ -66,8 +66,8 @@ class Decision:
         """The job log's one line."""
         verdict = "requeue" if self.requeue else "no requeue"
         step = "" if facts.record_step is None else f" at step {facts.record_step}"
-        return (f"slurm-jit: stopped by {self.cause}{step} (restart {facts.restart_count}); "
-                f"policy: {verdict}: {self.reason}")
+        what = "finished" if self.cause == CAUSE_FINISHED else f"stopped by {self.cause}"
+        return f"slurm-jit: {what}{step} (restart {facts.restart_count}); policy: {verdict}: {self.reason}"
 
 
 def stop_cause(facts: Facts) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from collections.abc import Sequence
@@ -16,11 +17,17 @@ EXIT_OK, EXIT_ERROR = 0, 2
 
 
 def out_dir_of_job(job_id: str) -> str | None:
-    """The OUT_DIR= line of a job's batch script (as written by submit.py and the sbatch/ scripts)."""
+    """The OUT_DIR= line of a job's batch script (as submit.py and the sbatch/ scripts write it), relative to the
+    job's working directory; None when there is none or it is computed by the shell (``$OUT``)."""
     for line in slurm.job_script(job_id).splitlines():
         if line.startswith("OUT_DIR="):
-            words = shlex.split(line.removeprefix("OUT_DIR="))
-            return words[0] if words else None
+            value = line.removeprefix("OUT_DIR=")
+            if "$" in value:
+                return None
+            words = shlex.split(value)
+            if not words:
+                return None
+            return os.path.join(slurm.show_job(job_id).get("WorkDir", ""), words[0])
     return None
 
 
@@ -80,8 +87,8 @@ def status_main(argv: Sequence[str]) -> int:
         if args.target.isdigit():
             job_id, out_dir = args.target, out_dir_of_job(args.target)
             if out_dir is None:
-                print(f"status: job {job_id} has no OUT_DIR= line in its script. HINT: give the output "
-                      "directory instead", file=sys.stderr)
+                print(f"status: cannot tell the output directory of job {job_id} from its script (no literal "
+                      "OUT_DIR= line). HINT: give the output directory instead", file=sys.stderr)
                 return EXIT_ERROR
     except slurm.SlurmError as exc:
         print(f"status: {exc}. HINT: give the output directory instead", file=sys.stderr)

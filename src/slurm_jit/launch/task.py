@@ -17,13 +17,36 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from typing import Any
 
 from slurm_jit.train import dist_env
 
 EXIT_BAD_SPEC = 2
+
+
+def local_world_size(env: MutableMapping[str, str]) -> int | None:
+    """Ranks on this node, from ``SLURM_STEP_TASKS_PER_NODE`` (``2(x3)``, ``3,2``) and ``SLURM_NODEID``."""
+    counts: list[int] = []
+    for part in env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", "")).split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if match is None:
+            return None
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    node = int(env.get("SLURM_NODEID", "0") or 0)
+    return counts[node] if node < len(counts) else None
+
+
+def set_rank_env(env: MutableMapping[str, str] | None = None) -> None:
+    """torch.distributed's variables from Slurm's, and LOCAL_WORLD_SIZE: without it accelerate takes each CPU
+    rank for the only one on its node and gives it every core's threads (other sums, other losses)."""
+    env = os.environ if env is None else env
+    dist_env.from_slurm(env)
+    local = local_world_size(env)
+    if local is not None and "SLURM_PROCID" in env:
+        env.setdefault("LOCAL_WORLD_SIZE", str(local))
 
 
 def load(spec_path: str) -> dict[str, Any]:
@@ -40,7 +63,7 @@ def load(spec_path: str) -> dict[str, Any]:
 
 
 def run(spec: dict[str, Any]) -> None:
-    dist_env.from_slurm()
+    set_rank_env()
     if spec.get("argv"):
         argv = list(spec["argv"])
         os.execvp(argv[0], argv)  # replaces this process: the rank is the srun task itself
@@ -54,7 +77,7 @@ def run(spec: dict[str, Any]) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["--"] and len(args) > 1:
-        dist_env.from_slurm()
+        set_rank_env()
         try:
             os.execvp(args[1], args[1:])
         except OSError as exc:
