@@ -94,3 +94,22 @@ def test_failure_retries_are_remembered_per_job(tmp_path: Path, fake_slurm: dict
     _record(tmp_path, monkeypatch, "failed", 3, restart="1")
     assert _run(tmp_path, {"SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": "1"}, "--retry-on-failure", "1") == 1
     assert "(--retry-on-failure 1, 1 used)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("line", "expected"), [
+    ("OUT_DIR=out/run", "/home/u/proj/out/run"),
+    ("OUT_DIR='/abs/a b$(x)'", "/abs/a b$(x)"),
+    ('OUT_DIR="${OUT:?set OUT}"', None),
+    ("echo no out dir", None),
+])
+def test_status_finds_the_output_directory_of_a_job(monkeypatch: pytest.MonkeyPatch, line: str,
+                                                    expected: str | None) -> None:
+    from slurm_jit.launch import status
+
+    def runner(argv: Sequence[str], timeout_s: float) -> str:
+        if argv[:2] == ["scontrol", "write"]:
+            return f"#!/bin/bash\n#SBATCH --time=3\n{line}\n"
+        return "JobId=42 JobState=RUNNING WorkDir=/home/u/proj\n"
+
+    monkeypatch.setattr(slurm, "runner", runner)
+    assert status.out_dir_of_job("42") == expected

@@ -9,6 +9,7 @@ warning comes 60-120 s in; at --time=1 it can beat the batch shell).
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -70,6 +71,20 @@ def _steps_at_least(out: Path, n: int) -> bool:
 
 def _decisions(log: str) -> list[str]:
     return [line for line in log.splitlines() if line.startswith("slurm-jit: ") and "; policy: " in line]
+
+
+def _kill_ranks(out: Path) -> list[int]:
+    """SIGKILL the training processes of ``out`` (the srun tasks run on this machine)."""
+    killed = []
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if proc.name.isdigit() and b"slurm_jit.demo_train" in argv and str(out).encode() in argv:
+            os.kill(int(proc.name), signal.SIGKILL)
+            killed.append(int(proc.name))
+    return killed
 
 
 def _reference(tmp: Path, args: list[str]) -> list[tuple[int, float]]:
@@ -176,7 +191,9 @@ def test_sigkill_during_a_save_resumes_from_the_previous_complete_checkpoint(tmp
                      env={"SLURM_JIT_FAULT_SAVE_SLEEP_S": "6"})
     _until("checkpoint-20 being written", lambda: (out / "checkpoint-20").is_dir()
            and (out / "checkpoint-10" / "slurm-jit-manifest.json").exists(), out, job_id)
-    slurm.cancel(job_id, signal_name="KILL")  # every rank, mid-save
+    # SIGKILL every rank mid-save, as the OOM killer would (scancel --signal=KILL cancels the whole job instead)
+    killed = _kill_ranks(out)
+    assert len(killed) == 2, killed
     job = _until("the end", lambda: _ended(job_id), out, job_id)
     log = _log(out, job_id)
     decisions = _decisions(log)

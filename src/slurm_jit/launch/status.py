@@ -22,7 +22,7 @@ def out_dir_of_job(job_id: str) -> str | None:
     for line in slurm.job_script(job_id).splitlines():
         if line.startswith("OUT_DIR="):
             value = line.removeprefix("OUT_DIR=")
-            if "$" in value:
+            if not value.startswith("'") and ("$" in value or "`" in value):  # computed by the shell
                 return None
             words = shlex.split(value)
             if not words:
