@@ -185,7 +185,7 @@ def plan_lines(job: script.JobSpec, result: GraceResult, entry: Mapping[str, Any
         f"--time={job.time}",
         f"  training: {what}",
         f"  grace:    {terms} = {result.needed_s:g} s",
-        f"  signal:   #SBATCH --signal=TERM@{result.lead_s} (no B:: to the ranks); "
+        f"  signal:   #SBATCH --signal=TERM@{result.lead_s} (no B:, so it reaches the ranks); "
         f"export SLURM_JIT_SIGNAL_LEAD_S={result.lead_s}",
         f"  requeue:  {requeue}",
         f"  resume:   {checked.message.removeprefix('ckpt-check gate: ')}",
