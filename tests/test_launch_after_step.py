@@ -5,6 +5,7 @@ cluster."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -113,3 +114,21 @@ def test_status_finds_the_output_directory_of_a_job(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(slurm, "runner", runner)
     assert status.out_dir_of_job("42") == expected
+
+
+def test_compare_says_equal_only_when_every_step_is_bitwise_equal(tmp_path: Path) -> None:
+    from slurm_jit.launch import compare
+
+    run, reference = tmp_path / "run", tmp_path / "reference"
+    for d in (run, reference):
+        d.mkdir()
+    steps = [(1, 4.5), (2, 4.25), (3, 4.125)]
+    (reference / "losses-rank0.jsonl").write_text("".join(json.dumps({"step": s, "loss": v}) + "\n" for s, v in steps))
+    # the requeued run logged step 3 twice (its stop was after the last checkpoint): the last one counts
+    logged = [*steps[:3], (3, 4.125)]
+    (run / "losses-rank0.jsonl").write_text("".join(json.dumps({"step": s, "loss": v}) + "\n" for s, v in logged))
+    same, lines = compare.compare(str(run), str(reference))
+    assert same and lines[-1].startswith("equal") and "restarts after step(s) 3" in lines[0]
+    (run / "losses-rank0.jsonl").write_text(json.dumps({"step": 1, "loss": 4.5000001}) + "\n")
+    same, lines = compare.compare(str(run), str(reference))
+    assert not same and lines[-1] == "DIFFERENT at 3 step(s), first 1"

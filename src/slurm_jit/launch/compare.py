@@ -15,6 +15,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from slurm_jit.launch import progress
+
 CHART_WIDTH = 60
 CHART_HEIGHT = 12
 AROUND_RESTART = 2  # steps shown on each side of a restart
@@ -26,9 +28,14 @@ def read_losses(out_dir: str) -> list[tuple[int, float]]:
     return [(int(r["step"]), float(r["loss"])) for r in rows]
 
 
-def restarts(logged: list[tuple[int, float]]) -> list[int]:
-    """The steps a run resumed after: where the logged step does not increase."""
-    return [prev for (prev, _), (step, _) in zip(logged, logged[1:], strict=False) if step <= prev]
+def restarts(out_dir: str, logged: list[tuple[int, float]]) -> list[int]:
+    """The steps runs resumed after: the launcher's requeued stops, and where the logged step does not increase
+    (a run that logged steps past its last checkpoint)."""
+    history = progress.read(out_dir).get("history")
+    requeued = {h["step"] for h in history if isinstance(h, dict) and h.get("requeue")
+                and isinstance(h.get("step"), int)} if isinstance(history, list) else set()
+    repeated = {prev for (prev, _), (step, _) in zip(logged, logged[1:], strict=False) if step <= prev}
+    return sorted(requeued | repeated)
 
 
 def chart(series: dict[str, dict[int, float]], marks: list[int]) -> list[str]:
@@ -59,7 +66,7 @@ def compare(out_dir: str, reference_dir: str) -> tuple[bool, list[str]]:
     logged = read_losses(out_dir)
     run = dict(logged)  # the last loss logged for each step
     reference = dict(read_losses(reference_dir))
-    marks = restarts(logged)
+    marks = restarts(out_dir, logged)
     differ = sorted(s for s in set(run) | set(reference) if run.get(s) != reference.get(s))
     lines = [f"losses: {len(run)} steps in the requeued run, {len(reference)} in the uninterrupted one; "
              f"restarts after step(s) {', '.join(map(str, marks)) or 'none'}"]
@@ -68,6 +75,7 @@ def compare(out_dir: str, reference_dir: str) -> tuple[bool, list[str]]:
             if step in run or step in reference:
                 lines.append(f"  step {step:>5}: requeued {run.get(step)!s:>22}   uninterrupted "
                              f"{reference.get(step)!s:>22}{'' if run.get(step) == reference.get(step) else '  DIFF'}")
+    lines.append("  loss by step: * requeued run, o uninterrupted, # both, | restart")
     lines += chart({"requeued": run, "reference": reference}, marks)
     lines.append("equal: every step's loss is bitwise the same" if not differ
                  else f"DIFFERENT at {len(differ)} step(s), first {differ[0]}")
