@@ -178,3 +178,16 @@ def test_generated_scripts_pass_grace_calc_check(name: str) -> None:
                           check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"TERM@{lead}" in golden.read_text()
+
+
+@pytest.mark.parametrize(("env", "expected"), [
+    ({"SLURM_STEP_TASKS_PER_NODE": "2"}, 2),
+    ({"SLURM_STEP_TASKS_PER_NODE": "4(x3)", "SLURM_NODEID": "2"}, 4),
+    ({"SLURM_STEP_TASKS_PER_NODE": "3,2", "SLURM_NODEID": "1"}, 2),
+    ({"SLURM_STEP_TASKS_PER_NODE": "2(x2),1", "SLURM_NODEID": "2"}, 1),
+    ({"SLURM_TASKS_PER_NODE": "8"}, 8),
+    ({}, None),
+    ({"SLURM_STEP_TASKS_PER_NODE": "junk"}, None),
+])
+def test_local_world_size_from_slurm(env: dict[str, str], expected: int | None) -> None:
+    assert task.local_world_size(dict(env)) == expected
