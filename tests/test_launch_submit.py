@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_jit.launch import script
+from slurm_jit.launch import script, task
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "golden"
