@@ -164,6 +164,8 @@ def test_params_estimate_over_a_given_bandwidth() -> None:
 EXPECTED = {  # script -> (exit code, text that must appear)
     "train-tiny.sbatch": (0, "ENOUGH"),
     "demo.sbatch": (0, "runs in the batch shell and gets no signal; taken as a pre/post step"),
+    "one-node-gpus.sbatch": (0, "runs in an srun job step, which --signal reaches"),
+    "multi-node.sbatch": (0, "runs in an srun job step, which --signal reaches"),
     "examples/good-batch-exec.sbatch": (0, "`exec` made it the batch shell"),
     "examples/good-batch-trap.sbatch": (0, "assuming its trap forwards SIGTERM"),
     "examples/bad-short-lead.sbatch": (1, "lead 30 s < needed 69 s. HINT: use #SBATCH --signal=TERM@69"),
