@@ -172,3 +172,18 @@ def test_runtime_grace_assess() -> None:
     assert "GraceTime 20 s" in short[1]
     unset = runtime_grace.assess(step_s=1, save_s=None, kill_wait_s=3, lead_s=None, facts=None)
     assert len(unset) == 1 and grace.LEAD_ENV_VAR in unset[0]
+
+
+def test_agreement_mode_is_fixed_after_warm_up_from_the_agreed_step() -> None:
+    long = StopAgreement()
+    assert long.mode == grace.AGREE_BLOCKING and long.latency_steps == 1
+    assert long.at_boundary(True, 1.0, step_s=0.1, choose_mode=False).stop is True  # blocking: read at once
+    long.at_boundary(False, None, step_s=2.0, choose_mode=True)
+    assert long.choice is not None and long.choice.step_s == 2.0 and long.mode == grace.AGREE_BLOCKING
+    assert long.at_boundary(True, 0.5, step_s=0.1, choose_mode=True).stop is True  # chosen once, never again
+    assert long.mode == grace.AGREE_BLOCKING
+    short = StopAgreement()
+    short.at_boundary(False, None, step_s=0.1, choose_mode=True)
+    assert short.mode == grace.AGREE_OVERLAPPED and short.latency_steps == 2
+    assert short.at_boundary(True, 0.5, step_s=0.1, choose_mode=False).stop is False  # read one boundary later
+    assert short.at_boundary(False, None, step_s=0.1, choose_mode=False).stop is True
