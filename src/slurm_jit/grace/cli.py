@@ -48,7 +48,8 @@ def _add_sizing(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save-time", help="the checkpoint save time")
     g.add_argument("--eval-time", help="an evaluation that can be running when the signal arrives")
     g.add_argument("--kill-wait",
-                   help=f"the trainer's wait before the checkpoint (default {grace.DEFAULT_KILL_WAIT_S:g} s)")
+                   help="the trainer's wait before the checkpoint (default: as --from's timing log recorded it, "
+                   f"else {grace.DEFAULT_KILL_WAIT_S:g} s)")
     g.add_argument("--margin", help=f"safety margin, a duration or a percentage of step+eval+save (default "
                    f"{grace.DEFAULT_MARGIN_FRACTION:.0%}, at least {grace.DEFAULT_MARGIN_FLOOR_S:g} s; 0: "
                    "the docs' formula)")
