@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from slurm_jit import timing
+from slurm_jit.grace import calc as grace
 
 ROOT = Path(__file__).resolve().parents[1]
 SBATCH = ROOT / "sbatch"
@@ -212,7 +213,9 @@ def test_from_a_real_run(jit_zero2_run: Path) -> None:
     out = json.loads(proc.stdout)
     summary = timing.load_summary(jit_zero2_run)
     terms = {t["name"]: t["seconds"] for t in out["terms"]}
-    assert terms["step"] == summary.step_max_s
+    modes = {r["mode"] for r in timing.read_records(jit_zero2_run) if r["event"] == "agreement"}
+    assert len(modes) == 1  # recorded once per run, after warm-up, the same on both ranks
+    assert terms["step"] == pytest.approx(grace.LATENCY_STEPS[modes.pop()] * summary.step_max_s)
     assert terms["save"] == max(s.max_dur_s for s in summary.saves.values())
     assert out["samples"]["world_sizes"] == [2] and out["samples"]["steps"] == summary.n_steps > 0
     proc = grace_calc("--from", str(jit_zero2_run), "--world-size", "4", "--no-slurm")
