@@ -219,3 +219,12 @@ def test_spawned_workers_are_born_with_the_stop_signals_blocked(masked: bool) ->
         assert stop not in signal.pthread_sigmask(signal.SIG_BLOCK, [])  # the parent's mask is back
     finally:
         latch.restore()
+
+
+def test_runtime_grace_counts_latency_steps_and_teardown() -> None:
+    # a run that read its rounds overlapped: 2 x 2 s + save 49 + kill_wait 3 + teardown 5 = 61 s > a 60 s lead
+    late = runtime_grace.assess(step_s=2, save_s=49, kill_wait_s=3, lead_s=60, facts=None, teardown_s=5,
+                                latency_steps=2)
+    assert len(late) == 1 and "needed 61 s (2 x longest step 2.0 s" in late[0] and "teardown 5.0 s" in late[0]
+    # blocking (recorded, or by the rule for 2 s steps): 59 s fits
+    assert runtime_grace.assess(step_s=2, save_s=49, kill_wait_s=3, lead_s=60, facts=None, teardown_s=5) == []
