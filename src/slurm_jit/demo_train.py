@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -48,6 +49,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers-take-signals", action="store_true",
                    help="JitConfig(ignore_signals_in_workers=False), to show what the default prevents")
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--mp-context", choices=("fork", "spawn", "forkserver"), default=None,
+                   help="start method of the DataLoader workers (default: the platform's)")
+    p.add_argument("--signals", default="TERM", help="JitConfig(signals=...), comma-separated, e.g. TERM,USR1")
+    p.add_argument("--own-handler", action="store_true",
+                   help="install a SIGTERM handler before train() that appends to OUT/own-handler-rank<R>.txt")
+    p.add_argument("--after-train-sleep", type=float, default=0.0,
+                   help="seconds to stay alive after train() returned (it logs 'train() returned' first)")
     return p.parse_args(argv)
 
 
@@ -114,10 +122,26 @@ def _callbacks(args: argparse.Namespace, rank: int) -> list[Any]:
     return [LossLog(), Sleep()]
 
 
+def _install_own_handler(out_dir: str, rank: int) -> None:
+    """A user's SIGTERM handler, to show that train() gives it back."""
+    path = os.path.join(out_dir, f"own-handler-rank{rank}.txt")
+
+    def handler(signum: int, frame: Any) -> None:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"{signum}\n")
+
+    os.makedirs(out_dir, exist_ok=True)
+    signal.signal(signal.SIGTERM, handler)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     dist_env.from_slurm()
     os.environ.setdefault("ACCELERATE_USE_DEEPSPEED", "true")
+    if args.mp_context:
+        import multiprocessing
+
+        multiprocessing.set_start_method(args.mp_context, force=True)  # what DataLoader workers use by default
     import transformers
 
     transformers.set_seed(args.seed)
@@ -153,10 +177,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         from slurm_jit.train.trainer import JitConfig, JitTrainer
 
         trainer: Any = JitTrainer(**common, jit_config=JitConfig(
-            kill_wait_s=args.kill_wait, ignore_signals_in_workers=not args.workers_take_signals))
+            kill_wait_s=args.kill_wait, ignore_signals_in_workers=not args.workers_take_signals,
+            signals=tuple(args.signals.split(","))))
     else:
         trainer = transformers.Trainer(**common)
+    if args.own_handler:
+        _install_own_handler(args.output_dir, rank)
     trainer.train(resume_from_checkpoint=True if args.resume else None)
+    if args.after_train_sleep:
+        print(f"train() returned on rank {rank}", flush=True)
+        time.sleep(args.after_train_sleep)
     import torch.distributed as dist
 
     if dist.is_initialized():  # a clean teardown, so that no rank aborts at exit while its peer is gone

@@ -35,11 +35,12 @@ import transformers
 from transformers.trainer_utils import TrainOutput
 
 from slurm_jit.checkpoint import protocol
+from slurm_jit.grace.calc import AGREE_BLOCKING
 from slurm_jit.signal_names import parse_signal
 from slurm_jit.timing import WARMUP_STEPS, TimingLog
 from slurm_jit.train import runtime_grace, stop_record
 from slurm_jit.train.agreement import SIDE_GROUP_TIMEOUT_S, Decision, StopAgreement
-from slurm_jit.train.signals import IgnoreSignalsInWorker, SignalLatch
+from slurm_jit.train.signals import IgnoreSignalsInWorker, SignalLatch, StartWorkersMasked
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,10 @@ class _Run:
     step_t0: float = field(default_factory=time.monotonic)
     est_step_s: float = 0.0  # duration of the last step: how far ahead a stop wish is sent
     steps_done: int = 0
+    signal_step: int | None = None  # the step boundary at which this rank first saw its signal
+    save_started_at: float | None = None  # monotonic times of the JIT save (after the kill_wait sleep)
+    save_ended_at: float | None = None
+    agreement_mode: str = AGREE_BLOCKING  # how this boundary's stop rounds are read (fixed after warm-up)
     grace_checked: set[str] = field(default_factory=set)
 
 
@@ -163,6 +168,9 @@ class JitTrainer(transformers.Trainer):
             # accelerate's DataLoaderAdapter delegates to the torch DataLoader it wraps: set it there.
             base = getattr(loader, "base_dataloader", loader)
             base.worker_init_fn = IgnoreSignalsInWorker(base.worker_init_fn, self._jit_signums)
+            # Workers are born with the stop signals blocked (spawn/forkserver workers import for seconds before
+            # worker_init_fn runs); the instance attribute shadows DataLoader._get_iterator.
+            base._get_iterator = StartWorkersMasked(base._get_iterator, self._jit_signums)  # type: ignore[method-assign]
         return loader
 
     # ------------------------------------------------------------ train
@@ -210,6 +218,7 @@ class JitTrainer(transformers.Trainer):
             # Otherwise the original handlers come back.
             run.latch.restore(keep_ignoring=run.stopped)
             if run.timing is not None:
+                self._record_stop_timing(run)
                 run.timing.close()
             self._jit_run = None
 
@@ -231,14 +240,37 @@ class JitTrainer(transformers.Trainer):
 
     # ------------------------------------------------------------ the stop decision
 
-    def _wish(self) -> tuple[bool, float | None]:
-        """(stop, remaining kill_wait): this rank wants to stop once kill_wait since its first signal will have
-        passed by the next boundary, where the answer of this round is read."""
+    def _wish(self, steps_ahead: int = 1) -> tuple[bool, float | None]:
+        """(stop, remaining kill_wait): this rank wants to stop once kill_wait since its first signal passes
+        within ``steps_ahead`` steps: the steps until the next chance to stop (1 where this round is read now, 2
+        where it is read one step on). The save then waits out the rest, never longer than by waiting."""
         run = self._jit_run
         if run is None or run.latch.first_at is None:
             return False, None
         remaining_s = run.latch.first_at + self.jit_config.kill_wait_s - time.monotonic()
-        return run.est_step_s >= remaining_s, remaining_s
+        return steps_ahead * run.est_step_s >= remaining_s, remaining_s
+
+    def _at_boundary(self) -> Decision:
+        """The stop round of this optimizer-step boundary; fixes the agreement mode after warm-up."""
+        run = self._jit_run
+        assert run is not None
+        agreement = self._agreement
+        if run.signal_step is None and run.latch.seen:
+            run.signal_step = self.state.global_step
+        choose = run.steps_done == WARMUP_STEPS + 1  # the first timed step, the same on every rank
+        decision = agreement.at_boundary(*self._wish(agreement.latency_steps), step_s=run.est_step_s,
+                                         choose_mode=choose)
+        run.agreement_mode = agreement.mode
+        if choose and agreement.choice is not None:
+            choice = agreement.choice
+            logger.info("slurm_jit: steps of %.3f s, a stop round costs %.4f s: rounds read %s (blocking from "
+                        "%.2f s steps)", choice.step_s, choice.allreduce_s, choice.mode, choice.threshold_s)
+            if run.timing is not None:
+                run.timing.agreement(self.state.global_step, mode=choice.mode, allreduce_s=choice.allreduce_s,
+                                     step_s=choice.step_s, threshold_s=choice.threshold_s,
+                                     kill_wait_s=self.jit_config.kill_wait_s)
+            self._grace_check("warm-up")
+        return decision
 
     def _take(self, decision: Decision) -> bool:
         """Record an agreed stop and when kill_wait (since the earliest signal on any rank) will have passed."""
@@ -267,8 +299,6 @@ class JitTrainer(transformers.Trainer):
         run.steps_done += 1
         if run.timing is not None:
             run.timing.step(self.state.global_step, run.est_step_s)
-        if run.steps_done == WARMUP_STEPS + 1:
-            self._grace_check("warm-up")
 
     def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
         run = self._jit_run
@@ -279,7 +309,7 @@ class JitTrainer(transformers.Trainer):
         last_step = bool(self.state.max_steps) and step >= self.state.max_steps  # training ends here anyway
         if step != run.polled_step:  # once per optimizer step; epoch ends call this again at the same step
             run.polled_step = step
-            self._take(self._agreement.poll(*self._wish()))
+            self._take(self._at_boundary())
         if run.stop_now and not last_step:
             self.control.should_evaluate = False
             self.control.should_save = False
@@ -336,14 +366,16 @@ class JitTrainer(transformers.Trainer):
                 f"slurm_jit: DeepSpeed engine at step {engine_step} but Trainer at {self.state.global_step}; "
                 "refusing a checkpoint whose name and contents would disagree"
             )
-        remaining_s = run.kill_wait_until - time.monotonic()  # the wish was sent a step ahead of kill_wait
+        remaining_s = run.kill_wait_until - time.monotonic()  # the wish may come before kill_wait is over
         if remaining_s > 0:
             time.sleep(remaining_s)
         run.save_kind = "jit"
+        run.save_started_at = time.monotonic()
         try:
             self._save_checkpoint(model, trial)
         finally:
             run.save_kind = None
+        run.save_ended_at = time.monotonic()
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         run = self._jit_run
@@ -438,6 +470,21 @@ class JitTrainer(transformers.Trainer):
             shutil.rmtree(ckpt.path, ignore_errors=True)
 
     # ------------------------------------------------------------ grace
+
+    def _record_stop_timing(self, run: _Run) -> None:
+        """On a JIT stop, where the time from this rank's first signal until now (train() returning) went."""
+        if not run.stopped or run.latch.first_at is None or run.timing is None:
+            return
+        now, wall = time.monotonic(), time.time()
+        fields: dict[str, Any] = {
+            "signal_step": run.signal_step, "mode": run.agreement_mode, "kill_wait_s": self.jit_config.kill_wait_s,
+            "signal_time": wall - (now - run.latch.first_at), "end_time": wall,
+        }
+        if run.save_started_at is not None and run.save_ended_at is not None:
+            fields.update(signal_to_save_s=run.save_started_at - run.latch.first_at,
+                          save_s=run.save_ended_at - run.save_started_at, teardown_s=now - run.save_ended_at,
+                          save_start_time=wall - (now - run.save_started_at))
+        run.timing.stop(self.state.global_step, signal_to_end_s=now - run.latch.first_at, fields=fields)
 
     def _grace_check(self, when: str) -> None:
         run = self._jit_run
