@@ -138,8 +138,9 @@ def test_lead_beyond_slurm_maximum_is_an_error() -> None:
         compute_grace(GraceInputs(step_s=60_000, save_s=6_000))
 
 
-durations = st.floats(min_value=0.001, max_value=5_000, allow_nan=False, allow_infinity=False)
-maybe_zero = st.floats(min_value=0, max_value=5_000, allow_nan=False, allow_infinity=False)
+# Capped so that every sum stays under Slurm's largest --signal lead (65535 s); that refusal has its own test.
+durations = st.floats(min_value=0.001, max_value=2_000, allow_nan=False, allow_infinity=False)
+maybe_zero = st.floats(min_value=0, max_value=2_000, allow_nan=False, allow_infinity=False)
 margins = st.builds(Margin, fraction=st.floats(min_value=0, max_value=2), floor_s=maybe_zero)
 
 
@@ -629,3 +630,8 @@ def test_check_errors_on_scripts_it_cannot_judge() -> None:
                                   "t"), needed(), ClusterFacts())
     with pytest.raises(ScriptError, match="no training launch found"):
         check_script(parse_script(script("echo hi"), "t"), needed(), ClusterFacts())
+
+
+def test_a_need_over_slurms_largest_signal_lead_is_refused_with_a_hint() -> None:
+    with pytest.raises(GraceError, match=r"exceeds Slurm's largest --signal lead 65535 s.*HINT"):
+        compute_grace(GraceInputs(step_s=40_000, save_s=30_000, kill_wait_s=3, margin=Margin(fraction=0, floor_s=0)))

@@ -63,7 +63,7 @@ def test_config_file_gives_the_same_script_and_the_command_line_wins(tmp_path: P
 def test_plan_names_grace_terms_signal_policy_and_resume_point() -> None:
     proc = submit(*CASES["grace-calc"])
     plan = proc.stderr
-    assert "step 120 s (--step-time)" in plan and "save 120 s (--save-time)" in plan and "= 243 s" in plan
+    assert "step 120 s (1 x 120 s (--step-time)" in plan and "save 120 s (--save-time)" in plan and "= 243 s" in plan
     assert "#SBATCH --signal=TERM@243 (no B:" in plan and "SLURM_JIT_SIGNAL_LEAD_S=243" in plan
     assert "up to 5 times" in plan and "never after scancel" in plan
     assert "resume:   fresh start" in plan
