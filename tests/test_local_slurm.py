@@ -37,6 +37,7 @@ REQUEUE_TIMEOUT_S = GRACE_TIME_S + PERIODIC_PASS_S + 10
 RERUN_TIMEOUT_S = 15 + START_TIMEOUT_S
 # The first line of every slurm.conf tools/local-slurm writes.
 MARKER = "# slurm-jit local cluster: written by tools/local-slurm; remove this line to keep local edits"
+DAEMON_EXIT_S = 5  # `down` waits up to 10 s per daemon, then SIGKILLs it; init reaps it within moments
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED"}
 
 
@@ -249,7 +250,10 @@ def test_down_stops_the_daemons_keeps_job_state_and_up_restarts(tmp_path: Path, 
     try:
         down = local_slurm("down")
         assert down.returncode == 0 and down.stdout.startswith("local-slurm: stopped slurmd slurmctld"), down
-        assert all(not Path(f"/proc/{pid}").exists() for pid in pids)
+        deadline = time.monotonic() + DAEMON_EXIT_S  # a SIGKILLed daemon lingers until init reaps it
+        while any(Path(f"/proc/{pid}").exists() for pid in pids) and time.monotonic() < deadline:
+            time.sleep(POLL_S / 5)
+        assert not any(Path(f"/proc/{pid}").exists() for pid in pids), pids
         status = local_slurm("status")
         assert status.returncode == 1 and "not answering" in status.stdout and "HINT: run" in status.stdout
         assert not slurm.available()
