@@ -56,6 +56,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="install a SIGTERM handler before train() that appends to OUT/own-handler-rank<R>.txt")
     p.add_argument("--after-train-sleep", type=float, default=0.0,
                    help="seconds to stay alive after train() returned (it logs 'train() returned' first)")
+    p.add_argument("--dropout", type=float, default=0.0,
+                   help="Llama's attention_dropout (GPT-2 always has 0.1): makes an exact resume depend on the RNG")
     return p.parse_args(argv)
 
 
@@ -75,7 +77,7 @@ class _Tokens:
         return {"input_ids": self.data[i], "labels": self.data[i]}
 
 
-def build_model(kind: str, width: int, layers: int) -> Any:
+def build_model(kind: str, width: int, layers: int, dropout: float = 0.0) -> Any:
     import transformers
 
     if kind == "gpt2":
@@ -84,7 +86,7 @@ def build_model(kind: str, width: int, layers: int) -> Any:
         return transformers.GPT2LMHeadModel(cfg)
     cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=width, intermediate_size=width * 2,
                                    num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=2,
-                                   max_position_embeddings=SEQ_LEN * 2)
+                                   max_position_embeddings=SEQ_LEN * 2, attention_dropout=dropout)
     return transformers.LlamaForCausalLM(cfg)
 
 
@@ -167,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         disable_tqdm=True,
         enable_jit_checkpoint=args.upstream_jit,
     )
-    model = build_model(args.model, args.width, args.layers)
+    model = build_model(args.model, args.width, args.layers, args.dropout)
     common: dict[str, Any] = dict(
         model=model, args=targs, train_dataset=_Tokens(args.samples, args.seed),
         eval_dataset=_Tokens(args.eval_samples, args.seed + 1) if args.eval_steps else None,
