@@ -68,7 +68,11 @@ def best_limit_1(tmp_path_factory: pytest.TempPathFactory) -> dict:
         ranks.signal(rank, signal.SIGKILL)
     ranks.wait(10)
     stopped = {"record": stop_record.read(out), "dirs": _dirs(out), "log": ranks.log(0) + ranks.log(1),
-               "check": ckpt_check(out, "--deep")}
+               "check": ckpt_check(out, "--deep"),
+               "manifests": {d: _manifest(out / d) for d in _dirs(out) if (out / d / protocol.MANIFEST_NAME).is_file()},
+               "sizes": {d: (out / d / "config.json").stat().st_size for d in _dirs(out)
+                         if (out / d / "config.json").is_file()},
+               "status": {d: protocol.inspect(out / d, int(d.split("-")[1]), deep=True).status for d in _dirs(out)}}
     codes = run_to_end(out, [*BEST_LIMIT_1, "--resume"])
     resume_log = (root / "logs-out" / "rank0.log").read_text(errors="replace")
     return {"ref": ref, "out": out, "stopped": stopped, "codes": codes, "resume_log": resume_log}
@@ -95,23 +99,22 @@ def test_upstream_end_of_training_cleanup_keeps_the_jit_checkpoint(best_limit_1:
 
 def test_save_only_model_jit_save_is_full_and_periodic_saves_say_model_only(best_limit_1: dict) -> None:
     """Item 3 under DeepSpeed ZeRO-2: the JIT save holds the optimizer shards whatever save_only_model says."""
-    out = best_limit_1["out"]
-    jit = _manifest(out / "checkpoint-6")
+    manifests = best_limit_1["stopped"]["manifests"]
+    jit = manifests["checkpoint-6"]
     assert jit["kind"] == "jit" and jit["contents"] == "full" and jit["deepspeed_tag"] == "global_step6"
     assert any("optim_states" in rel for rel in jit["files"]), sorted(jit["files"])
-    assert _manifest(out / "checkpoint-4")["contents"] == "model_only"
+    assert manifests["checkpoint-4"]["contents"] == "model_only"
     assert isinstance(jit["run_id"], str) and jit["run_id"]
 
 
 def test_on_save_runs_on_every_save_before_the_manifest(best_limit_1: dict) -> None:
     """Item 5: what on_save writes (extra.txt, a rewritten config.json) is in the manifest; nothing turns corrupt."""
-    out = best_limit_1["out"]
+    stopped = best_limit_1["stopped"]
     for name in ("checkpoint-4", "checkpoint-6"):
-        files = _manifest(out / name)["files"]
+        files = stopped["manifests"][name]["files"]
         assert "extra.txt" in files, (name, sorted(files))
-        assert files["config.json"]["size"] == (out / name / "config.json").stat().st_size
-        assert protocol.inspect(out / name, int(name.split("-")[1]), deep=True).status is not \
-            protocol.Status.CORRUPT
+        assert files["config.json"]["size"] == stopped["sizes"][name]
+        assert stopped["status"][name] is not protocol.Status.CORRUPT, name
 
 
 def test_resume_runs_the_owed_evaluation_first_and_matches_the_uninterrupted_run(best_limit_1: dict) -> None:
@@ -164,9 +167,11 @@ def test_plain_ddp_save_only_model_jit_save_resumes_exactly(tmp_path: Path) -> N
     args = ["--zero-stage", "0", "--max-steps", "8", "--save-steps", "2", "--save-only-model", "--kill-wait", "0"]
     ref, out = tmp_path / "ref", tmp_path / "out"
     assert run_to_end(ref, args) == [0, 0]
+    # SIGTERM at the end of step 4, during its model-only periodic save: the stop moves to step 5, full
     assert run_to_end(out, [*args, "--signal-self-at-step", "4"]) == [0, 0]
     jit = out / "checkpoint-5"
     assert _manifest(jit)["contents"] == "full" and _manifest(out / "checkpoint-4")["contents"] == "model_only"
+    assert _manifest(jit)["kind"] == "jit"
     for name in ("optimizer.pt", "scheduler.pt", "rng_state_0.pth", "rng_state_1.pth"):
         assert (jit / name).is_file(), name
     assert run_to_end(out, [*args, "--resume"]) == [0, 0]

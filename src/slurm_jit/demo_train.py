@@ -146,6 +146,9 @@ def _test_callbacks(opts: argparse.Namespace, rank: int) -> list[Any]:
                 ckpt = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
                 with open(os.path.join(ckpt, opts.on_save_file), "w", encoding="utf-8") as f:
                     f.write(f"written by on_save at step {state.global_step}\n")
+                if os.path.isfile(os.path.join(ckpt, "config.json")):  # rewrite a file the manifest lists
+                    with open(os.path.join(ckpt, "config.json"), "a", encoding="utf-8") as f:
+                        f.write("\n")
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if opts.signal_self_at_step and state.global_step == opts.signal_self_at_step:

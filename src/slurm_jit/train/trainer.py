@@ -112,6 +112,7 @@ class _Run:
     ignore_keys_for_eval: list[str] | None = None
     grace_due: list[str] = field(default_factory=list)  # runtime grace checks to run at the next calm boundary
     saved_step: int = -1  # the step of the last checkpoint written by this run
+    saved_contents: str = "full"  # what it holds: full, or model_only (save_only_model)
     save_kind: str | None = None
     checkpoint: str | None = None  # the checkpoint to resume from after this run
     step_t0: float = field(default_factory=time.monotonic)
@@ -362,7 +363,14 @@ class JitTrainer(transformers.Trainer):
         if not run.stop_now and run.saved_step == step:
             # A periodic save just ended: a stop that came during it is taken here, not a step later.
             self._take(self._agreement.agree_now(*self._wish()))
-        if (run.stop_now or run.eval_aborted) and not last_step:
+        stopping = (run.stop_now or run.eval_aborted) and not last_step
+        if stopping and run.saved_step == step and run.saved_contents != "full":
+            # The stop came during a model-only periodic save (save_only_model): it cannot be resumed from, and
+            # its directory must not be replaced. Train one more step and write a full JIT checkpoint there.
+            logger.warning("slurm_jit: stop during a model-only save of step %d: a full JIT checkpoint follows "
+                           "after the next step", step)
+            stopping = False
+        if stopping:
             if run.saved_step != step:
                 self._save_jit(args[2] if len(args) > 2 else kwargs["model"], args[3] if len(args) > 3 else None)
             run.checkpoint = str(Path(self._get_output_dir(trial=None)) / f"checkpoint-{step}")
@@ -370,7 +378,8 @@ class JitTrainer(transformers.Trainer):
             self._record_stop()
             self.control.should_training_stop = True
         else:
-            self._run_due_grace_checks()  # never between a stop decision and the exit: it may query Slurm
+            if not run.stop_now:
+                self._run_due_grace_checks()  # never between a stop decision and the exit: it may query Slurm
             run.step_t0 = time.monotonic()
 
     def _at_last_step(self) -> bool:
@@ -394,6 +403,7 @@ class JitTrainer(transformers.Trainer):
             metrics = super()._evaluate(trial, ignore_keys_for_eval, skip_scheduler=skip_scheduler)
         except _EvalAborted:
             run.eval_aborted = run.eval_owed = True
+            self.control.should_save = False  # the JIT save takes the place of this step's periodic one
             metrics = {}
             logger.warning("slurm_jit: evaluation aborted at step %d for a JIT checkpoint", self.state.global_step)
         else:
@@ -526,7 +536,7 @@ class JitTrainer(transformers.Trainer):
             "owed_evaluation": bool(run and run.eval_owed),
         })
         if run is not None:
-            run.saved_step = step
+            run.saved_step, run.saved_contents = step, contents
             run.checkpoint = str(ckpt)
             if kind == "jit":
                 self._record_stop()
