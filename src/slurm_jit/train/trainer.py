@@ -610,9 +610,12 @@ class JitTrainer(transformers.Trainer):
     def _run_due_grace_checks(self) -> None:
         """Rank 0, at a boundary where training goes on and no signal is seen here (it may query Slurm)."""
         run = self._jit_run
-        if run is None or not run.grace_due or run.latch.seen:
+        # Before warm-up has passed the timing log has no step to judge by: the checks wait (they run once each).
+        if run is None or not run.grace_due or run.latch.seen or run.steps_done <= WARMUP_STEPS:
             return
         due, run.grace_due = run.grace_due, []
+        if run.timing is not None:
+            run.timing.flush()
         for when in due:
             if not self.jit_config.grace_check or when in run.grace_checked or not self._is_rank0:
                 continue
