@@ -424,8 +424,8 @@ class JitTrainer(transformers.Trainer):
         if run is None or run.owed_eval_step is None:
             return
         step, run.owed_eval_step = run.owed_eval_step, None
-        if step != self.state.global_step:
-            return
+        if step != self.state.global_step or self.eval_dataset is None or self.args.eval_strategy == "no":
+            return  # not this step's state, or this run does not evaluate
         logger.warning("slurm_jit: running the evaluation owed from step %d (skipped by the stop)", step)
         metrics = self._evaluate(run.trial, run.ignore_keys_for_eval)
         if self._determine_best_metric(metrics=metrics, trial=run.trial) and self.state.best_global_step == step:
