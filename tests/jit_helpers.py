@@ -254,3 +254,20 @@ def flip_middle_byte(path: Path, mask: int = 0x01) -> None:
     blob = bytearray(path.read_bytes())
     blob[len(blob) // 2] ^= mask
     path.write_bytes(bytes(blob))
+
+
+def start_demo(out: Path, args: list[str], world_size: int = 2, log_dir: Path | None = None,
+               env: dict[str, str] | None = None) -> local_ranks.Ranks:
+    """Start ``world_size`` ranks of demo_train (logs in OUT/../logs-<out name> unless ``log_dir``)."""
+    return local_ranks.start(["-m", "slurm_jit.demo_train", "--output-dir", str(out), *args], world_size,
+                             log_dir or out.parent / f"logs-{out.name}", env=env)
+
+
+def wait_for_path(ranks: local_ranks.Ranks, path: Path, timeout_s: float = START_TIMEOUT_S) -> None:
+    """Until ``path`` exists; fails (and kills the ranks) when they exit first or the deadline passes."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if any(p.poll() is not None for p in ranks.procs) or time.monotonic() > deadline:
+            ranks.kill()
+            raise AssertionError(f"{path} never appeared:\n{ranks.log(0)[-3000:]}")
+        time.sleep(0.02)

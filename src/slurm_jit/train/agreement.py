@@ -142,15 +142,19 @@ class StopAgreement:
                                      threshold_s=calc.blocking_threshold_s(decision.allreduce_s))
         return decision
 
-    def close(self) -> None:
+    def close(self, wait_for_peers: bool = True) -> None:
         """Finish the round in flight, wait for every rank, and tear the side group down.
 
         A gloo group left to the interpreter's exit can abort the process ("terminate called without an active
-        exception") when the peer rank has already exited.
+        exception") when the peer rank has already exited. ``wait_for_peers=False`` (after a failure, when a
+        peer may never come): drop the round in flight and tear the group down without a barrier.
         """
-        self._drain()
+        if wait_for_peers:
+            self._drain()
+        self._pending = None
         if self.distributed and self.group is not None:
-            dist.barrier(group=self.group)
+            if wait_for_peers:
+                dist.barrier(group=self.group)
             dist.destroy_process_group(self.group)
             self.group = None
             self.distributed = False
