@@ -23,7 +23,7 @@ from ckpt_factory import run_ckpt_check
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from slurm_jit.checkpoint import formats, protocol
+from slurm_jit.checkpoint import formats, manifest, protocol
 
 EXAMPLES = 120  # ~0.1 s each
 SUBPROCESS_EXAMPLES = 4  # ~0.7 s each: the real process under PYTHONIOENCODING=utf-8:strict
@@ -112,7 +112,7 @@ def damage_truncate(tree: Tree, ckpt: Path, data: st.DataObject) -> None:
 
 def damage_oversize(tree: Tree, ckpt: Path, data: st.DataObject) -> None:
     path = _victim(ckpt, data)  # sparse: costs no disk, but a reader that trusts sizes would read it all
-    os.truncate(path, data.draw(st.sampled_from([formats.JSON_MAX_BYTES + 1, protocol.MANIFEST_MAX_BYTES + 1,
+    os.truncate(path, data.draw(st.sampled_from([formats.JSON_MAX_BYTES + 1, manifest.MANIFEST_MAX_BYTES + 1,
                                                  2**40]), label="size"))
 
 

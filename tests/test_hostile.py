@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import stat
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -296,3 +298,39 @@ def test_a_malformed_manifest_world_size_is_corrupt(out: Path, world: object) ->
     ckpt = ckpt_factory.checkpoint(out, 5)
     ckpt_factory.edit_manifest(ckpt, world_size=world)
     assert only(out).status is Status.CORRUPT
+
+
+# ---------------------------------------------------------------- the same class elsewhere in checkpoint/
+
+
+def test_an_out_dir_that_cannot_be_reached_is_an_error_not_a_fresh_start(tmp_path: Path) -> None:
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    assert protocol.find_resumable(tmp_path / "missing").checkpoint is None  # missing: a fresh start
+    assert protocol.find_resumable(blocked / "out").checkpoints == []  # ENOTDIR: nothing can be there either
+    private = Path(tempfile.mkdtemp(prefix="ckpt-private-"))  # /tmp is world-traversable; this one is not
+    try:
+        ckpt_factory.checkpoint(private / "out", 5)
+        private.chmod(0o700)
+        prefix = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if os.geteuid() == 0 else []
+        if prefix and shutil.which("setpriv") is None:
+            pytest.skip("setpriv absent: cannot drop root to test permission denied")
+        code = ("import sys; from slurm_jit.checkpoint import protocol\n"
+                "try:\n    protocol.find_resumable(sys.argv[1])\nexcept PermissionError:\n    sys.exit(7)\n")
+        proc = subprocess.run([*prefix, sys.executable, "-c", code, str(private / "out")], capture_output=True,
+                              text=True, timeout=SUBPROCESS_TIMEOUT_S, check=False, cwd="/")
+        assert proc.returncode == 7, proc.stderr  # on main: no error, a fresh start over checkpoint-5
+    finally:
+        shutil.rmtree(private)
+
+
+def test_the_writer_refuses_a_fifo_in_the_checkpoint(tmp_path: Path) -> None:
+    ckpt = tmp_path / "checkpoint-6"
+    protocol.write_sentinel(ckpt, 6, "jit")
+    ckpt_factory.write_files(ckpt, 6)
+    os.mkfifo(ckpt / "ema.json")  # e.g. left by a callback: hashing it would block the save forever
+    with ckpt_factory.time_bound(ckpt_factory.CHECK_TIMEOUT_S):
+        protocol.fsync_tree(ckpt)
+        with pytest.raises(protocol.ProtocolError, match="ema.json: a FIFO, not a regular file.*HINT:"):
+            protocol.file_entries(ckpt, protocol.payload_files(ckpt))
+    assert (ckpt / protocol.SENTINEL_NAME).exists()  # still incomplete

@@ -11,14 +11,18 @@ tag directory, e.g. ``global_step10/``, inside when DeepSpeed is on). Writing on
    a temporary file, fsync, atomic rename and an fsync of the directory.
 4. Rank 0 removes the sentinel and fsyncs the directory.
 
-Reading one gives a :class:`Status`:
+Reading one gives a :class:`Status` (only ``complete`` and ``unverified`` are resumable):
 
-- ``complete``: no sentinel, manifest present and verified (sizes; checksums too with ``deep``).
-- ``incomplete``: sentinel present, or neither a manifest nor the files a resume needs.
-- ``corrupt``: a manifest whose listed file is missing, has the wrong size or (deep) checksum, or escapes the
-  directory; ``trainer_state.json`` unparseable or its ``global_step`` not the directory's step.
-- ``unverified``: no manifest (written by a plain ``Trainer``) but structurally whole: see
-  :mod:`slurm_jit.checkpoint.structure`.
+- ``complete``: no sentinel, manifest verified (sizes; checksums too with ``deep``; see
+  :mod:`slurm_jit.checkpoint.manifest`) and structurally whole (:mod:`slurm_jit.checkpoint.structure`).
+- ``unverified``: no manifest (written by a plain ``Trainer``) but structurally whole.
+- ``model-only``: whole weights and no optimizer/RNG state at all (``save_only_model``): never resumed.
+- ``incomplete``: sentinel present, or files a resume needs missing (with or without a manifest).
+- ``corrupt``: a listed file missing, resized, not a regular file, (deep) with the wrong checksum, or escaping the
+  directory; manifest, ``trainer_state.json`` and the DeepSpeed tag disagreeing on the step.
+
+"Newest" is the checkpoint written last (:attr:`CheckpointInfo.written_at`), not the highest step: resume and
+rotation (:func:`rotation_victims`) both go by it.
 
 Nothing is ever unpickled to check it: checkpoint files are untrusted input (see :mod:`slurm_jit.checkpoint.formats`).
 """
@@ -36,30 +40,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import xxhash
-
 from slurm_jit.checkpoint import formats, structure
+from slurm_jit.checkpoint import manifest as manifest_mod
+from slurm_jit.checkpoint.manifest import (  # the manifest's names, used by the trainer and the tests through here
+    CONTENTS,
+    CONTENTS_FULL,
+    CONTENTS_MODEL_ONLY,
+    FORMAT_VERSION,
+    HASH_NAME,
+    MANIFEST_FORMAT,
+    MANIFEST_NAME,
+    TRAINER_STATE_NAME,
+    hash_file,
+)
 
 SENTINEL_NAME = "checkpoint-is-incomplete.txt"  # transformers' own name (trainer_jit_checkpoint.py)
-MANIFEST_NAME = "slurm-jit-manifest.json"
-MANIFEST_FORMAT = "slurm-jit-checkpoint"
-FORMAT_VERSION = 2  # 2 added "contents" and "run_id"; version 1 manifests are read as contents "full"
-READABLE_VERSIONS = (1, 2)
 MAX_STEP_DIGITS = 18  # 10**18 steps is beyond any run; int() refuses over 4300 digits (CPython's str limit)
-MANIFEST_MAX_BYTES = 256 * 1024 * 1024  # ~100 bytes per file: millions of files, far beyond any real checkpoint
-CONTENTS_FULL = "full"  # everything an exact resume needs
-CONTENTS_MODEL_ONLY = "model_only"  # a save_only_model save: weights for inference, never resumed
-CONTENTS = (CONTENTS_FULL, CONTENTS_MODEL_ONLY)
-HASH_NAME = "xxh3_128"
-HASH_CHUNK_BYTES = 8 * 1024 * 1024
 # transformers.trainer_utils uses ^checkpoint-(\d+)$, whose $ also matches before a final newline and whose \d
 # matches any Unicode digit; ours is used with fullmatch and ASCII digits only
 CHECKPOINT_RE = re.compile(r"checkpoint-([0-9]+)", re.ASCII)
 QUARANTINE_SUFFIX = ".incomplete"
 QUARANTINED_RE = re.compile(r"checkpoint-[0-9]+\.incomplete(\.[0-9]+)?", re.ASCII)
 SAVE_KINDS = ("jit", "periodic", "final")
-TRAINER_STATE_NAME = "trainer_state.json"
-MAX_EPOCH_S = 2**33  # year 2242: a manifest's "created" beyond it is not a time (clocks differ, not by centuries)
 
 
 class Status(str, enum.Enum):
@@ -112,17 +114,6 @@ class ProtocolError(RuntimeError):
 # ---------------------------------------------------------------- reading
 
 
-def hash_file(path: str | os.PathLike[str], progress: Callable[[int], None] | None = None) -> str:
-    """xxh3-128 hex digest of a regular file, read in chunks (a FIFO, device or symlink: UntrustedFile)."""
-    digest = xxhash.xxh3_128()
-    with formats.open_regular(path) as handle:
-        while chunk := handle.read(HASH_CHUNK_BYTES):
-            digest.update(chunk)
-            if progress is not None:
-                progress(len(chunk))
-    return digest.hexdigest()
-
-
 def _raise(exc: OSError) -> None:
     raise exc
 
@@ -149,92 +140,14 @@ def _tree_size(directory: Path) -> int:
     return total
 
 
-def _plain_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _safe_member(ckpt_dir: Path, rel: object) -> Path | None:
-    """The path of a manifest entry, or None when it could escape the checkpoint directory or is no file name."""
-    if not isinstance(rel, str) or not rel or "\\" in rel or "\0" in rel:
-        return None
-    try:
-        os.fsencode(rel)  # a lone surrogate outside surrogateescape's range names no file
-    except UnicodeError:
-        return None
-    parts = Path(rel).parts
-    if Path(rel).is_absolute() or any(p in ("..", ".", "") for p in parts):
-        return None
-    return ckpt_dir / rel
-
-
 def _check_trainer_state(ckpt_dir: Path, step: int) -> str | None:
     try:
         state = formats.load_json(ckpt_dir / TRAINER_STATE_NAME)
     except (OSError, ValueError, RecursionError) as exc:
         return f"{TRAINER_STATE_NAME} unreadable: {type(exc).__name__}: {exc}"
     found = state.get("global_step") if isinstance(state, dict) else None
-    if not _plain_int(found) or found != step:
+    if not manifest_mod.plain_int(found) or found != step:
         return f"{TRAINER_STATE_NAME} global_step {found!r} != directory step {step}"
-    return None
-
-
-def read_manifest(ckpt_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
-    """(manifest, None) or (None, why it cannot be used). Reads at most MANIFEST_MAX_BYTES of a regular file."""
-    try:
-        manifest = formats.load_json(ckpt_dir / MANIFEST_NAME, MANIFEST_MAX_BYTES)
-    except (OSError, ValueError, RecursionError) as exc:
-        return None, f"manifest unreadable: {type(exc).__name__}: {exc}"
-    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
-        return None, "manifest is not a slurm-jit manifest"
-    if manifest.get("version") not in READABLE_VERSIONS or not _plain_int(manifest.get("version")):
-        return None, f"manifest version {manifest.get('version')!r} not supported (want one of {READABLE_VERSIONS})"
-    if not isinstance(manifest.get("files"), dict) or not _plain_int(manifest.get("step")):
-        return None, "manifest lacks files or step"
-    if TRAINER_STATE_NAME not in manifest["files"]:
-        return None, f"manifest does not list {TRAINER_STATE_NAME}"
-    if manifest.get("contents", CONTENTS_FULL) not in CONTENTS:
-        return None, f"manifest contents {manifest.get('contents')!r} unknown (want one of {CONTENTS})"
-    return manifest, None
-
-
-def _verify_manifest(
-    ckpt_dir: Path, step: int, manifest: dict[str, Any], deep: bool, progress: Callable[[int], None] | None
-) -> str | None:
-    if manifest["step"] != step:
-        return f"manifest step {manifest['step']} != directory step {step}"
-    tag = manifest.get("deepspeed_tag")
-    if tag is not None and tag != f"{structure.DS_TAG_PREFIX}{step}":
-        return f"manifest DeepSpeed tag {tag!r} is not {structure.DS_TAG_PREFIX}{step} of this checkpoint"
-    world = manifest.get("world_size")
-    if world is not None and not (_plain_int(world) and 1 <= world <= structure.MAX_WORLD_SIZE):
-        return f"manifest world_size {world!r} is not between 1 and {structure.MAX_WORLD_SIZE}"
-    real_root = os.path.realpath(ckpt_dir)
-    for rel, entry in sorted(manifest["files"].items()):
-        why = _verify_entry(ckpt_dir, real_root, rel, entry, deep, progress)
-        if why:
-            return why
-    return None
-
-
-def _verify_entry(ckpt_dir: Path, real_root: str, rel: str, entry: object, deep: bool,
-                  progress: Callable[[int], None] | None) -> str | None:
-    path = _safe_member(ckpt_dir, rel)
-    if path is None:
-        return f"manifest path {rel!r} escapes the checkpoint"
-    if not isinstance(entry, dict) or not _plain_int(entry.get("size")):
-        return f"manifest entry for {rel} is malformed"
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return f"{rel} is missing"
-    if not stat.S_ISREG(st.st_mode):
-        return f"{rel} is {formats.file_kind(st.st_mode)}, not a regular file"
-    if os.path.realpath(path) != os.path.join(real_root, *Path(rel).parts):
-        return f"{rel} is reached through a symlink: not trusted"
-    if st.st_size != entry["size"]:
-        return f"{rel} has {st.st_size} bytes, manifest says {entry['size']}"
-    if deep and hash_file(path, progress) != entry.get(HASH_NAME):
-        return f"{rel} checksum mismatch"
     return None
 
 
@@ -280,14 +193,6 @@ def _tree_size_or_none(path: Path) -> int | None:
         return None
 
 
-def _created(manifest: dict[str, Any]) -> float | None:
-    """The manifest's ``created`` time when it is a plausible epoch time, else None."""
-    created = manifest.get("created")
-    if isinstance(created, bool) or not isinstance(created, int | float) or not 0 < created < MAX_EPOCH_S:
-        return None
-    return float(created)
-
-
 def _inspect(path: Path, step: int, deep: bool, progress: Callable[[int], None] | None) -> CheckpointInfo:
     mtime = _dir_mtime(path)
 
@@ -299,7 +204,7 @@ def _inspect(path: Path, step: int, deep: bool, progress: Callable[[int], None] 
         if manifest is not None and status in WHOLE_STATUSES:  # only a verified manifest is believed
             run_id = manifest.get("run_id") if isinstance(manifest.get("run_id"), str) else None
             world = manifest.get("world_size")
-            written_at = _created(manifest) or mtime
+            written_at = manifest_mod.created(manifest) or mtime
         return CheckpointInfo(path=path, step=step, status=status, reason=reason, kind=kind,
                               size_bytes=_tree_size_or_none(path), mtime=mtime, written_at=written_at,
                               run_id=run_id, world_size=world)
@@ -309,10 +214,10 @@ def _inspect(path: Path, step: int, deep: bool, progress: Callable[[int], None] 
     if _present(path / SENTINEL_NAME):
         return info(Status.INCOMPLETE, f"{SENTINEL_NAME} present: the save did not finish")
     if _present(path / MANIFEST_NAME):
-        manifest, why = read_manifest(path)
+        manifest, why = manifest_mod.read(path)
         if manifest is None:
             return info(Status.CORRUPT, why or "manifest unusable")
-        why = (_verify_manifest(path, step, manifest, deep, progress) or _check_trainer_state(path, step)
+        why = (manifest_mod.verify(path, step, manifest, deep, progress) or _check_trainer_state(path, step)
                or structure.tag_mismatch(path, step))
         if why:
             return info(Status.CORRUPT, why, manifest)
@@ -374,7 +279,7 @@ def find_resumable(out_dir: str | os.PathLike[str], strict: bool = False, deep: 
 
     Raises OSError when ``out_dir`` cannot be listed; a missing ``out_dir`` means a fresh start.
     """
-    if not os.path.lexists(out_dir):
+    if not _present(Path(out_dir)):  # EACCES on the way is an error, not a fresh start
         return Resolution(checkpoint=None, passed_over=[], checkpoints=[])
     checkpoints, ignored = scan(out_dir, deep=deep, progress=progress)
     passed_over: list[CheckpointInfo] = []
@@ -480,7 +385,11 @@ def file_entries(ckpt_dir: str | os.PathLike[str], rels: Iterable[str]) -> dict[
     entries = {}
     for rel in rels:
         path = root / rel
-        entries[rel] = {"size": os.lstat(path).st_size, HASH_NAME: hash_file(path)}
+        try:
+            entries[rel] = {"size": os.lstat(path).st_size, HASH_NAME: hash_file(path)}
+        except formats.UntrustedFile as exc:
+            raise ProtocolError(f"{path}: {exc}. HINT: only regular files belong in a checkpoint; remove it (a "
+                                "callback's on_save?) and save again") from None
     return entries
 
 
