@@ -11,6 +11,8 @@ import contextlib
 import io
 import json
 import os
+import pickle
+import shlex
 import signal
 import struct
 import zipfile
@@ -31,6 +33,25 @@ def torch_like_zip(path: Path, payload: bytes = b"\x80\x02}q\x00.") -> None:
     with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
         archive.writestr("archive/data.pkl", payload)
         archive.writestr("archive/version", "3\n")
+
+
+class _TouchOnUnpickle:
+    """Unpickling this runs ``touch MARKER``: proof that something was unpickled."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.system, (f"touch {shlex.quote(str(self.marker))}",))
+
+
+def write_evil_pt(path: Path, marker: Path) -> Path:
+    """A zip laid out like ``torch.save`` output whose data.pkl touches ``marker`` when unpickled."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
+        archive.writestr("archive/data.pkl", pickle.dumps(_TouchOnUnpickle(marker), protocol=2))
+        archive.writestr("archive/byteorder", "little")
+        archive.writestr("archive/version", "3\n")
+    return path
 
 
 def safetensors(path: Path) -> None:

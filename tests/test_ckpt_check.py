@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from ckpt_factory import write_evil_pt
 from conftest import flip_middle_byte
-from test_formats import write_evil_pt
 from transformers.trainer_utils import get_last_checkpoint
 
 from slurm_jit.checkpoint import protocol
