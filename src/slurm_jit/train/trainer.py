@@ -38,6 +38,7 @@ from typing import Any
 import transformers
 from transformers.trainer_utils import TrainOutput
 
+from slurm_jit.checkpoint import manifest as manifest_file
 from slurm_jit.checkpoint import protocol
 from slurm_jit.grace.calc import AGREE_BLOCKING
 from slurm_jit.signal_names import parse_signal
@@ -304,7 +305,7 @@ class JitTrainer(transformers.Trainer):
         refusal = resume_refusal(path, world_size=int(self.args.world_size))
         manifest = None
         if not refusal and (Path(path) / protocol.MANIFEST_NAME).is_file():
-            manifest, _ = protocol.read_manifest(Path(path))
+            manifest, _ = manifest_file.read(Path(path))
         carried: dict[str, Any] = {}
         if manifest is not None:
             if isinstance(manifest.get("run_id"), str):
@@ -610,9 +611,10 @@ class JitTrainer(transformers.Trainer):
         tag = latest.read_text().strip() if latest.is_file() else None
         engine: Any = self.model_wrapped
         zero_stage = engine.zero_optimization_stage() if self.is_deepspeed_enabled else None
+        fields = dict(fields)
         protocol.write_manifest(
             ckpt, step=step, kind=kind, world_size=int(self.args.world_size), zero_stage=zero_stage,
-            deepspeed_tag=tag, files=files,
+            deepspeed_tag=tag, files=files, contents=fields.pop("contents"), run_id=fields.pop("run_id"),
             extra={"bytes_weights_duplicate": duplicate, "bytes_needed_for_resume": total - duplicate, **fields},
         )
         logger.warning("slurm_jit: %s checkpoint-%d: %d bytes written, %d needed for resume, %d over (model "
