@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from slurm_jit.launch import script, task
+from slurm_jit.train import dist_env
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "golden"
@@ -190,4 +191,20 @@ def test_generated_scripts_pass_grace_calc_check(name: str) -> None:
     ({"SLURM_STEP_TASKS_PER_NODE": "junk"}, None),
 ])
 def test_local_world_size_from_slurm(env: dict[str, str], expected: int | None) -> None:
-    assert task.local_world_size(dict(env)) == expected
+    assert dist_env.local_world_size(dict(env)) == expected
+
+
+SRUN_TASK_ENV = {"SLURM_PROCID": "3", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1",
+                 "SLURM_STEP_NODELIST": "127.0.0.1", "SLURM_STEP_NUM_NODES": "2", "SLURM_JOB_ID": "9",
+                 "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_NODEID": "1"}
+
+
+def test_srun_python_train_and_the_launcher_task_set_the_same_rank_variables() -> None:
+    """``srun python train.py`` (dist_env.from_slurm, as demo_train calls it) and the launcher's task entry
+    agree, LOCAL_WORLD_SIZE included: else accelerate gives a CPU rank other threads than a local run."""
+    direct, through_task = dict(SRUN_TASK_ENV), dict(SRUN_TASK_ENV)
+    assert dist_env.from_slurm(direct)
+    task.set_rank_env(through_task)
+    assert direct == through_task
+    assert (direct["RANK"], direct["WORLD_SIZE"], direct["LOCAL_RANK"], direct["LOCAL_WORLD_SIZE"]) == \
+        ("3", "4", "1", "2")
