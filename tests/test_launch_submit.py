@@ -81,11 +81,71 @@ def test_plan_names_grace_terms_signal_policy_and_resume_point() -> None:
     (["--output-dir", "o", "--time", "30", "--signal-lead", "60", "--function", "nocolon"], "HINT"),
     (["--config", "/nonexistent.toml"], "cannot read config"),
     (["--bogus"], "HINT"),
+    # Hostile input found by attacking the launcher (each accepted, silently changed or a traceback before):
+    ([*BASE, "--nodes", "0", *CMD], "--nodes 0: must be a whole number, 1 or more"),  # was taken for 1
+    ([*BASE, "--ntasks-per-node", "0", *CMD], "--ntasks-per-node 0: must be"),  # was taken for 1
+    ([*BASE, "--max-requeues", "-1", *CMD], "--max-requeues -1: must be a whole number, 0 or more"),
+    ([*BASE, "--retry-on-failure", "-1", *CMD], "--retry-on-failure -1: must be"),
+    ([*BASE, "--job-name", "", *CMD], "--job-name is empty"),
+    (["--output-dir", OUT, "--time", "30", "--signal-lead", "60", "--python", "", *CMD], "--python is empty"),
+    ([*BASE, "--", ""], "the training command's program is empty"),
+    ([*BASE, "--function", ":"], "--function ':': not module:function"),
+    ([*BASE, "--function", "os:"], "not module:function"),
+    ([*BASE, "--function", "slurm_jit_no_such_module:main"], "no module slurm_jit_no_such_module"),
+    ([*BASE, "--function", "slurm_jit.demo_train:no_such_function"], "defines no no_such_function"),
+    # sbatch's command line wins over #SBATCH lines: these would silently replace what the plan says.
+    ([*BASE, "--sbatch-arg=--signal=USR1@5", *CMD], "sets --signal, which submit.py writes itself"),
+    ([*BASE, "--sbatch-arg=--time=5", *CMD], "sets --time"),
+    ([*BASE, "--sbatch-arg=-t5", *CMD], "sets --time"),
+    ([*BASE, "--sbatch-arg=--no-requeue", *CMD], "sets --no-requeue"),
 ])
 def test_bad_input_is_one_line_with_a_hint(args: list[str], message: str, tmp_path: Path) -> None:
     proc = submit(*args, cwd=tmp_path)
     assert proc.returncode == 2, proc
     assert message in proc.stderr and "HINT" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    ('nodes = "two"', "nodes = 'two' is not an integer"),
+    ("nodes = true", "nodes = True is not an integer"),
+    ("output_dir = 5", "output-dir = 5 is not a string"),  # was a TypeError traceback
+    ('quarantine = "no"', "quarantine = 'no' is not true or false"),  # was bool("no"): quarantine on
+    ('sbatch_arg = "--exclusive"', "sbatch-arg = '--exclusive' is not a list of strings"),  # was split in letters
+    ('command = "python train.py"', "is not a list of strings"),
+])
+def test_config_value_of_the_wrong_type_is_refused(tmp_path: Path, line: str, message: str) -> None:
+    config = tmp_path / "job.toml"
+    config.write_text(line + "\n")
+    proc = submit("--config", str(config), "--time", "30", "--signal-lead", "60", "--output-dir", OUT)
+    assert proc.returncode == 2 and message in proc.stderr and "HINT" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_an_existing_function_entry_passes_the_check() -> None:
+    proc = submit(*BASE, "--function", "slurm_jit.demo_train:main", "--", "--max-steps", "2")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_given_times_are_used_when_an_earlier_submit_left_a_state_folder_without_timing_records(
+    tmp_path: Path,
+) -> None:
+    """A first job that crashed before its first step leaves OUT/slurm-jit/ with the spec and no timing log:
+    the resubmit with --step-time/--save-time was refused with 'no timing log'."""
+    out = tmp_path / "out"
+    (out / "slurm-jit").mkdir(parents=True)
+    (out / "slurm-jit" / script.SPEC_NAME).write_text('{"argv": ["python", "t.py"]}\n')
+    proc = submit("--output-dir", str(out), "--time", "30", "--step-time", "2m", "--save-time", "2m", *CMD)
+    assert proc.returncode == 0 and "#SBATCH --signal=TERM@" in proc.stdout, proc.stderr
+
+
+def test_an_output_dir_that_cannot_be_written_is_one_line_before_sbatch(tmp_path: Path) -> None:
+    """Not a dry run: the state folder is created before sbatch; sysfs refuses mkdir even to root."""
+    out = "/sys/slurm-jit-no-such/out"
+    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "submit.py"), *BASE[2:], "--output-dir", out,
+                           *CMD], capture_output=True, text=True, check=False, timeout=60, cwd=tmp_path,
+                          env={**os.environ, "SLURM_CONF": str(tmp_path / "no-cluster.conf")})  # never submits
+    assert proc.returncode == 2, proc.stderr
+    assert f"cannot write to {out}: " in proc.stderr and "HINT" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_unknown_config_key_is_refused(tmp_path: Path) -> None:
