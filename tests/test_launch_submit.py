@@ -148,6 +148,24 @@ def test_an_output_dir_that_cannot_be_written_is_one_line_before_sbatch(tmp_path
     assert f"cannot write to {out}: " in proc.stderr and "HINT" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_a_job_sbatch_refuses_is_not_blamed_on_a_down_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """--nodes 10**20 passes our checks; sbatch refuses it: the hint said "is Slurm up?"."""
+    from slurm_jit import slurm
+    from slurm_jit.launch import submit as submit_module
+
+    def runner(argv: list[str], timeout_s: float) -> str:
+        raise slurm.SlurmError(f"{argv[0]} failed (exit 255): sbatch: error: \"{10**20}\" is not a valid node count")
+
+    monkeypatch.setattr(slurm, "runner", runner)
+    with pytest.raises(SystemExit) as exited:
+        submit_module.submit_main(["--output-dir", str(tmp_path / "out"), "--time", "30", "--signal-lead", "60",
+                                   "--nodes", str(10**20), *CMD])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "is not a valid node count" in err
+    assert "HINT: sbatch refused the job" in err and "is Slurm up" not in err
+
+
 def test_unknown_config_key_is_refused(tmp_path: Path) -> None:
     config = tmp_path / "job.toml"
     config.write_text('tme = "30"\n')

@@ -281,6 +281,17 @@ def _submit(job: script.JobSpec, spec: Mapping[str, Any]) -> str:
     return out.strip().split(";")[0]
 
 
+# What sbatch (or the gateway) says when no controller answers, as opposed to refusing the job's options.
+NO_CONTROLLER = ("not found on PATH", "Unable to contact slurm controller", "did not answer within",
+                 "Could not establish a configuration source", "Invalid user for SlurmUser")
+
+
+def _sbatch_hint(message: str) -> str:
+    if any(words in message for words in NO_CONTROLLER):
+        return "is Slurm up (tools/local-slurm up)? Try --dry-run to see the script"
+    return "sbatch refused the job: fix the option its message names; --dry-run shows the script"
+
+
 def submit_main(argv: Sequence[str]) -> int:
     args = _merged(_parser().parse_args(argv))
     try:
@@ -304,7 +315,7 @@ def submit_main(argv: Sequence[str]) -> int:
         _fail(f"cannot write to {job.output_dir}: {exc.strerror or exc}. HINT: an output directory you can write "
               "to, on storage every node sees")
     except slurm.SlurmError as exc:
-        _fail(f"{exc}. HINT: is Slurm up (tools/local-slurm up)? Try --dry-run to see the script")
+        _fail(f"{exc}. HINT: {_sbatch_hint(str(exc))}")
     print(f"submitted job {job_id}; log {job.output_dir}/slurm-{job_id}.out; "
           f"status: {PROG} status {job.output_dir}", flush=True)
     return EXIT_OK
