@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -164,6 +165,15 @@ def test_a_job_sbatch_refuses_is_not_blamed_on_a_down_cluster(tmp_path: Path, mo
     err = capsys.readouterr().err
     assert exited.value.code == 2 and "is not a valid node count" in err
     assert "HINT: sbatch refused the job" in err and "is Slurm up" not in err
+
+
+def test_a_relative_output_dir_is_made_absolute_where_submit_runs(tmp_path: Path) -> None:
+    """The job may start in another directory (--chdir, a different login node path): the script and the gate
+    must not depend on it. Spaces and quotes in the path stay one shell word."""
+    proc = submit("--output-dir", "runs/it's a \"test\"", "--time", "30", "--signal-lead", "60", *CMD, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out_line = next(line for line in proc.stdout.splitlines() if line.startswith("OUT_DIR="))
+    assert shlex.split(out_line.removeprefix("OUT_DIR=")) == [f"{tmp_path}/runs/it's a \"test\""]
 
 
 def test_unknown_config_key_is_refused(tmp_path: Path) -> None:
