@@ -303,3 +303,18 @@ def test_status_of_an_unknown_job_id_says_so(monkeypatch: pytest.MonkeyPatch,
     assert status.status_main(["999999"]) == status.EXIT_ERROR
     err = capsys.readouterr().err
     assert "Invalid job id specified" in err and "HINT" in err
+
+
+def test_a_jit_stop_whose_checkpoint_ckpt_check_calls_incomplete_is_not_requeued_and_nothing_is_renamed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    gateway = ScriptedSlurm(["RUNNING"])
+    monkeypatch.setattr(slurm, "runner", gateway)
+    checkpoint = tmp_path / "checkpoint-10"
+    checkpoint.mkdir()
+    (checkpoint / "checkpoint-is-incomplete.txt").write_text("x")  # the sentinel: the save never finished
+    _record(tmp_path, monkeypatch, "jit_stop", 10)
+    assert _run(tmp_path, {"SLURM_JOB_ID": "42"}) == 1
+    assert "policy: no requeue: ckpt-check finds no resumable checkpoint" in capsys.readouterr().out
+    assert not gateway.requeued
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint-10"]

@@ -176,6 +176,14 @@ def test_a_relative_output_dir_is_made_absolute_where_submit_runs(tmp_path: Path
     assert shlex.split(out_line.removeprefix("OUT_DIR=")) == [f"{tmp_path}/runs/it's a \"test\""]
 
 
+def test_an_output_dir_that_is_a_file_is_one_line(tmp_path: Path) -> None:
+    a_file = tmp_path / "out"
+    a_file.write_text("not a directory")
+    proc = submit("--output-dir", str(a_file), "--time", "30", "--signal-lead", "60", *CMD)
+    assert proc.returncode == 2 and "Not a directory. HINT" in proc.stderr and "Traceback" not in proc.stderr
+    assert a_file.read_text() == "not a directory"
+
+
 def test_unknown_config_key_is_refused(tmp_path: Path) -> None:
     config = tmp_path / "job.toml"
     config.write_text('tme = "30"\n')
