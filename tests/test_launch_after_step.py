@@ -318,3 +318,34 @@ def test_a_jit_stop_whose_checkpoint_ckpt_check_calls_incomplete_is_not_requeued
     assert "policy: no requeue: ckpt-check finds no resumable checkpoint" in capsys.readouterr().out
     assert not gateway.requeued
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint-10"]
+
+
+def _complete_checkpoint(out: Path, step: int) -> Path:
+    """A checkpoint ckpt-check calls complete: sentinel, trainer state, manifest (the protocol's own writers)."""
+    from slurm_jit.checkpoint import protocol
+
+    path = out / f"checkpoint-{step}"
+    protocol.write_sentinel(path, step, "jit")
+    (path / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    protocol.write_manifest(path, step=step, kind="jit", world_size=2, zero_stage=2, deepspeed_tag=None,
+                            files=protocol.file_entries(path, protocol.payload_files(path)))
+    return path
+
+
+def test_a_new_job_into_the_same_directory_is_not_held_to_an_older_jobs_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Job 41 stopped at step 285; the user started over (new checkpoints) as job 42, which JIT-stops at step
+    100: before, 100 <= 285 read as "crash loop" and job 42 was never requeued."""
+    gateway = ScriptedSlurm(["RUNNING"])
+    monkeypatch.setattr(slurm, "runner", gateway)
+    progress.write(tmp_path, {"job_id": "41", "last_step": 285, "failure_retries": {}, "history": []})
+    _complete_checkpoint(tmp_path, 100)
+    _record(tmp_path, monkeypatch, "jit_stop", 100)
+    assert _run(tmp_path, {"SLURM_JOB_ID": "42"}) == 0
+    assert "policy: requeue: JIT checkpoint complete; requeue 1 of 3" in capsys.readouterr().out
+    assert gateway.requeued
+    # The same job, restarted, stopping at the same step again: that is the crash loop.
+    _record(tmp_path, monkeypatch, "jit_stop", 100, restart="1")
+    assert _run(tmp_path, {"SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": "1"}) == 1
+    assert "crash loop: no progress since the last restart (step 100)" in capsys.readouterr().out

@@ -85,7 +85,7 @@ def gather(args: argparse.Namespace, env: Mapping[str, str]) -> policy.Facts:
         resumable=resumable, resume_point=point, signal_lead_s=_int(lead) if lead.isdigit() else None,
         restart_count=restart_count, max_requeues=args.max_requeues,
         failure_retries=progress.failure_retries(saved, job_id), retry_on_failure=args.retry_on_failure,
-        previous_step=progress.previous_step(saved), srun_exit=args.srun_exit,
+        previous_step=progress.previous_step(saved, job_id), srun_exit=args.srun_exit,
     )
 
 
@@ -100,7 +100,7 @@ def _remember(out_dir: str, job_id: str, facts: policy.Facts, decision: policy.D
     retries: dict[str, int] = dict(stored) if isinstance(stored, dict) else {}
     if decision.failure_retry:
         retries = {**retries, job_id: progress.failure_retries(saved, job_id) + 1}
-    last_step = facts.record_step if facts.record_state == "jit_stop" else progress.previous_step(saved)
+    last_step = facts.record_step if facts.record_state == "jit_stop" else progress.previous_step(saved, job_id)
     history: list[object] = [*listed, {"job_id": job_id, "restart": facts.restart_count, "cause": decision.cause,
                           "step": facts.record_step, "requeue": decision.requeue, "reason": decision.reason}]
     progress.write(out_dir, {"job_id": job_id, "last_step": last_step, "failure_retries": retries,

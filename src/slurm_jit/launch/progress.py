@@ -74,7 +74,8 @@ def failure_retries(record: dict[str, Any], job_id: str) -> int:
     return value if isinstance(value, int) else 0
 
 
-def previous_step(record: dict[str, Any]) -> int | None:
-    """The global step at the previous stop (any job writing to this directory)."""
+def previous_step(record: dict[str, Any], job_id: str) -> int | None:
+    """The global step at this job's previous JIT stop; None on its first (a new job into the same directory,
+    e.g. one that starts over, is not held to an older job's step)."""
     value = record.get("last_step")
-    return value if isinstance(value, int) else None
+    return value if isinstance(value, int) and str(record.get("job_id")) == job_id else None
