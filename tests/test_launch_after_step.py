@@ -277,6 +277,9 @@ def _status(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_status_of_garbage_is_one_line_with_a_hint(tmp_path: Path) -> None:
+    for args in [(), ("a", "b")]:  # was argparse's usage and error, without a hint
+        wrong = _status(*args)
+        assert wrong.returncode == 2 and "HINT: status OUT_DIR or status JOBID" in wrong.stderr, wrong.stderr
     missing = _status(str(tmp_path / "no-such-dir"))  # was: "fresh start", as if it were empty
     assert missing.returncode == 2 and "no directory" in missing.stderr and "HINT" in missing.stderr
     progress.path(tmp_path).parent.mkdir(parents=True)

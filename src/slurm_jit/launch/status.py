@@ -7,6 +7,7 @@ import os
 import shlex
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from slurm_jit import slurm, timing
 from slurm_jit.grace import calc as grace
@@ -80,8 +81,13 @@ def report(out_dir: str, job_id: str | None) -> list[str]:
     return lines
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_ERROR, f"{self.prog}: error: {message}. HINT: status OUT_DIR or status JOBID\n")
+
+
 def status_main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python launch/submit.py status")
+    parser = _Parser(prog="python launch/submit.py status")
     parser.add_argument("target", help="the output directory, or a job id")
     args = parser.parse_args(argv)
     job_id = None
