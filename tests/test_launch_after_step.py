@@ -11,6 +11,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import ckpt_factory
 import pytest
 
 from slurm_jit import slurm
@@ -324,15 +325,8 @@ def test_a_jit_stop_whose_checkpoint_ckpt_check_calls_incomplete_is_not_requeued
 
 
 def _complete_checkpoint(out: Path, step: int) -> Path:
-    """A checkpoint ckpt-check calls complete: sentinel, trainer state, manifest (the protocol's own writers)."""
-    from slurm_jit.checkpoint import protocol
-
-    path = out / f"checkpoint-{step}"
-    protocol.write_sentinel(path, step, "jit")
-    (path / "trainer_state.json").write_text(json.dumps({"global_step": step}))
-    protocol.write_manifest(path, step=step, kind="jit", world_size=2, zero_stage=2, deepspeed_tag=None,
-                            files=protocol.file_entries(path, protocol.payload_files(path)))
-    return path
+    """A whole 2-rank DeepSpeed checkpoint that ckpt-check calls complete (written by the protocol's own writers)."""
+    return ckpt_factory.checkpoint(out, step, world=2, deepspeed=True)
 
 
 def test_a_new_job_into_the_same_directory_is_not_held_to_an_older_jobs_step(
