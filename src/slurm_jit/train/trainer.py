@@ -37,7 +37,7 @@ from transformers.trainer_utils import TrainOutput
 from slurm_jit.checkpoint import protocol
 from slurm_jit.signal_names import parse_signal
 from slurm_jit.timing import WARMUP_STEPS, TimingLog
-from slurm_jit.train import runtime_grace, stop_record
+from slurm_jit.train import exact_resume, runtime_grace, stop_record
 from slurm_jit.train.agreement import SIDE_GROUP_TIMEOUT_S, Decision, StopAgreement
 from slurm_jit.train.signals import IgnoreSignalsInWorker, SignalLatch
 
@@ -324,6 +324,14 @@ class JitTrainer(transformers.Trainer):
         if run is not None and run.in_loop and self._take(self._agreement.poll(*self._wish())):
             raise _EvalAborted
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+
+    # ------------------------------------------------------------ exact resume
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        # Trainer calls this right after DeepSpeed's load_checkpoint and before the first resumed step.
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None and self.is_deepspeed_enabled:
+            exact_resume.restore(self.model_wrapped)
 
     # ------------------------------------------------------------ saving
 
