@@ -22,7 +22,10 @@ Kernels in the installed DeepSpeed (0.19.8) and what they need:
 from __future__ import annotations
 
 import logging
+import random
+import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,20 +52,18 @@ class HiddenKernel:
     steps: int  # optimizer steps taken so far (from the loaded optimizer state)
     betas: tuple[tuple[float, float], ...]  # the betas of each kernel call of one step, in call order
 
-    def advance(self, step: int, beta1: float, beta2: float) -> None:
-        self.call(step, beta1, beta2, 0.0, [_empty() for _ in range(4)])
-
     def replay(self) -> int:
         """Call the kernel as the uninterrupted process did; returns the number of calls made."""
+        empty = [_empty() for _ in range(4)]  # nothing to update: each call moves only the hidden state
         if len(set(self.betas)) == 1:
             beta1, beta2 = self.betas[0]
             for step in range(1, self.steps + 1):  # the product chain: one multiplication per step
-                self.advance(step, beta1, beta2)
+                self.call(step, beta1, beta2, 0.0, empty)
             return self.steps
         # Betas that change between the calls of a step make the kernel recompute pow(beta, step) at every
         # call, so only the calls of the last step shape its state.
         for beta1, beta2 in self.betas:
-            self.advance(self.steps, beta1, beta2)
+            self.call(self.steps, beta1, beta2, 0.0, empty)
         return len(self.betas)
 
     def probe(self) -> float:
@@ -165,10 +166,31 @@ def hidden_kernels(engine: Any) -> tuple[list[HiddenKernel], list[str]]:
 def restore(engine: Any) -> str:
     """After ``engine.load_checkpoint``, before the first resumed step: replay every hidden kernel to the
     loaded step. Logs and returns one line saying what was done."""
+    t0 = time.monotonic()
     kernels, inexact = hidden_kernels(engine)
     done = [f"{k.name} replayed {k.replay()} kernel calls to step {k.steps}" for k in kernels if k.steps > 0]
+    if done:
+        done[-1] += f" ({time.monotonic() - t0:.2f} s)"
     line = "slurm_jit: exact resume: " + ("; ".join(done) if done else "no optimizer kernel with hidden state")
     if inexact:
         line += "; NOT exact: " + "; ".join(inexact) + " (its beta products restart from pow(beta, step))"
     logger.warning(line)  # at warning level, like the trainer's other resume lines, so that it shows by default
     return line
+
+
+@contextmanager
+def rng_untouched() -> Iterator[None]:
+    """Python, numpy and torch (CPU and accelerator) random states are the same after the block as before."""
+    import numpy as np
+    import torch
+
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    saved = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    try:
+        yield
+    finally:
+        random.setstate(saved[0])
+        np.random.set_state(saved[1])
+        torch.set_rng_state(saved[2])
+        if cuda:
+            torch.cuda.set_rng_state_all(cuda)

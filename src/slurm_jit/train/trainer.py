@@ -333,6 +333,12 @@ class JitTrainer(transformers.Trainer):
         if checkpoint is not None and self.is_deepspeed_enabled:
             exact_resume.restore(self.model_wrapped)
 
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        # A JIT stop skips the evaluation due at its step, which the uninterrupted run does: evaluations must
+        # not move training's random streams (each eval DataLoader iterator draws its base seed from them).
+        with exact_resume.rng_untouched():
+            return dict(super().evaluate(*args, **kwargs))
+
     # ------------------------------------------------------------ saving
 
     def _save_jit(self, model: Any, trial: Any) -> None:
