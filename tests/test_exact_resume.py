@@ -45,7 +45,7 @@ SIGNAL_AFTER_STEPS = 13
 
 
 def _args(name: str) -> list[str]:
-    return [*CONFIGS[name], *RUN, "--max-steps", str(MAX_STEPS), "--dump-state-at", str(MAX_STEPS)]
+    return [*RUN, *CONFIGS[name], "--max-steps", str(MAX_STEPS), "--dump-state-at", str(MAX_STEPS)]
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +130,28 @@ def test_cpu_adam_kernel_replay_restores_hidden_beta_products() -> None:
     running.step()
     assert not torch.equal(drifted, first.detach())  # the upstream cause, as a fact
     assert torch.equal(replayed, first.detach())
+
+
+def test_evaluation_leaves_the_rngs_untouched(tmp_path: Path) -> None:
+    """A JIT stop skips the evaluation due at its step; the uninterrupted run's evaluation must not have moved
+    the RNGs that dropout draws from afterwards (the eval DataLoader iterator draws its base seed from torch's)."""
+    import random
+
+    import numpy as np
+    import torch
+    import transformers
+
+    from slurm_jit import demo_train
+    from slurm_jit.train.trainer import JitTrainer
+
+    targs = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[],
+                                           per_device_eval_batch_size=2, disable_tqdm=True)
+    trainer = JitTrainer(model=demo_train.build_model("gpt2", 16, 1), args=targs,
+                         eval_dataset=demo_train._Tokens(4, seed=1))
+    before = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
+    assert "eval_loss" in trainer.evaluate()
+    assert torch.equal(torch.get_rng_state(), before[0])
+    assert (np.random.get_state()[1] == before[1]).all() and random.getstate() == before[2]
 
 
 def test_exactness_cli_bad_inputs(tmp_path: Path) -> None:
