@@ -48,7 +48,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers-take-signals", action="store_true",
                    help="JitConfig(ignore_signals_in_workers=False), to show what the default prevents")
     p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--ds-optimizer", choices=("AdamW", "Adam", "Lion"), default=None,
+    p.add_argument("--ds-optimizer", choices=("AdamW",), default=None,
                    help='an "optimizer" section in the DeepSpeed config (default: none, the Trainer\'s AdamW)')
     p.add_argument("--offload", action="store_true", help="ZeRO-Offload: optimizer on CPU (DeepSpeedCPUAdam)")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -94,8 +94,6 @@ def build_model(kind: str, width: int, layers: int, vocab: int = VOCAB, heads: i
 # The optimizer section as a user writes it: Trainer fills each "auto" from TrainingArguments.
 _DS_OPTIMIZER_PARAMS = {
     "AdamW": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
-    "Adam": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
-    "Lion": {"lr": "auto", "betas": "auto", "weight_decay": "auto"},
 }
 
 
