@@ -1,33 +1,61 @@
-"""Shared fixtures: real checkpoints written by real DeepSpeed ranks (tiny GPT-2 from a config, 2 CPU ranks)."""
+"""Shared fixtures: real checkpoints written by real DeepSpeed ranks (tiny GPT-2 from a config, 2 CPU ranks),
+uninterrupted reference runs, the local Slurm cluster, and the markers and timeouts every test gets."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import jit_helpers
 import pytest
-from jit_helpers import run_to_end
+from jit_helpers import flip_middle_byte, losses, run_logged, run_to_end
 
 from slurm_jit import slurm
 
+__all__ = ["ensure_cluster", "flip_middle_byte"]  # flip_middle_byte: jit_helpers' (kept importable from here)
+
 LOCAL_SLURM = Path(__file__).resolve().parents[1] / "tools" / "local-slurm"
 CLUSTER_UP_TIMEOUT_S = 300  # a fresh CI machine apt-installs slurm-wlm and munge first; then up waits <= 60 s
+# Fixtures that start DeepSpeed ranks: a test that uses one is a `deepspeed` test whatever its own marks say.
+DEEPSPEED_FIXTURES = {"plain_zero2_run", "jit_zero2_run", "reference_losses"}
+# Per-test timeouts (pytest-timeout; setup included, so a session fixture's runs count in the first test that
+# needs them). A hang fails one test instead of the CI run. Fast tests take well under a second each; a
+# DeepSpeed test runs up to ~4 two-rank trainings (~15 s each idle, ~3x on a loaded 2-core host, plus ~80 s
+# to build DeepSpeed's CPU comm op on a fresh machine); a Slurm test may wait CLUSTER_UP_TIMEOUT_S for the
+# cluster and a few minutes for a job's cores.
+TIMEOUT_FAST_S = 120
+TIMEOUT_DEEPSPEED_S = 900
+TIMEOUT_SLURM_S = 900
 
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`deepspeed` on every test that starts DeepSpeed ranks (its own or a fixture's), `slow` on every
+    `deepspeed` or `slurm` test (so ``-m "not slow"`` is the fast subset), and a timeout by kind."""
+    for item in items:
+        if DEEPSPEED_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.deepspeed)
+        kinds = {m.name for m in item.iter_markers()}
+        if kinds & {"deepspeed", "slurm"}:
+            item.add_marker(pytest.mark.slow)
+        if "timeout" not in kinds:
+            timeout_s = max(TIMEOUT_FAST_S, TIMEOUT_DEEPSPEED_S if "deepspeed" in kinds else 0,
+                            TIMEOUT_SLURM_S if "slurm" in kinds else 0)
+            item.add_marker(pytest.mark.timeout(timeout_s))
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_ranks() -> Iterator[None]:
+    """Ranks a test started and left running (it failed, or pytest-timeout interrupted it) are killed."""
+    yield
+    jit_helpers.kill_leftover_ranks()
 
 
 def _logs_of(out_dir: Path) -> str:
     log_dir = out_dir.parent / f"logs-{out_dir.name}"
     return "\n".join(p.read_text(errors="replace") for p in sorted(log_dir.glob("rank*.log")))
-
-
-def flip_middle_byte(path: Path, mask: int = 0x01) -> None:
-    """Damage a file without changing its size: only a checksum can tell."""
-    blob = bytearray(path.read_bytes())
-    blob[len(blob) // 2] ^= mask
-    path.write_bytes(bytes(blob))
 
 
 @pytest.fixture(scope="session")
@@ -48,6 +76,25 @@ def jit_zero2_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def reference_losses(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., list[tuple[int, float]]]:
+    """``reference_losses(args)``: per-step losses of an uninterrupted run of demo_train ``args``; each distinct
+    argument list runs once per session, whichever tests ask for it."""
+    cache: dict[tuple[str, ...], list[tuple[int, float]]] = {}
+
+    def reference(args: list[str]) -> list[tuple[int, float]]:
+        key = tuple(args)
+        if key not in cache:
+            out = tmp_path_factory.mktemp("reference") / "out"
+            result = run_logged(out, list(args))
+            assert result.codes == [0, 0], result.log[-4000:]
+            cache[key] = losses(out)
+            assert cache[key], f"reference run {args} logged no losses"
+        return cache[key]
+
+    return reference
+
+
 @pytest.fixture
 def copy_run(tmp_path: Path):
     """Copy a session run's OUT_DIR into this test's tmp_path, so that the test may break it."""
@@ -58,7 +105,6 @@ def copy_run(tmp_path: Path):
         return dst
 
     return copy
-
 
 
 def ensure_cluster() -> None:
@@ -78,15 +124,15 @@ def ensure_cluster() -> None:
         pytest.skip(message)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def slurm_cluster() -> None:
-    """The real local cluster, up."""
+    """The real local cluster, up (checked once per session; a test that takes it down brings it back)."""
     ensure_cluster()
 
 
 @pytest.fixture
 def jobs() -> Iterator[list[str]]:
-    """Job ids to scancel after the test, whatever happens."""
+    """Job ids to scancel after the test, whatever happens. Every job a test submits goes in here."""
     ids: list[str] = []
     yield ids
     for job_id in ids:

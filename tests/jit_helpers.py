@@ -1,16 +1,21 @@
-"""Helpers for the JitTrainer tests: start real DeepSpeed ranks, signal them as Slurm would, read what they left."""
+"""Helpers for the JitTrainer tests: start real DeepSpeed ranks, signal them as Slurm would, read what they left.
+
+The one place for test helpers: test files import from here (or use conftest fixtures), never from each other.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from slurm_jit import local_ranks
+from slurm_jit import local_ranks, timing
 from slurm_jit.checkpoint import protocol
 from slurm_jit.train import stop_record
 
@@ -18,6 +23,18 @@ START_TIMEOUT_S = 300  # a fresh machine builds DeepSpeed's CPU comm op on first
 # Not a benchmark: a hang detector. A stop that does not end within this long after the last signal is hung
 # (upstream hangs until the 30-minute collective timeout); a healthy one ends within kill_wait + a step + a save.
 STOP_DEADLINE_S = 45
+POLL_S = 0.01  # how often the signal scheduler looks for a new checkpoint directory and for exited ranks
+# The JIT save starts once kill_wait since the first signal has passed, at a step boundary; the agreement round
+# is read one step after it was sent, so the save may start up to this many steps late.
+STEPS_TO_STOP = 2
+# Scheduling noise on a loaded 2-core host between an event in a rank and this test process seeing it.
+SCHEDULING_SLACK_S = 1.0
+# From the end of the JIT save (its manifest) until every rank has exited: rotation, the stop record,
+# upstream's end of training, the final barrier, destroy_process_group and interpreter exit (2-4 s idle).
+TEARDOWN_S = 20.0
+# How a DeepSpeed model-states file is named: the model weights again beside the optimizer's fp32 copy.
+MODEL_STATES_GLOB = "global_step*/mp_rank_*_model_states.pt"
+ZERO3_MODEL_STATES_GLOB = "global_step*/zero_pp_rank_*_mp_rank_*_model_states.pt"  # buffers, no weights
 
 
 def losses(out: Path) -> list[tuple[int, float]]:
@@ -31,49 +48,140 @@ def losses(out: Path) -> list[tuple[int, float]]:
 class StopResult:
     codes: list[int | None]
     stop_s: float  # from the first signal until every rank exited
-    log: str
+    log: str  # what the ranks of this run wrote (both ranks)
+    save_start_s: float | None = None  # from the first signal until a new checkpoint directory appeared
+
+
+@dataclass
+class RunResult:
+    codes: list[int | None]
+    log: str  # what the ranks of this run wrote (rank 0, then rank 1), without earlier runs' lines
+
+
+_started: list[local_ranks.Ranks] = []  # every group of ranks started here, for kill_leftover_ranks
+
+
+def kill_leftover_ranks() -> None:
+    """SIGKILL every rank group started by these helpers that still runs (a failed or timed-out test's)."""
+    while _started:
+        _started.pop().kill()
+
+
+def _log_dir(out: Path) -> Path:
+    return out.parent / f"logs-{out.name}"
+
+
+def _start(out: Path, args: list[str], env: dict[str, str] | None) -> tuple[local_ranks.Ranks, list[int]]:
+    """Start 2 ranks; also returns the size of each rank log before the start (logs are appended to)."""
+    log_dir = _log_dir(out)
+    offsets = [(log_dir / f"rank{r}.log").stat().st_size if (log_dir / f"rank{r}.log").exists() else 0
+               for r in range(2)]
+    ranks = local_ranks.start(["-m", "slurm_jit.demo_train", "--output-dir", str(out), *args], 2, log_dir, env=env)
+    _started.append(ranks)
+    return ranks, offsets
+
+
+def start_ranks(out: Path, args: list[str], env: dict[str, str] | None = None) -> local_ranks.Ranks:
+    """Start 2 ranks of demo_train (killed after the test if still running); logs under logs-<out name>."""
+    return _start(out, args, env)[0]
+
+
+def _new_log(ranks: local_ranks.Ranks, offsets: list[int]) -> str:
+    return "".join(p.read_bytes()[o:].decode(errors="replace") for p, o in zip(ranks.logs, offsets, strict=True))
 
 
 def run_to_end(out: Path, args: list[str], env: dict[str, str] | None = None) -> list[int | None]:
-    ranks = local_ranks.start(["-m", "slurm_jit.demo_train", "--output-dir", str(out), *args], 2,
-                              out.parent / f"logs-{out.name}", env=env)
-    return ranks.wait(START_TIMEOUT_S)
+    return run_logged(out, args, env).codes
+
+
+def run_logged(out: Path, args: list[str], env: dict[str, str] | None = None) -> RunResult:
+    """Run 2 ranks to their end; returns the exit codes and this run's own log lines."""
+    ranks, offsets = _start(out, args, env)
+    codes = ranks.wait(START_TIMEOUT_S)
+    return RunResult(codes=codes, log=_new_log(ranks, offsets))
+
+
+def wait_for(ranks: local_ranks.Ranks, what: str, done: Callable[[], bool], timeout_s: float = START_TIMEOUT_S,
+             poll_s: float = 0.02) -> None:
+    """Poll ``done()`` until true; fail (and kill the ranks) when a rank exits first or at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if any(p.poll() is not None for p in ranks.procs) or time.monotonic() > deadline:
+            ranks.kill()
+            raise AssertionError(f"never {what} (within {timeout_s:.0f} s):\n{ranks.log(0)[-3000:]}")
+        time.sleep(poll_s)
 
 
 def wait_for_steps(ranks: local_ranks.Ranks, out: Path, n: int) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while len(losses(out)) < n:
-        if any(p.poll() is not None for p in ranks.procs) or time.monotonic() > deadline:
-            ranks.kill()
-            raise AssertionError(f"training did not reach step {n}:\n{ranks.log(0)[-3000:]}")
-        time.sleep(0.05)
+    wait_for(ranks, f"reached step {n}", lambda: len(losses(out)) >= n)
+
+
+def _checkpoint_names(out: Path) -> set[str]:
+    return {p.name for p in out.glob("checkpoint-*")} if out.is_dir() else set()
 
 
 def run_and_signal(out: Path, args: list[str], plan: list[tuple[int, float]], after_steps: int = 3,
                    signum: int = signal.SIGTERM, env: dict[str, str] | None = None,
                    wait_until: str | None = None) -> StopResult:
     """Start 2 ranks; once ``after_steps`` are logged (or ``wait_until`` exists), send ``signum`` to each
-    (rank, delay-since-previous-signal) of ``plan``, to the rank's whole process group as Slurm does."""
-    ranks = local_ranks.start(["-m", "slurm_jit.demo_train", "--output-dir", str(out), *args], 2,
-                              out.parent / f"logs-{out.name}", env=env)
+    (rank, delay-since-previous-signal) of ``plan``, to the rank's whole process group as Slurm does. Meanwhile
+    note when a new checkpoint directory appears (the sentinel is its first file)."""
+    ranks, offsets = _start(out, args, env)
     if wait_until is None:
         wait_for_steps(ranks, out, after_steps)
     else:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not list(out.parent.glob(wait_until)) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_for(ranks, f"saw {wait_until}", lambda: bool(list(out.parent.glob(wait_until))), poll_s=POLL_S)
+    before = _checkpoint_names(out)
     first = time.monotonic()
+    due, elapsed = [], 0.0
     for rank, delay in plan:
-        time.sleep(delay)
-        ranks.signal(rank, signum)
-    codes = ranks.wait(STOP_DEADLINE_S + sum(d for _, d in plan))
+        elapsed += delay
+        due.append((first + elapsed, rank))
+    deadline = first + elapsed + STOP_DEADLINE_S
+    save_start_s = None
+    while time.monotonic() < deadline and (due or any(p.poll() is None for p in ranks.procs)):
+        now = time.monotonic()
+        while due and due[0][0] <= now:
+            ranks.signal(due.pop(0)[1], signum)
+        if save_start_s is None and _checkpoint_names(out) - before:
+            save_start_s = now - first
+        time.sleep(POLL_S)
+    codes = ranks.wait(0.1)  # SIGKILLs what still runs: a hang
     stop_s = time.monotonic() - first
-    return StopResult(codes=codes, stop_s=stop_s, log=ranks.log(0) + ranks.log(1))
+    return StopResult(codes=codes, stop_s=stop_s, log=_new_log(ranks, offsets), save_start_s=save_start_s)
 
 
 def ckpt_check(out: Path, *flags: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "slurm_jit.checkpoint.ckpt_check", str(out), *flags],
                           capture_output=True, text=True, check=False)
+
+
+def _sizes_on_disk(ckpt: Path) -> dict[str, int]:
+    """Relative path -> size of every regular file under ``ckpt``, read from the file system."""
+    sizes = {}
+    for root, _, names in os.walk(ckpt):
+        for name in names:
+            path = Path(root) / name
+            if path.is_file() and not path.is_symlink():
+                sizes[str(path.relative_to(ckpt))] = path.stat().st_size
+    return sizes
+
+
+def assert_byte_report_matches_disk(ckpt: Path) -> None:
+    """The manifest's byte report against the files on disk: the total is what is there (less the manifest);
+    the duplicate is exactly the DeepSpeed model-states file(s) that hold the whole model (ZeRO-0/1/2), and
+    nothing under ZeRO-3, whose per-rank model-states files hold no weights (they are in the optimizer shards)."""
+    manifest = json.loads((ckpt / protocol.MANIFEST_NAME).read_text())
+    sizes = _sizes_on_disk(ckpt)
+    assert protocol.SENTINEL_NAME not in sizes
+    on_disk = sum(size for rel, size in sizes.items() if rel != protocol.MANIFEST_NAME)
+    assert manifest["total_bytes"] == on_disk, (manifest["total_bytes"], on_disk)
+    whole_model = sorted(ckpt.glob(MODEL_STATES_GLOB))
+    partitioned = sorted(ckpt.glob(ZERO3_MODEL_STATES_GLOB))
+    assert bool(whole_model) != bool(partitioned), f"model-states files in {ckpt}: {whole_model + partitioned}"
+    duplicate = sum(p.stat().st_size for p in whole_model)
+    assert manifest["bytes_weights_duplicate"] == duplicate, (manifest["bytes_weights_duplicate"], duplicate)
+    assert manifest["bytes_needed_for_resume"] == on_disk - duplicate
 
 
 def assert_jit_stop(out: Path, result: StopResult) -> Path:
@@ -90,11 +198,43 @@ def assert_jit_stop(out: Path, result: StopResult) -> Path:
     assert (ckpt / "latest").read_text().strip() == f"global_step{record['step']}"
     # what resume needs, once: no consolidated weights beside the DeepSpeed shards, and the excess is reported
     assert not (ckpt / "model.safetensors").exists()
-    manifest = json.loads((ckpt / protocol.MANIFEST_NAME).read_text())
-    assert manifest["bytes_needed_for_resume"] + manifest["bytes_weights_duplicate"] == manifest["total_bytes"]
+    assert_byte_report_matches_disk(ckpt)
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert state["global_step"] == record["step"]
     return ckpt
+
+
+def assert_stop_timing(out: Path, result: StopResult, kill_wait_s: float) -> None:
+    """The JIT save began no sooner than kill_wait after the FIRST signal (on any rank) and at most
+    STEPS_TO_STOP steps later; every rank exited within TEARDOWN_S of the save's end (no hang)."""
+    summary = timing.load_summary(out)
+    step_max_s = summary.step_max_s or 0.0
+    jit_saves = summary.saves.get("jit")
+    assert jit_saves is not None, summary
+    assert result.save_start_s is not None, "no checkpoint directory appeared after the signal"
+    latest_start_s = kill_wait_s + STEPS_TO_STOP * step_max_s + SCHEDULING_SLACK_S
+    assert kill_wait_s - SCHEDULING_SLACK_S / 10 <= result.save_start_s <= latest_start_s, (
+        f"JIT save began {result.save_start_s:.2f} s after the first signal; expected kill_wait {kill_wait_s} s "
+        f"to {latest_start_s:.2f} s (steps up to {step_max_s:.2f} s)")
+    stop_bound_s = latest_start_s + jit_saves.max_dur_s + TEARDOWN_S
+    assert result.stop_s <= stop_bound_s, (
+        f"ranks exited {result.stop_s:.1f} s after the first signal > kill_wait + {STEPS_TO_STOP} steps + save "
+        f"{jit_saves.max_dur_s:.1f} s + teardown {TEARDOWN_S} s = {stop_bound_s:.1f} s")
+
+
+def resume_and_compare(out: Path, args: list[str], reference: list[tuple[int, float]], rel_tol: float = 0.0,
+                       expect_from: Path | None = None, env: dict[str, str] | None = None) -> RunResult:
+    """Resume with ``--resume``; this run says it resumed from ``expect_from`` (the stop record's checkpoint when
+    None), and every step's loss of both runs equals the uninterrupted ``reference`` run's."""
+    record = stop_record.read(out)
+    if expect_from is None:
+        assert record is not None and record.get("checkpoint"), record
+        expect_from = Path(record["checkpoint"])
+    result = run_logged(out, [*args, "--resume"], env)
+    assert result.codes == [0, 0], result.log[-4000:]
+    assert f"resuming from {expect_from} " in result.log, result.log[-4000:]
+    assert_same_losses(losses(out), reference, rel_tol)
+    return result
 
 
 def assert_same_losses(resumed: list[tuple[int, float]], reference: list[tuple[int, float]],
@@ -107,3 +247,27 @@ def assert_same_losses(resumed: list[tuple[int, float]], reference: list[tuple[i
             assert got == want, f"step {step}: {got!r} != {want!r}"
         else:
             assert abs(got - want) <= rel_tol * abs(want), f"step {step}: {got!r} vs {want!r}"
+
+
+def flip_middle_byte(path: Path, mask: int = 0x01) -> None:
+    """Damage a file without changing its size: only a checksum can tell."""
+    blob = bytearray(path.read_bytes())
+    blob[len(blob) // 2] ^= mask
+    path.write_bytes(bytes(blob))
+
+
+def start_demo(out: Path, args: list[str], world_size: int = 2, log_dir: Path | None = None,
+               env: dict[str, str] | None = None) -> local_ranks.Ranks:
+    """Start ``world_size`` ranks of demo_train (logs in OUT/../logs-<out name> unless ``log_dir``)."""
+    return local_ranks.start(["-m", "slurm_jit.demo_train", "--output-dir", str(out), *args], world_size,
+                             log_dir or out.parent / f"logs-{out.name}", env=env)
+
+
+def wait_for_path(ranks: local_ranks.Ranks, path: Path, timeout_s: float = START_TIMEOUT_S) -> None:
+    """Until ``path`` exists; fails (and kills the ranks) when they exit first or the deadline passes."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if any(p.poll() is not None for p in ranks.procs) or time.monotonic() > deadline:
+            ranks.kill()
+            raise AssertionError(f"{path} never appeared:\n{ranks.log(0)[-3000:]}")
+        time.sleep(0.02)

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -68,13 +69,16 @@ def reseal(ckpt: Path, **changes: object) -> None:
 
 
 def restep(src: Path, dst: Path, step: int) -> Path:
-    """A copy of checkpoint ``src`` that is a whole checkpoint of ``step``."""
+    """A copy of checkpoint ``src`` that is a whole checkpoint of ``step``, written ``step`` seconds from now:
+    after everything else the test does (the file clock is coarse)."""
     shutil.copytree(src, dst, symlinks=True)
     state = json.loads((dst / "trainer_state.json").read_text())
     state["global_step"] = step
     (dst / "trainer_state.json").write_text(json.dumps(state))
+    written_at = time.time() + step
     if (dst / MANIFEST_NAME).exists():
-        reseal(dst, step=step)
+        reseal(dst, step=step, created=written_at)
+    os.utime(dst, (written_at, written_at))
     return dst
 
 
@@ -230,8 +234,8 @@ def test_json_output(jit_zero2_run: Path, copy_run: Callable[[Path], Path]) -> N
 @pytest.mark.deepspeed
 def test_no_resumable_checkpoint_exits_1(jit_zero2_run: Path, copy_run: Callable[[Path], Path]) -> None:
     out = copy_run(jit_zero2_run)
+    (out / "checkpoint-3" / "latest").unlink()  # (changes the directory's time: before the later save of 6)
     (out / "checkpoint-6" / SENTINEL_NAME).write_text("interrupted")
-    (out / "checkpoint-3" / "latest").unlink()
     proc = ckpt_check(out)
     assert proc.returncode == 1, proc.stderr
     assert table_rows(proc) == [("6", "incomplete"), ("3", "corrupt")]
@@ -285,10 +289,11 @@ def test_quarantine_renames_broken_newer_dirs_and_transformers_agrees(
 
     proc = ckpt_check(out, "--quarantine")
     assert proc.returncode == 0, proc.stderr
-    assert table_rows(proc) == [("12", "corrupt"), ("9", "corrupt"), ("6", "incomplete"), ("3", "complete")]
+    # newest written first: 9 (restep: written last), the link 12, then 6 (its sentinel written before the link)
+    assert table_rows(proc) == [("9", "corrupt"), ("12", "corrupt"), ("6", "incomplete"), ("3", "complete")]
     assert last_line(proc) == str(out / "checkpoint-3")
     assert proc.stderr.splitlines() == [
-        f"quarantined {out / f'checkpoint-{s}'} -> {out / f'checkpoint-{s}.incomplete'}" for s in (12, 9, 6)]
+        f"quarantined {out / f'checkpoint-{s}'} -> {out / f'checkpoint-{s}.incomplete'}" for s in (9, 12, 6)]
 
     renamed = {f"checkpoint-{s}.incomplete": f"checkpoint-{s}" for s in (12, 9, 6)}
     after = {"/".join([renamed.get(rel.split("/")[0], rel.split("/")[0]), *rel.split("/")[1:]]): data

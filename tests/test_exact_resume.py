@@ -33,7 +33,7 @@ CONFIGS = {
     "llama-zero2-ds-adamw": [*LLAMA, "--zero-stage", "2", "--ds-optimizer", "AdamW", "--grad-accum", "2",
                              "--workers", "2", "--eval-steps", "10"],
     # The demo's GPT-2 (dropout) with the Trainer's torch AdamW, no accumulation, no workers, an evaluation at
-    # every step: the JIT stop skips the one due at its step, which must not shift the dropout RNG.
+    # every step: the JIT stop aborts or postpones the one due at its step, which must not shift the dropout RNG.
     "gpt2-zero2-trainer-adamw": ["--zero-stage", "2", "--eval-steps", "1", "--eval-samples", "4"],
     # ZeRO-Offload: DeepSpeedCPUAdam, one kernel per optimizer instance; no evaluation.
     "gpt2-zero2-offload": ["--zero-stage", "2", "--ds-optimizer", "AdamW", "--offload"],
@@ -133,8 +133,8 @@ def test_cpu_adam_kernel_replay_restores_hidden_beta_products() -> None:
 
 
 def test_evaluation_leaves_the_rngs_untouched(tmp_path: Path) -> None:
-    """A JIT stop skips the evaluation due at its step; the uninterrupted run's evaluation must not have moved
-    the RNGs that dropout draws from afterwards (the eval DataLoader iterator draws its base seed from torch's)."""
+    """A JIT stop aborts or postpones the evaluation due at its step; evaluations must not move the RNGs that
+    dropout draws from afterwards (the eval DataLoader iterator draws its base seed from torch's)."""
     import random
 
     import numpy as np

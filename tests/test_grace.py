@@ -100,7 +100,7 @@ def test_docs_example_is_243() -> None:
     assert result.sbatch_line == "#SBATCH --signal=TERM@243"
     assert result.export_line == "export SLURM_JIT_SIGNAL_LEAD_S=243"
     assert [(t.name, t.seconds) for t in result.terms] == [
-        ("step", 120), ("eval", 0), ("save", 120), ("kill_wait", 3), ("margin", 0)]
+        ("step", 120), ("eval", 0), ("save", 120), ("kill_wait", 3), ("teardown", 0), ("margin", 0)]
 
 
 def test_default_margin_is_a_fifth_of_the_timed_terms_with_a_floor() -> None:
@@ -113,7 +113,8 @@ def test_lead_rounds_up_but_not_float_noise() -> None:
     no_margin = Margin(fraction=0, floor_s=0)
     assert compute_grace(GraceInputs(step_s=0.1, save_s=0.2, kill_wait_s=0, margin=no_margin)).lead_s == 1
     assert compute_grace(GraceInputs(step_s=100.5, save_s=100, kill_wait_s=3, margin=no_margin)).lead_s == 204
-    assert compute_grace(GraceInputs(step_s=0.1, save_s=0.2, kill_wait_s=2.7, margin=no_margin)).lead_s == 3
+    assert compute_grace(GraceInputs(step_s=0.1, save_s=0.2, kill_wait_s=2.7, latency_steps=1,
+                                     margin=no_margin)).lead_s == 3
 
 
 @pytest.mark.parametrize("bad", [
@@ -137,42 +138,80 @@ def test_lead_beyond_slurm_maximum_is_an_error() -> None:
         compute_grace(GraceInputs(step_s=60_000, save_s=6_000))
 
 
-durations = st.floats(min_value=0.001, max_value=5_000, allow_nan=False, allow_infinity=False)
-maybe_zero = st.floats(min_value=0, max_value=5_000, allow_nan=False, allow_infinity=False)
+# Capped so that every sum stays under Slurm's largest --signal lead (65535 s); that refusal has its own test.
+durations = st.floats(min_value=0.001, max_value=2_000, allow_nan=False, allow_infinity=False)
+maybe_zero = st.floats(min_value=0, max_value=2_000, allow_nan=False, allow_infinity=False)
 margins = st.builds(Margin, fraction=st.floats(min_value=0, max_value=2), floor_s=maybe_zero)
 
 
-@given(step=durations, save=durations, evaluation=maybe_zero, kill_wait=maybe_zero, margin=margins)
+latencies = st.sampled_from([None, 1, 2])
+
+
+@given(step=durations, save=durations, evaluation=maybe_zero, kill_wait=maybe_zero, margin=margins,
+       latency=latencies, teardown=maybe_zero)
 def test_result_never_below_the_sum_of_its_terms(
-    step: float, save: float, evaluation: float, kill_wait: float, margin: Margin
+    step: float, save: float, evaluation: float, kill_wait: float, margin: Margin, latency: int | None,
+    teardown: float,
 ) -> None:
     result = compute_grace(GraceInputs(step_s=step, save_s=save, eval_s=evaluation, kill_wait_s=kill_wait,
-                                       margin=margin))
+                                       latency_steps=latency, teardown_s=teardown, margin=margin))
     assert result.needed_s == pytest.approx(sum(t.seconds for t in result.terms))
-    timed = step + save + evaluation
+    steps = latency or (1 if step >= grace.BLOCKING_MIN_STEP_S else 2)  # the trainer's rule
+    assert result.latency_steps == steps
+    timed = steps * step + save + evaluation + teardown
     assert result.lead_s >= timed + kill_wait + margin.seconds(timed) - 1e-6
     assert result.lead_s >= step + save + kill_wait - 1e-6  # the docs' formula
     assert result.lead_s == max(1, math.ceil(round(result.needed_s, 6)))
 
 
 @given(step=durations, save=durations, evaluation=maybe_zero, kill_wait=maybe_zero, margin=margins,
+       latency=st.sampled_from([1, 2]), teardown=maybe_zero,
        extra=st.floats(min_value=0, max_value=1_000), which=st.sampled_from(
-           ["step_s", "save_s", "eval_s", "kill_wait_s", "fraction", "floor_s"]))
+           ["step_s", "save_s", "eval_s", "kill_wait_s", "teardown_s", "fraction", "floor_s", "latency_steps"]))
 def test_result_grows_with_each_term(step: float, save: float, evaluation: float, kill_wait: float,
-                                     margin: Margin, extra: float, which: str) -> None:
-    base = {"step_s": step, "save_s": save, "eval_s": evaluation, "kill_wait_s": kill_wait}
+                                     margin: Margin, latency: int, teardown: float, extra: float,
+                                     which: str) -> None:
+    base = {"step_s": step, "save_s": save, "eval_s": evaluation, "kill_wait_s": kill_wait,
+            "teardown_s": teardown, "latency_steps": latency}
     bigger = dict(base)
     bigger_margin = margin
     if which == "fraction":
         bigger_margin = Margin(fraction=margin.fraction + extra / 1000, floor_s=margin.floor_s)
     elif which == "floor_s":
         bigger_margin = Margin(fraction=margin.fraction, floor_s=margin.floor_s + extra)
+    elif which == "latency_steps":
+        bigger["latency_steps"] = 2
     else:
         bigger[which] += extra
     small = compute_grace(GraceInputs(**base, margin=margin))
     large = compute_grace(GraceInputs(**bigger, margin=bigger_margin))
     assert large.needed_s >= small.needed_s
     assert large.lead_s >= small.lead_s
+
+
+@pytest.mark.parametrize(("step_s", "allreduce_s", "mode", "steps"), [
+    (0.49, 0.0, grace.AGREE_OVERLAPPED, 2), (0.5, 0.0, grace.AGREE_BLOCKING, 1), (120, 0.0, grace.AGREE_BLOCKING, 1),
+    (0.5, 0.006, grace.AGREE_OVERLAPPED, 2),  # a 6 ms round would cost over 1 % of a 0.5 s step
+    (0.6, 0.006, grace.AGREE_BLOCKING, 1),
+])
+def test_latency_follows_the_trainers_agreement_rule(step_s: float, allreduce_s: float, mode: str,
+                                                     steps: int) -> None:
+    assert grace.agreement_mode(step_s, allreduce_s) == mode
+    no_margin = Margin(fraction=0, floor_s=0)
+    result = compute_grace(GraceInputs(step_s=step_s, save_s=1, kill_wait_s=3, margin=no_margin,
+                                       latency_steps=grace.LATENCY_STEPS[mode]))
+    assert result.latency_steps == steps and result.term("step") == pytest.approx(steps * step_s)
+
+
+def test_short_steps_count_twice_long_steps_once() -> None:
+    no_margin = Margin(fraction=0, floor_s=0)
+    short = compute_grace(GraceInputs(step_s=0.25, save_s=2, kill_wait_s=3, teardown_s=0.5, margin=no_margin))
+    assert short.needed_s == 0.5 + 2 + 3 + 0.5 and short.latency_steps == 2
+    # the issue's example: 60 s steps and a 60 s save; one step of latency, as the trainer now stops
+    long = compute_grace(GraceInputs(step_s=60, save_s=60, teardown_s=1, margin=no_margin))
+    assert long.needed_s == 60 + 60 + 3 + 1 and long.latency_steps == 1
+    with pytest.raises(GraceError, match="HINT"):
+        GraceInputs(step_s=1, save_s=1, latency_steps=3)
 
 
 # --- timelines ------------------------------------------------------------------------------------------
@@ -191,6 +230,23 @@ def test_time_limit_timeline_of_the_docs_example() -> None:
     ]
     assert (line.checkpoint_done_s, line.second_sigterm_s, line.sigkill_s) == (1243, 1243, 1273)
     assert line.fits and line.survives
+
+
+def test_time_limit_timeline_of_short_steps_with_a_teardown() -> None:
+    # 0.25 s steps are read one step late: two steps, then kill_wait, the save and the teardown.
+    result = compute_grace(GraceInputs(step_s=0.25, save_s=2, kill_wait_s=3, teardown_s=0.5,
+                                       margin=Margin(fraction=0, floor_s=0)))
+    line = grace.time_limit_timeline(result, LOCAL, signal_at_s=0)
+    assert [(e.at_s, e.what) for e in line.events] == [
+        (0, "--signal=TERM@6 arrives"),
+        (0.5, "the step in progress and the next one (and evaluation) end"),
+        (3.5, "kill wait over: the checkpoint starts"),
+        (5.5, "the checkpoint is complete"),
+        (6, "train() returns"),
+        (6, "time limit: SIGTERM again"),
+        (36, "KillWait (30 s) over: SIGKILL"),
+    ]
+    assert (line.checkpoint_done_s, line.exit_s) == (5.5, 6) and line.fits and line.survives
 
 
 def test_early_signal_only_adds_time() -> None:
@@ -288,6 +344,38 @@ def test_measured_terms_from_a_real_timing_log(tmp_path: Path) -> None:
     assert "2 saves" in measured.save_source and not measured.warnings
     p99 = grace.measured_terms(timing.load_summary(tmp_path), step_stat="p99")
     assert p99.step_s == 7.0  # nearest rank of 31 samples: the largest
+
+
+def test_measured_terms_use_the_agreement_mode_and_the_stop_the_trainer_recorded(tmp_path: Path) -> None:
+    # run "a": 2 s steps read blocking; run "b": 0.4 s steps read overlapped, then a JIT stop with a 0.7 s teardown
+    for run_id, step_s, mode in (("a", 2.0, grace.AGREE_BLOCKING), ("b", 0.4, grace.AGREE_OVERLAPPED)):
+        log = timing.TimingLog(tmp_path, rank=0, world_size=2, run_id=run_id)
+        for i in range(1, 25):
+            log.step(i, step_s)
+        log.agreement(3, mode=mode, allreduce_s=0.0003, step_s=step_s, threshold_s=0.5, kill_wait_s=1.5)
+        log.save(24, "jit", 1.0, 1000)
+        if run_id == "b":
+            log.stop(24, signal_to_end_s=3.0, fields={"teardown_s": 0.7, "kill_wait_s": 1.5, "mode": mode})
+        log.close()
+    summary = timing.load_summary(tmp_path)
+    assert sorted(summary.steps_by_mode) == [grace.AGREE_BLOCKING, grace.AGREE_OVERLAPPED]
+    measured = grace.measured_terms(summary)
+    # 1 x 2 s beats 2 x 0.4 s: the blocking runs' step is the worst window
+    assert (measured.step_s, measured.latency_steps) == (2.0, 1)
+    assert measured.step_source == "max of 22 steps over 2 runs in the timing log (blocking runs)"
+    assert "as the trainer recorded" in measured.latency_source
+    assert (measured.kill_wait_s, measured.teardown_s) == (1.5, 0.7)
+    assert "longest of 1 JIT stops" in measured.teardown_source
+    result = compute_grace(GraceInputs(step_s=measured.step_s, save_s=1.0, kill_wait_s=1.5, teardown_s=0.7,
+                                       latency_steps=measured.latency_steps, margin=Margin(fraction=0, floor_s=0)))
+    assert result.needed_s == pytest.approx(1.5 + 2.0 + 1.0 + 0.7)
+
+
+def test_a_log_without_modes_gets_the_trainers_rule(tmp_path: Path) -> None:
+    write_log(tmp_path, 2, [0.3] * 30, saves=[1.0])  # written before the modes existed: no agreement record
+    measured = grace.measured_terms(timing.load_summary(tmp_path))
+    assert (measured.step_s, measured.latency_steps) == (0.3, 2)
+    assert measured.teardown_s is None and "no JIT stop" in measured.teardown_source
 
 
 def test_few_samples_are_flagged(tmp_path: Path) -> None:
@@ -542,3 +630,8 @@ def test_check_errors_on_scripts_it_cannot_judge() -> None:
                                   "t"), needed(), ClusterFacts())
     with pytest.raises(ScriptError, match="no training launch found"):
         check_script(parse_script(script("echo hi"), "t"), needed(), ClusterFacts())
+
+
+def test_a_need_over_slurms_largest_signal_lead_is_refused_with_a_hint() -> None:
+    with pytest.raises(GraceError, match=r"exceeds Slurm's largest --signal lead 65535 s.*HINT"):
+        compute_grace(GraceInputs(step_s=40_000, save_s=30_000, kill_wait_s=3, margin=Margin(fraction=0, floor_s=0)))

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from slurm_jit import timing
+from slurm_jit.grace import calc as grace
 
 ROOT = Path(__file__).resolve().parents[1]
 SBATCH = ROOT / "sbatch"
@@ -64,7 +65,7 @@ def test_json_has_the_terms_and_the_default_margin() -> None:
     assert out["signal_lead_s"] == 120 + 30 + 120 + 3 + 54  # margin: 20 % of 270 s
     assert out["option"] == "--signal=TERM@327"
     assert {t["name"]: t["seconds"] for t in out["terms"]} == {
-        "step": 120, "eval": 30, "save": 120, "kill_wait": 3, "margin": 54}
+        "step": 120, "eval": 30, "save": 120, "kill_wait": 3, "teardown": 0, "margin": 54}
     assert out["cluster"]["kill_wait_s"] == 30 and out["cluster"]["grace_time_s"] is None
 
 
@@ -130,7 +131,8 @@ def test_from_a_timing_log(tmp_path: Path) -> None:
     # The longest step (2 s), the slowest rank's save (4 + 1 s), the evaluation (1.5 s).
     assert (terms["step"]["seconds"], terms["save"]["seconds"], terms["eval"]["seconds"]) == (2.0, 5.0, 1.5)
     # 2 ranks x (30 steps - 2 warm-up)
-    assert terms["step"]["source"] == "max of 56 steps over 1 run in the timing log"
+    assert terms["step"]["source"].startswith("1 x 2 s (max of 56 steps over 1 run in the timing log): the stop "
+                                              "comes after the step the signal lands in")
     assert out["samples"]["world_sizes"] == [2] and out["samples"]["evals"] == 2
     assert out["signal_lead_s"] == 22  # 2 + 1.5 + 5 + 3 + 10 = 21.5, rounded up
     given = json.loads(grace_calc("--from", str(tmp_path), "--no-slurm", "--json", "--save-time", "1m",
@@ -164,6 +166,8 @@ def test_params_estimate_over_a_given_bandwidth() -> None:
 EXPECTED = {  # script -> (exit code, text that must appear)
     "train-tiny.sbatch": (0, "ENOUGH"),
     "demo.sbatch": (0, "runs in the batch shell and gets no signal; taken as a pre/post step"),
+    "one-node-gpus.sbatch": (0, "runs in an srun job step, which --signal reaches"),
+    "multi-node.sbatch": (0, "runs in an srun job step, which --signal reaches"),
     "examples/good-batch-exec.sbatch": (0, "`exec` made it the batch shell"),
     "examples/good-batch-trap.sbatch": (0, "assuming its trap forwards SIGTERM"),
     "examples/bad-short-lead.sbatch": (1, "lead 30 s < needed 69 s. HINT: use #SBATCH --signal=TERM@69"),
@@ -211,7 +215,9 @@ def test_from_a_real_run(jit_zero2_run: Path) -> None:
     out = json.loads(proc.stdout)
     summary = timing.load_summary(jit_zero2_run)
     terms = {t["name"]: t["seconds"] for t in out["terms"]}
-    assert terms["step"] == summary.step_max_s
+    modes = {r["mode"] for r in timing.read_records(jit_zero2_run) if r["event"] == "agreement"}
+    assert len(modes) == 1  # recorded once per run, after warm-up, the same on both ranks
+    assert terms["step"] == pytest.approx(grace.LATENCY_STEPS[modes.pop()] * summary.step_max_s)
     assert terms["save"] == max(s.max_dur_s for s in summary.saves.values())
     assert out["samples"]["world_sizes"] == [2] and out["samples"]["steps"] == summary.n_steps > 0
     proc = grace_calc("--from", str(jit_zero2_run), "--world-size", "4", "--no-slurm")

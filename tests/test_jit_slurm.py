@@ -30,7 +30,7 @@ def _wait_state(job_id: str, done: set[str], timeout_s: float) -> dict[str, str]
     raise AssertionError(f"job {job_id} still {slurm.show_job(job_id).get('JobState')} after {timeout_s} s")
 
 
-def _run_and_signal(tmp_path: Path, extra: str) -> tuple[dict[str, str], str, str]:
+def _run_and_signal(tmp_path: Path, jobs: list[str], extra: str) -> tuple[dict[str, str], str, str]:
     out = tmp_path / "out"
     script = tmp_path / "job.sbatch"
     bin_dir = Path(sys.executable).parent
@@ -47,6 +47,7 @@ python -m slurm_jit.train.stop_record {out}
 echo "stop_record exit $?"
 """)
     job_id = slurm.submit(script)
+    jobs.append(job_id)
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while len(losses(out)) < 5:
         assert time.monotonic() < deadline, (tmp_path / f"slurm-{job_id}.out").read_text()[-3000:]
@@ -58,9 +59,9 @@ echo "stop_record exit $?"
     return job, job_id, (tmp_path / f"slurm-{job_id}.out").read_text(errors="replace")
 
 
-def test_scancel_signal_to_srun_tasks_with_workers_gives_jit_stop(tmp_path: Path) -> None:
+def test_scancel_signal_to_srun_tasks_with_workers_gives_jit_stop(tmp_path: Path, jobs: list[str]) -> None:
     out = tmp_path / "out"
-    job, job_id, log = _run_and_signal(tmp_path, "")
+    job, job_id, log = _run_and_signal(tmp_path, jobs, "")
     assert job["JobState"] == "COMPLETED", log[-4000:]
     assert "DataLoader worker" not in log  # workers ignored the step's SIGTERM
     assert "stop_record exit 10" in log  # jit_stop: the requeue code
@@ -73,9 +74,9 @@ def test_scancel_signal_to_srun_tasks_with_workers_gives_jit_stop(tmp_path: Path
     assert "signal lead 1 s < needed" in log and "HINT: #SBATCH --signal=TERM@" in log
 
 
-def test_without_the_worker_signal_mask_the_step_signal_kills_a_worker(tmp_path: Path) -> None:
+def test_without_the_worker_signal_mask_the_step_signal_kills_a_worker(tmp_path: Path, jobs: list[str]) -> None:
     """The control: Slurm really signals the DataLoader workers, so the default mask is what saves the run."""
-    _, _, log = _run_and_signal(tmp_path, "--workers-take-signals")
+    _, _, log = _run_and_signal(tmp_path, jobs, "--workers-take-signals")
     assert "DataLoader worker" in log and "killed by signal" in log, log[-3000:]
     assert "stop_record exit 1" in log  # failed: the launcher must not take it for a JIT stop
     record = stop_record.read(tmp_path / "out")

@@ -1,64 +1,85 @@
 """JitTrainer on real DeepSpeed ranks (2 CPU ranks over gloo, tiny GPT-2/Llama from a config), real SIGTERMs.
 
 Each stopped run is resumed and its per-step losses compared with an uninterrupted run of the same config:
-bitwise under ZeRO-2, within 1e-6 relative under ZeRO-3.
+bitwise under ZeRO-2, within 1e-6 relative under ZeRO-3. Also across epoch boundaries, with dropout on.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from jit_helpers import (
-    assert_jit_stop,
-    assert_same_losses,
-    losses,
-    run_and_signal,
-    run_to_end,
-)
+from jit_helpers import assert_jit_stop, assert_stop_timing, losses, resume_and_compare, run_and_signal
+
+from slurm_jit.train import stop_record
 
 pytestmark = pytest.mark.deepspeed
 
-ZERO2 = ["--zero-stage", "2", "--max-steps", "80", "--step-sleep", "0.03", "--kill-wait", "1"]
+Reference = Callable[[list[str]], list[tuple[int, float]]]
+
+KILL_WAIT_S = 1.0
+ZERO2 = ["--zero-stage", "2", "--max-steps", "80", "--step-sleep", "0.03", "--kill-wait", str(KILL_WAIT_S)]
 # ZeRO-3 with a Llama, gradient accumulation, dataloader workers and evaluations, as in the issue.
 ZERO3 = ["--zero-stage", "3", "--model", "llama", "--grad-accum", "2", "--workers", "2", "--eval-steps", "15",
-         "--max-steps", "60", "--step-sleep", "0.03", "--kill-wait", "1"]
+         "--max-steps", "60", "--step-sleep", "0.03", "--kill-wait", str(KILL_WAIT_S)]
 ZERO3_TOL = 1e-6
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tuple[int, float]]]:
-    """Uninterrupted runs of each configuration."""
-    refs = {}
-    for name, args in (("zero2", ZERO2), ("zero3", ZERO3)):
-        out = tmp_path_factory.mktemp(f"ref-{name}") / "out"
-        assert run_to_end(out, args) == [0, 0]
-        refs[name] = losses(out)
-    return refs
+# Short epochs: --samples over (batch 2 x 2 ranks x grad-accum) is STEPS_PER_EPOCH; 16 steps run into epoch 3.
+STEPS_PER_EPOCH = 6
+EPOCH_STEPS = ["--max-steps", "16", "--step-sleep", "0.2", "--kill-wait", "0"]
+ZERO2_EPOCHS = ["--zero-stage", "2", "--samples", str(STEPS_PER_EPOCH * 4), *EPOCH_STEPS]
+ZERO3_EPOCHS_NO_DROPOUT = ["--zero-stage", "3", "--model", "llama", "--grad-accum", "2", "--workers", "2",
+                           "--samples", str(STEPS_PER_EPOCH * 8), *EPOCH_STEPS]
+ZERO3_EPOCHS = [*ZERO3_EPOCHS_NO_DROPOUT, "--dropout", "0.1"]
 
 
 def _stop_resume_compare(out: Path, args: list[str], plan: list[tuple[int, float]],
-                         reference: list[tuple[int, float]], rel_tol: float) -> int:
-    result = run_and_signal(out, args, plan)
+                         reference: list[tuple[int, float]], rel_tol: float, after_steps: int = 3,
+                         kill_wait_s: float = KILL_WAIT_S) -> int:
+    result = run_and_signal(out, args, plan, after_steps=after_steps)
     ckpt = assert_jit_stop(out, result)
+    assert_stop_timing(out, result, kill_wait_s)
     step = int(ckpt.name.split("-")[1])
-    assert 3 <= step < len(reference), step
-    assert run_to_end(out, [*args, "--resume"]) == [0, 0]
-    assert_same_losses(losses(out), reference, rel_tol)
+    assert after_steps <= step < len(reference), step
+    resume_and_compare(out, args, reference, rel_tol)
     return step
 
 
 @pytest.mark.parametrize("stagger_s", [0.0, 0.1, 0.5, 2.0])
-def test_zero2_staggered_sigterm_stops_resumes_bitwise(tmp_path: Path, reference: dict, stagger_s: float) -> None:
-    _stop_resume_compare(tmp_path / "out", ZERO2, [(0, 0.0), (1, stagger_s)], reference["zero2"], 0.0)
+def test_zero2_staggered_sigterm_stops_resumes_bitwise(tmp_path: Path, reference_losses: Reference,
+                                                       stagger_s: float) -> None:
+    _stop_resume_compare(tmp_path / "out", ZERO2, [(0, 0.0), (1, stagger_s)], reference_losses(ZERO2), 0.0)
 
 
 @pytest.mark.parametrize("stagger_s", [0.0, 0.1, 0.5, 2.0])
-def test_zero3_accum_workers_staggered_sigterm_resumes_exactly(tmp_path: Path, reference: dict,
+def test_zero3_accum_workers_staggered_sigterm_resumes_exactly(tmp_path: Path, reference_losses: Reference,
                                                                stagger_s: float) -> None:
-    _stop_resume_compare(tmp_path / "out", ZERO3, [(1, 0.0), (0, stagger_s)], reference["zero3"], ZERO3_TOL)
+    _stop_resume_compare(tmp_path / "out", ZERO3, [(1, 0.0), (0, stagger_s)], reference_losses(ZERO3), ZERO3_TOL)
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_signal_to_one_rank_only_stops_both(tmp_path: Path, reference: dict, rank: int) -> None:
-    _stop_resume_compare(tmp_path / "out", ZERO2, [(rank, 0.0)], reference["zero2"], 0.0)
+def test_signal_to_one_rank_only_stops_both(tmp_path: Path, reference_losses: Reference, rank: int) -> None:
+    _stop_resume_compare(tmp_path / "out", ZERO2, [(rank, 0.0)], reference_losses(ZERO2), 0.0)
+
+
+def test_zero2_stop_in_epoch_1_resumes_bitwise_into_epoch_3(tmp_path: Path, reference_losses: Reference) -> None:
+    """The resumed run skips the rest of epoch 1's batches, then reshuffles for epochs 2 and 3 (GPT-2 dropout on)."""
+    out = tmp_path / "out"
+    step = _stop_resume_compare(out, ZERO2_EPOCHS, [(0, 0.0), (1, 0.0)], reference_losses(ZERO2_EPOCHS), 0.0,
+                                after_steps=2, kill_wait_s=0.0)
+    assert step < STEPS_PER_EPOCH, f"stopped at step {step}: not inside epoch 1"
+    assert losses(out)[-1][0] > 2 * STEPS_PER_EPOCH  # the resumed run reached epoch 3
+
+
+def test_zero3_dropout_stop_in_epoch_1_resumes_exactly_into_epoch_3(tmp_path: Path,
+                                                                   reference_losses: Reference) -> None:
+    """Llama with attention dropout under ZeRO-3, workers and accumulation: the RNG state is restored."""
+    reference = reference_losses(ZERO3_EPOCHS)
+    without_dropout = reference_losses(ZERO3_EPOCHS_NO_DROPOUT)
+    assert reference != without_dropout, "--dropout changed no loss: the RNG is not exercised"
+    out = tmp_path / "out"
+    step = _stop_resume_compare(out, ZERO3_EPOCHS, [(1, 0.0), (0, 0.0)], reference, ZERO3_TOL,
+                                after_steps=2, kill_wait_s=0.0)
+    assert step < STEPS_PER_EPOCH, f"stopped at step {step}: not inside epoch 1"
+    record = stop_record.read(out)
+    assert record is not None and record["state"] == "finished"

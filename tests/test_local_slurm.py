@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_jit import slurm
+from slurm_jit import local_ranks, slurm
 
 pytestmark = pytest.mark.slurm
 
@@ -35,6 +35,9 @@ SIGTERM_TIMEOUT_S = GRACE_TIME_S / 2
 PERIODIC_PASS_S = 30
 REQUEUE_TIMEOUT_S = GRACE_TIME_S + PERIODIC_PASS_S + 10
 RERUN_TIMEOUT_S = 15 + START_TIMEOUT_S
+# The first line of every slurm.conf tools/local-slurm writes.
+MARKER = "# slurm-jit local cluster: written by tools/local-slurm; remove this line to keep local edits"
+DAEMON_EXIT_S = 5  # `down` waits up to 10 s per daemon, then SIGKILLs it; init reaps it within moments
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED"}
 
 
@@ -98,8 +101,9 @@ def test_up_again_is_a_no_op() -> None:
 
 def test_foreign_config_is_left_alone_and_reported(tmp_path: Path) -> None:
     foreign = tmp_path / "slurm.conf"
-    text = ("ClusterName=theirs\nSlurmctldHost=localhost\nSlurmctldPort=6999\nNodeName=n1 CPUs=1\n"
-            "PartitionName=p Nodes=n1\n")  # nothing listens on 6999: no cluster answers
+    port = local_ranks.free_port()  # nothing listens there: no cluster answers
+    text = (f"ClusterName=theirs\nSlurmctldHost=localhost\nSlurmctldPort={port}\nNodeName=n1 CPUs=1\n"
+            "PartitionName=p Nodes=n1\n")
     foreign.write_text(text)
     env = {**os.environ, "SLURM_CONF": str(foreign)}
 
@@ -110,6 +114,29 @@ def test_foreign_config_is_left_alone_and_reported(tmp_path: Path) -> None:
     assert up.stderr.count("\n") == 1 and "not written by local-slurm" in up.stderr and "HINT:" in up.stderr
     assert foreign.read_text() == text
     assert status.returncode == 1 and "HINT: run" in status.stdout
+
+
+def test_nodes_other_than_1_or_2_are_refused_in_one_line() -> None:
+    proc = local_slurm("up", "--nodes", "3")
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "1 or 2 nodes" in proc.stderr and "HINT:" in proc.stderr
+
+
+def test_the_other_local_clusters_config_is_refused_and_left_alone(tmp_path: Path) -> None:
+    """SLURM_CONF left pointing at the two-node cluster's config: the single-node commands must neither rewrite
+    it nor act on one cluster's daemons with the other's config."""
+    conf = tmp_path / "slurm-2nodes.conf"
+    text = f"{MARKER}\nClusterName=slurm-jit-2nodes\nSlurmctldPort=6999\n"
+    conf.write_text(text)
+    # its own (empty) state dir too, so that nothing here can touch the running cluster's daemons
+    env = {**os.environ, "SLURM_CONF": str(conf), "SLURM_JIT_LOCAL_STATE": str(tmp_path / "state")}
+
+    for command in ("up", "status", "down"):
+        proc = local_slurm(command, env=env)
+        assert proc.returncode == 1 and proc.stdout == "", (command, proc.stdout)
+        assert proc.stderr.count("\n") == 1 and "holds the local cluster slurm-jit-2nodes, not slurm-jit-local" \
+            in proc.stderr and "HINT: unset SLURM_CONF" in proc.stderr, (command, proc.stderr)
+    assert conf.read_text() == text
 
 
 def test_cluster_facts_match_what_local_slurm_wrote() -> None:
@@ -203,3 +230,37 @@ def test_preempted_job_that_exits_during_grace_time_completes_and_is_not_requeue
 
     assert (job["JobState"], job["ExitCode"], job["Restarts"]) == ("COMPLETED", "0:0", "0")
     assert log.read_text().splitlines() == ["start restarts=0", "step-ready", "SIGTERM", "step-done"]
+
+
+# Keep this test last in the file: it stops the cluster (and starts it again) under every other test's feet.
+def test_down_stops_the_daemons_keeps_job_state_and_up_restarts(tmp_path: Path, jobs: list[str]) -> None:
+    """README: `down` stops only what `up` started and keeps the job state, like a cluster restart."""
+    others = slurm.run(["squeue", "-h", "-o", "%i"]).split()
+    if others:  # another session's jobs: a restart would disturb them (never under CI, where tests run alone)
+        message = f"jobs {others} are queued: not stopping a cluster others use"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    held = slurm.submit(write_script(tmp_path / "held.sh", "true\n"), ["--hold", f"--output={tmp_path}/held.out"])
+    jobs.append(held)
+    before = local_slurm("status")
+    assert before.returncode == 0, before.stdout + before.stderr
+    pids = [int(line.split("pid ")[1].split(",")[0]) for line in before.stdout.splitlines() if "started by" in line]
+    assert pids, before.stdout  # slurmctld and slurmd, at least, were started by local-slurm
+    try:
+        down = local_slurm("down")
+        assert down.returncode == 0 and down.stdout.startswith("local-slurm: stopped "), down
+        assert "slurmctld" in down.stdout and "slurmd" in down.stdout and "job state kept" in down.stdout
+        deadline = time.monotonic() + DAEMON_EXIT_S  # a SIGKILLed daemon lingers until init reaps it
+        while any(Path(f"/proc/{pid}").exists() for pid in pids) and time.monotonic() < deadline:
+            time.sleep(POLL_S / 5)
+        assert not any(Path(f"/proc/{pid}").exists() for pid in pids), pids
+        status = local_slurm("status")
+        assert status.returncode == 1 and "not answering" in status.stdout and "HINT: run" in status.stdout
+        assert not slurm.available()
+        again = local_slurm("down")
+        assert again.returncode == 0 and "nothing to stop" in again.stdout, again
+    finally:
+        up = local_slurm("up")
+    assert up.returncode == 0 and slurm.available(), up.stdout + up.stderr
+    assert slurm.show_job(held)["JobState"] == "PENDING"  # the job state survived the restart

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -46,11 +47,14 @@ def set_global_step(ckpt: Path, step: int) -> None:
 
 
 def restep(src: Path, dst: Path, step: int) -> Path:
-    """A copy of checkpoint ``src`` that is a whole checkpoint of ``step`` (any manifest resealed)."""
+    """A copy of checkpoint ``src`` that is a whole checkpoint of ``step`` (any manifest resealed), written
+    ``step`` seconds from now: after everything else the test does (the file clock is coarse)."""
     shutil.copytree(src, dst, symlinks=True)
     set_global_step(dst, step)
+    written_at = time.time() + step
     if (dst / MANIFEST_NAME).exists():
-        reseal(dst, step=step)
+        reseal(dst, step=step, created=written_at)
+    os.utime(dst, (written_at, written_at))
     return dst
 
 

@@ -19,7 +19,7 @@ from slurm_jit.grace import calc as grace
 from slurm_jit.signal_names import parse_signal
 from slurm_jit.train import dist_env, runtime_grace, stop_record
 from slurm_jit.train.agreement import StopAgreement
-from slurm_jit.train.signals import IgnoreSignalsInWorker, SignalLatch
+from slurm_jit.train.signals import IgnoreSignalsInWorker, SignalLatch, StartWorkersMasked
 from slurm_jit.train.trainer import JitConfig
 
 
@@ -172,3 +172,59 @@ def test_runtime_grace_assess() -> None:
     assert "GraceTime 20 s" in short[1]
     unset = runtime_grace.assess(step_s=1, save_s=None, kill_wait_s=3, lead_s=None, facts=None)
     assert len(unset) == 1 and grace.LEAD_ENV_VAR in unset[0]
+
+
+def test_agreement_mode_is_fixed_after_warm_up_from_the_agreed_step() -> None:
+    long = StopAgreement()
+    assert long.mode == grace.AGREE_BLOCKING and long.latency_steps == 1
+    assert long.at_boundary(True, 1.0, step_s=0.1, choose_mode=False).stop is True  # blocking: read at once
+    long.at_boundary(False, None, step_s=2.0, choose_mode=True)
+    assert long.choice is not None and long.choice.step_s == 2.0 and long.mode == grace.AGREE_BLOCKING
+    assert long.at_boundary(True, 0.5, step_s=0.1, choose_mode=True).stop is True  # chosen once, never again
+    assert long.mode == grace.AGREE_BLOCKING
+    short = StopAgreement()
+    short.at_boundary(False, None, step_s=0.1, choose_mode=True)
+    assert short.mode == grace.AGREE_OVERLAPPED and short.latency_steps == 2
+    assert short.at_boundary(True, 0.5, step_s=0.1, choose_mode=False).stop is False  # read one boundary later
+    assert short.at_boundary(False, None, step_s=0.1, choose_mode=False).stop is True
+
+
+@pytest.mark.parametrize("masked", [True, False])
+def test_spawned_workers_are_born_with_the_stop_signals_blocked(masked: bool) -> None:
+    """A signal sent while a spawn worker imports (before worker_init_fn) must not kill it; the parent's latch
+    still gets one that arrived while the parent blocked it. SIGUSR1 stands in for the stop signal."""
+    from torch.utils.data import DataLoader
+
+    stop = signal.SIGUSR1
+    latch = SignalLatch([stop])
+    loader = DataLoader(list(range(4)), num_workers=1, multiprocessing_context="spawn",
+                        worker_init_fn=IgnoreSignalsInWorker(None, [stop]))
+
+    def start_and_signal():  # type: ignore[no-untyped-def]
+        iterator = DataLoader._get_iterator(loader)
+        os.kill(os.getpid(), stop)  # inside the blocked window when masked
+        for worker in iterator._workers:  # still importing torch: seconds before worker_init_fn
+            os.kill(worker.pid, stop)
+        return iterator
+
+    loader._get_iterator = StartWorkersMasked(start_and_signal, [stop]) if masked else start_and_signal
+    latch.install()
+    try:
+        if masked:
+            assert [int(b) for b in loader] == [0, 1, 2, 3]
+        else:
+            with pytest.raises(RuntimeError, match="DataLoader worker"):
+                list(loader)
+        assert latch.seen
+        assert stop not in signal.pthread_sigmask(signal.SIG_BLOCK, [])  # the parent's mask is back
+    finally:
+        latch.restore()
+
+
+def test_runtime_grace_counts_latency_steps_and_teardown() -> None:
+    # a run that read its rounds overlapped: 2 x 2 s + save 49 + kill_wait 3 + teardown 5 = 61 s > a 60 s lead
+    late = runtime_grace.assess(step_s=2, save_s=49, kill_wait_s=3, lead_s=60, facts=None, teardown_s=5,
+                                latency_steps=2)
+    assert len(late) == 1 and "needed 61 s (2 x longest step 2.0 s" in late[0] and "teardown 5.0 s" in late[0]
+    # blocking (recorded, or by the rule for 2 s steps): 59 s fits
+    assert runtime_grace.assess(step_s=2, save_s=49, kill_wait_s=3, lead_s=60, facts=None, teardown_s=5) == []

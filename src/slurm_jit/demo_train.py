@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -48,6 +50,27 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers-take-signals", action="store_true",
                    help="JitConfig(ignore_signals_in_workers=False), to show what the default prevents")
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--mp-context", choices=("fork", "spawn", "forkserver"), default=None,
+                   help="start method of the DataLoader workers (default: the platform's)")
+    p.add_argument("--signals", default="TERM", help="JitConfig(signals=...), comma-separated, e.g. TERM,USR1")
+    p.add_argument("--own-handler", action="store_true",
+                   help="install a SIGTERM handler before train() that appends to OUT/own-handler-rank<R>.txt")
+    p.add_argument("--after-train-sleep", type=float, default=0.0,
+                   help="seconds to stay alive after train() returned (it logs 'train() returned' first)")
+    p.add_argument("--dropout", type=float, default=0.0,
+                   help="Llama's attention_dropout (GPT-2 always has 0.1): makes an exact resume depend on the RNG")
+    p.add_argument("--resume-from", default=None, help="train(resume_from_checkpoint=PATH)")
+    p.add_argument("--metric-for-best", default=None, help="metric_for_best_model, e.g. loss")
+    p.add_argument("--save-only-model", action="store_true", help="TrainingArguments(save_only_model=True)")
+    p.add_argument("--save-on-each-node", action="store_true", help="TrainingArguments(save_on_each_node=True)")
+    p.add_argument("--on-save-file", default=None,
+                   help="a callback writes this file into every checkpoint in on_save (rank 0)")
+    p.add_argument("--signal-self-at-step", type=int, default=0,
+                   help="each rank sends itself SIGTERM at the end of this step (a stop at a known step)")
+    p.add_argument("--slow-train-end", type=float, default=0.0,
+                   help="seconds an on_train_end callback sleeps after a stop (slow user cleanup)")
+    p.add_argument("--fail-at-step", type=int, default=0, help="the first train() raises at this step")
+    p.add_argument("--train-again", action="store_true", help="after a failed train(), call train() again")
     p.add_argument("--ds-optimizer", choices=("AdamW",), default=None,
                    help='an "optimizer" section in the DeepSpeed config (default: none, the Trainer\'s AdamW)')
     p.add_argument("--offload", action="store_true", help="ZeRO-Offload: optimizer on CPU (DeepSpeedCPUAdam)")
@@ -78,7 +101,8 @@ class _Tokens:
         return {"input_ids": self.data[i], "labels": self.data[i]}
 
 
-def build_model(kind: str, width: int, layers: int, vocab: int = VOCAB, heads: int = 2, kv_heads: int = 2) -> Any:
+def build_model(kind: str, width: int, layers: int, dropout: float = 0.0, vocab: int = VOCAB, heads: int = 2,
+                kv_heads: int = 2) -> Any:
     import transformers
 
     if kind == "gpt2":
@@ -87,7 +111,7 @@ def build_model(kind: str, width: int, layers: int, vocab: int = VOCAB, heads: i
         return transformers.GPT2LMHeadModel(cfg)
     cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=width, intermediate_size=width * 2,
                                    num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                                   max_position_embeddings=SEQ_LEN * 2)
+                                   max_position_embeddings=SEQ_LEN * 2, attention_dropout=dropout)
     return transformers.LlamaForCausalLM(cfg)
 
 
@@ -123,7 +147,11 @@ def _callbacks(args: argparse.Namespace, rank: int) -> list[Any]:
             logs = kwargs.get("logs")
             if rank == 0 and logs and "loss" in logs:
                 with open(os.path.join(out_dir, "losses-rank0.jsonl"), "a", encoding="utf-8") as f:
-                    f.write(json.dumps({"step": state.global_step, "loss": logs["loss"]}) + "\n")
+                    f.write(json.dumps({"step": state.global_step, "loss": logs["loss"],
+                                        "lr": logs.get("learning_rate")}) + "\n")
+            if rank == 0 and logs and "eval_loss" in logs:
+                with open(os.path.join(out_dir, "evals-rank0.jsonl"), "a", encoding="utf-8") as f:
+                    f.write(json.dumps({"step": state.global_step, "eval_loss": logs["eval_loss"]}) + "\n")
 
     class Sleep(transformers.TrainerCallback):
         def on_step_end(self, *a: Any, **kw: Any) -> None:
@@ -134,7 +162,7 @@ def _callbacks(args: argparse.Namespace, rank: int) -> list[Any]:
             if args.eval_sleep:
                 time.sleep(args.eval_sleep)
 
-    callbacks = [LossLog(), Sleep()]
+    callbacks = [LossLog(), Sleep(), *_test_callbacks(args, rank)]
     if args.dump_state_at:
         callbacks.append(_state_dump_callback(args, rank))
     return callbacks
@@ -158,10 +186,60 @@ def _state_dump_callback(args: argparse.Namespace, rank: int) -> Any:
     return DumpState()
 
 
+def _test_callbacks(opts: argparse.Namespace, rank: int) -> list[Any]:
+    """What the tests need: a callback that writes into checkpoints, a stop at a known step, slow cleanup, a
+    failure."""
+    import signal
+
+    import transformers
+
+    class TestHooks(transformers.TrainerCallback):
+        failed = False
+
+        def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if opts.on_save_file and rank == 0:
+                ckpt = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+                with open(os.path.join(ckpt, opts.on_save_file), "w", encoding="utf-8") as f:
+                    f.write(f"written by on_save at step {state.global_step}\n")
+                if os.path.isfile(os.path.join(ckpt, "config.json")):  # rewrite a file the manifest lists
+                    with open(os.path.join(ckpt, "config.json"), "a", encoding="utf-8") as f:
+                        f.write("\n")
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if opts.signal_self_at_step and state.global_step == opts.signal_self_at_step:
+                os.kill(os.getpid(), signal.SIGTERM)
+            if opts.fail_at_step and state.global_step == opts.fail_at_step and not TestHooks.failed:
+                TestHooks.failed = True
+                raise RuntimeError(f"demo_train: failure injected at step {state.global_step}")
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if opts.slow_train_end and state.global_step < state.max_steps:
+                time.sleep(opts.slow_train_end)
+
+    return [TestHooks()]
+
+
+def _install_own_handler(out_dir: str, rank: int) -> None:
+    """A user's SIGTERM handler, to show that train() gives it back."""
+    path = os.path.join(out_dir, f"own-handler-rank{rank}.txt")
+
+    def handler(signum: int, frame: Any) -> None:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"{signum}\n")
+
+    os.makedirs(out_dir, exist_ok=True)
+    signal.signal(signal.SIGTERM, handler)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     dist_env.from_slurm()
-    os.environ.setdefault("ACCELERATE_USE_DEEPSPEED", "true")
+    if args.zero_stage:  # --zero-stage 0: no DeepSpeed at all (plain DDP over gloo)
+        os.environ.setdefault("ACCELERATE_USE_DEEPSPEED", "true")
+    if args.mp_context:
+        import multiprocessing
+
+        multiprocessing.set_start_method(args.mp_context, force=True)  # what DataLoader workers use by default
     import transformers
 
     transformers.set_seed(args.seed)
@@ -187,29 +265,58 @@ def main(argv: Sequence[str] | None = None) -> None:
         seed=args.seed,
         disable_tqdm=True,
         enable_jit_checkpoint=args.upstream_jit,
+        metric_for_best_model=args.metric_for_best,
+        save_only_model=args.save_only_model,
+        save_on_each_node=args.save_on_each_node,
     )
-    model = build_model(args.model, args.width, args.layers, args.vocab, args.heads, args.kv_heads)
+    model = build_model(args.model, args.width, args.layers, args.dropout, args.vocab, args.heads, args.kv_heads)
     common: dict[str, Any] = dict(
         model=model, args=targs, train_dataset=_Tokens(args.samples, args.seed, args.vocab),
         eval_dataset=_Tokens(args.eval_samples, args.seed + 1, args.vocab) if args.eval_steps else None,
         callbacks=_callbacks(args, rank),
     )
-    if args.trainer == "jit":
-        from slurm_jit.train.trainer import JitConfig, JitTrainer
+    from slurm_jit.train.refusals import JitRefusal
 
-        trainer: Any = JitTrainer(**common, jit_config=JitConfig(
-            kill_wait_s=args.kill_wait, ignore_signals_in_workers=not args.workers_take_signals))
-    else:
-        trainer = transformers.Trainer(**common)
-    for callback in common["callbacks"]:
-        if hasattr(callback, "trainer"):
-            callback.trainer = trainer
-    trainer.train(resume_from_checkpoint=True if args.resume else None)
+    try:
+        _train(args, common)
+    except JitRefusal as exc:
+        print(f"demo_train: {exc}", file=sys.stderr)
+        sys.exit(2)
     import torch.distributed as dist
 
     if dist.is_initialized():  # a clean teardown, so that no rank aborts at exit while its peer is gone
         dist.barrier()
         dist.destroy_process_group()
+
+
+def _train(args: argparse.Namespace, common: dict[str, Any]) -> None:
+    import transformers
+
+    if args.trainer == "jit":
+        from slurm_jit.train.trainer import JitConfig, JitTrainer
+
+        trainer: Any = JitTrainer(**common, jit_config=JitConfig(
+            kill_wait_s=args.kill_wait, ignore_signals_in_workers=not args.workers_take_signals,
+            signals=tuple(args.signals.split(","))))
+    else:
+        trainer = transformers.Trainer(**common)
+    for callback in common["callbacks"]:
+        if hasattr(callback, "trainer"):  # the state dump reads the DeepSpeed engine through the trainer
+            callback.trainer = trainer
+    if args.own_handler:
+        _install_own_handler(args.output_dir, int(os.environ.get("RANK", "0")))
+    resume = args.resume_from or (True if args.resume else None)
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+    except RuntimeError as exc:
+        if not (args.train_again and "failure injected" in str(exc)):
+            raise
+        print(f"demo_train: train() failed ({exc}); side group closed: {trainer._jit_agreement is None}; "
+              "training again", file=sys.stderr)
+        trainer.train(resume_from_checkpoint=resume)
+    if args.after_train_sleep:
+        print(f"train() returned on rank {os.environ.get('RANK', '0')}", flush=True)
+        time.sleep(args.after_train_sleep)
 
 
 if __name__ == "__main__":

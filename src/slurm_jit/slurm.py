@@ -132,3 +132,22 @@ def seconds(value: str) -> int | None:
         parts.insert(0, 0)
     hours, minutes, secs = parts[-3:]
     return ((days * 24 + hours) * 60 + minutes) * 60 + secs
+
+
+def node_address(node_name: str) -> str:
+    """The address Slurm reaches a node at (its ``NodeAddr``; the node name itself when slurm.conf gives none)."""
+    node = parse_key_values(run(["scontrol", "show", "node", node_name]))
+    return node.get("NodeAddr") or node_name
+
+
+def requeue(job_id: str) -> None:
+    """``scontrol requeue JOBID``: the same job id runs again (SLURM_RESTART_COUNT + 1).
+
+    Slurm accepts this even for a job that ``scancel`` already cancelled: check :func:`show_job` first.
+    """
+    run(["scontrol", "requeue", str(job_id)])
+
+
+def job_state(job: dict[str, str]) -> str:
+    """``JobState`` of a :func:`show_job` dict, without a reason suffix; ``UNKNOWN`` when absent."""
+    return job.get("JobState", "UNKNOWN").split("+")[0] or "UNKNOWN"

@@ -10,6 +10,15 @@ global rank, so ranks never contend for a lock, and kept across restarts: every 
      "kind": "jit", "bytes": 123456}
     {"v": 1, "event": "eval",  "rank": 0, "world_size": 2, "run_id": "...", "step": 12, "dur_s": 1.9,
      "aborted": false}
+    {"v": 1, "event": "agreement", ..., "step": 3, "dur_s": 0.0004, "mode": "blocking", "step_s": 2.1,
+     "threshold_s": 0.5, "kill_wait_s": 3.0}
+    {"v": 1, "event": "stop", ..., "step": 14, "dur_s": 5.2, "signal_step": 14, "mode": "blocking",
+     "kill_wait_s": 3.0, "signal_to_save_s": 3.0, "save_s": 1.9, "teardown_s": 0.3, "signal_time": 1.7e9,
+     "save_start_time": 1.7e9, "end_time": 1.7e9}
+
+``agreement`` (once per run, after warm-up): how the ranks read their stop rounds from then on (``dur_s``: the
+agreed cost of one blocking round); ``stop`` (on a JIT stop): ``dur_s`` from this rank's first signal until
+``train()`` returned, and where that time went. The grace calculator reads both.
 
 The first ``WARMUP_STEPS`` steps of every run are marked ``warmup`` (they include one-time compilation and
 allocation) and are left out of the step statistics. This module imports no torch.
@@ -76,6 +85,18 @@ class TimingLog:
         self._write({"event": "eval", "step": step, "dur_s": dur_s, "aborted": aborted})
         self.flush()
 
+    def agreement(self, step: int, *, mode: str, allreduce_s: float, step_s: float, threshold_s: float,
+                  kill_wait_s: float) -> None:
+        self._write({"event": "agreement", "step": step, "dur_s": allreduce_s, "mode": mode, "step_s": step_s,
+                     "threshold_s": threshold_s, "kill_wait_s": kill_wait_s})
+        self.flush()
+
+    def stop(self, step: int, *, signal_to_end_s: float, fields: dict[str, Any]) -> None:
+        """A JIT stop: ``signal_to_end_s`` from this rank's first signal until train() returned; ``fields``: the
+        parts (signal_step, mode, kill_wait_s, signal_to_save_s, save_s, teardown_s, wall-clock times)."""
+        self._write({**fields, "event": "stop", "step": step, "dur_s": signal_to_end_s})
+        self.flush()
+
     def flush(self) -> None:
         if self._file is not None:
             self._file.flush()
@@ -99,6 +120,13 @@ class SaveStats:
 
 
 @dataclass(frozen=True, kw_only=True)
+class StepStats:
+    n: int  # step samples (warm-up left out)
+    max_s: float
+    p99_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
 class TimingSummary:
     """What the grace-period calculator needs from a timing log."""
 
@@ -111,6 +139,12 @@ class TimingSummary:
     saves: dict[str, SaveStats] = field(default_factory=dict)  # by kind: jit / periodic / final
     n_evals: int = 0
     eval_max_s: float | None = None
+    # Step statistics by how the runs read their stop rounds ("blocking", "overlapped"; "unknown": a run that
+    # recorded no agreement mode, e.g. a log written before the modes existed).
+    steps_by_mode: dict[str, StepStats] = field(default_factory=dict)
+    kill_wait_s: float | None = None  # the longest kill_wait any run recorded
+    n_stops: int = 0  # JIT stops recorded (all ranks)
+    teardown_max_s: float | None = None  # longest time from a JIT save's end until train() returned
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:
@@ -156,11 +190,13 @@ def _read_file(path: Path) -> Iterable[dict[str, Any]]:
 
 def summarize(records: Iterable[dict[str, Any]]) -> TimingSummary:
     """Step, save and eval statistics over all ranks and all runs of a timing log."""
+    records = list(records)
     steps: list[float] = []
     saves: dict[str, list[dict[str, Any]]] = {}
     evals: list[float] = []
     runs: set[str] = set()
     world_sizes: set[int] = set()
+    run_steps: dict[str, list[float]] = {}
     for record in records:
         runs.add(str(record.get("run_id")))
         if isinstance(record.get("world_size"), int):
@@ -168,11 +204,16 @@ def summarize(records: Iterable[dict[str, Any]]) -> TimingSummary:
         event = record["event"]
         if event == "step" and not record.get("warmup"):
             steps.append(float(record["dur_s"]))
+            run_steps.setdefault(str(record.get("run_id")), []).append(float(record["dur_s"]))
         elif event == "save":
             saves.setdefault(str(record.get("kind", "unknown")), []).append(record)
         elif event == "eval":
             evals.append(float(record["dur_s"]))
     steps.sort()
+    stops = [r for r in records if r["event"] == "stop"]
+    teardowns = [float(r["teardown_s"]) for r in stops if _seconds(r.get("teardown_s")) is not None]
+    kill_waits = [float(r["kill_wait_s"]) for r in records
+                  if r["event"] in ("agreement", "stop") and _seconds(r.get("kill_wait_s")) is not None]
     return TimingSummary(
         n_steps=len(steps),
         n_runs=len(runs),
@@ -190,7 +231,24 @@ def summarize(records: Iterable[dict[str, Any]]) -> TimingSummary:
         },
         n_evals=len(evals),
         eval_max_s=max(evals) if evals else None,
+        steps_by_mode=_steps_by_mode(records, run_steps),
+        kill_wait_s=max(kill_waits) if kill_waits else None,
+        n_stops=len(stops),
+        teardown_max_s=max(teardowns) if teardowns else None,
     )
+
+
+def _seconds(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and math.isfinite(value) and value >= 0 else None
+
+
+def _steps_by_mode(records: list[dict[str, Any]], run_steps: dict[str, list[float]]) -> dict[str, StepStats]:
+    """Step statistics grouped by the agreement mode each run recorded (a run keeps one mode)."""
+    modes = {str(r.get("run_id")): str(r.get("mode")) for r in records if r["event"] == "agreement"}
+    grouped: dict[str, list[float]] = {}
+    for run_id, durations in run_steps.items():
+        grouped.setdefault(modes.get(run_id, "unknown"), []).extend(durations)
+    return {mode: StepStats(n=len(d), max_s=max(d), p99_s=_percentile(sorted(d), 99)) for mode, d in grouped.items()}
 
 
 def load_summary(output_dir: str | os.PathLike[str]) -> TimingSummary:

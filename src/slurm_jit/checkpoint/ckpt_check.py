@@ -20,6 +20,7 @@ EXIT_RESUMABLE = 0
 EXIT_NONE_RESUMABLE = 1
 EXIT_USAGE = 2
 EXIT_NO_CHECKPOINT = 3
+UNKNOWN = "-"  # a size or age that could not be read
 
 EPILOG = f"""\
 exit status:
@@ -61,7 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _human_bytes(n: int) -> str:
+def _human_bytes(n: int | None) -> str:
+    if n is None:
+        return UNKNOWN
     value = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if value < 1024 or unit == "TiB":
@@ -70,8 +73,10 @@ def _human_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def _human_age(seconds: float) -> str:
-    seconds = max(0.0, seconds)
+def _human_age(written_at: float, now: float) -> str:
+    if written_at <= 0:
+        return UNKNOWN
+    seconds = max(0.0, now - written_at)
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
         if seconds >= size:
             return f"{seconds / size:.1f}{unit}"
@@ -109,7 +114,7 @@ def _table(resolution: protocol.Resolution, now: float) -> list[str]:
             reason += "  <- resume"
         lines.append(
             f"{ckpt.step:>8}  {ckpt.status.value:<10}  {ckpt.kind or '-':<8}  "
-            f"{_human_bytes(ckpt.size_bytes):>10}  {_human_age(now - ckpt.mtime):>6}  {reason}"
+            f"{_human_bytes(ckpt.size_bytes):>10}  {_human_age(ckpt.written_at, now):>6}  {reason}"
         )
     return lines
 
@@ -154,7 +159,8 @@ def _as_json(out_dir: str, resolution: protocol.Resolution, moved: list[tuple[Pa
         "resume_from": resume or None,
         "checkpoints": [
             {"path": str(c.path), "step": c.step, "status": c.status.value, "kind": c.kind,
-             "size_bytes": c.size_bytes, "mtime": c.mtime, "reason": c.reason,
+             "size_bytes": c.size_bytes, "mtime": c.mtime, "written_at": c.written_at or None,
+             "run_id": c.run_id, "reason": c.reason,
              "resumable": resolution.checkpoint is not None and c.path == resolution.checkpoint.path}
             for c in resolution.checkpoints
         ],

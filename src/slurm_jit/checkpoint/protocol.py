@@ -31,7 +31,7 @@ import os
 import re
 import stat
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +51,7 @@ QUARANTINE_SUFFIX = ".incomplete"
 QUARANTINED_RE = re.compile(r"^checkpoint-\d+\.incomplete(\.\d+)?$")
 SAVE_KINDS = ("jit", "periodic", "final")
 TRAINER_STATE_NAME = "trainer_state.json"
+MAX_EPOCH_S = 2**33  # year 2242: a manifest's "created" beyond it is not a time (clocks differ, not by centuries)
 
 
 class Status(str, enum.Enum):
@@ -58,6 +59,10 @@ class Status(str, enum.Enum):
     INCOMPLETE = "incomplete"
     CORRUPT = "corrupt"
     UNVERIFIED = "unverified"
+    MODEL_ONLY = "model-only"  # verified, but holds only what inference needs (save_only_model): never resumed
+
+
+WHOLE_STATUSES = (Status.COMPLETE, Status.UNVERIFIED, Status.MODEL_ONLY)  # every file there: rotation may delete
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,20 +72,27 @@ class CheckpointInfo:
     status: Status
     reason: str  # why this status ("" for a verified complete checkpoint)
     kind: str | None = None  # jit / periodic / final, from the manifest
-    size_bytes: int = 0  # regular files under the directory (symlinks not followed)
-    mtime: float = 0.0
+    size_bytes: int | None = None  # regular files under the directory (symlinks not followed); None: unknown
+    mtime: float = 0.0  # the directory's own mtime (0.0: unknown)
+    written_at: float = 0.0  # the verified manifest's ``created``, else ``mtime``: what "newest" means
+    run_id: str | None = None  # the writing run's lineage id, from a verified manifest
 
     def resumable(self, strict: bool = False) -> bool:
         return self.status is Status.COMPLETE or (self.status is Status.UNVERIFIED and not strict)
+
+
+def newest_written_first(checkpoints: Iterable[CheckpointInfo]) -> list[CheckpointInfo]:
+    """Most recently written first; the higher step first among equal times."""
+    return sorted(checkpoints, key=lambda c: (c.written_at, c.step), reverse=True)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Resolution:
     """The answer to "where do I resume from?"."""
 
-    checkpoint: CheckpointInfo | None  # the newest resumable checkpoint, or None
-    passed_over: list[CheckpointInfo]  # every newer checkpoint, with its status and reason
-    checkpoints: list[CheckpointInfo]  # all checkpoint directories, newest first
+    checkpoint: CheckpointInfo | None  # the most recently written resumable checkpoint, or None
+    passed_over: list[CheckpointInfo]  # every checkpoint written after it, with its status and reason
+    checkpoints: list[CheckpointInfo]  # all checkpoint directories, newest written first
     ignored: list[str] = field(default_factory=list)  # entries named like checkpoints that are not
 
 
@@ -189,27 +201,55 @@ def inspect(
     progress: Callable[[int], None] | None = None,
 ) -> CheckpointInfo:
     """The status of one ``checkpoint-<step>`` directory; a check that fails in an unforeseen way is ``corrupt``."""
+    path = Path(ckpt_dir)
     try:
-        return _inspect(Path(ckpt_dir), step, deep, progress)
+        return _inspect(path, step, deep, progress)
     except OSError:
         raise
     except Exception as exc:  # noqa: BLE001 - untrusted input must give a verdict, never crash the gate
-        return CheckpointInfo(path=Path(ckpt_dir), step=step, status=Status.CORRUPT,
-                              reason=f"could not be checked: {type(exc).__name__}: {exc}")
+        mtime = _dir_mtime(path)
+        return CheckpointInfo(path=path, step=step, status=Status.CORRUPT,
+                              reason=f"could not be checked: {type(exc).__name__}: {exc}",
+                              size_bytes=_tree_size_or_none(path), mtime=mtime, written_at=mtime)
+
+
+def _dir_mtime(path: Path) -> float:
+    """The directory's own mtime (not followed), 0.0 when it cannot be read."""
+    try:
+        return os.lstat(path).st_mtime
+    except OSError:
+        return 0.0
+
+
+def _tree_size_or_none(path: Path) -> int | None:
+    try:
+        return _tree_size(path)
+    except Exception:  # noqa: BLE001 - the size is for display only
+        return None
+
+
+def _created(manifest: dict[str, Any]) -> float | None:
+    """The manifest's ``created`` time when it is a plausible epoch time, else None."""
+    created = manifest.get("created")
+    if isinstance(created, bool) or not isinstance(created, int | float) or not 0 < created < MAX_EPOCH_S:
+        return None
+    return float(created)
 
 
 def _inspect(path: Path, step: int, deep: bool, progress: Callable[[int], None] | None) -> CheckpointInfo:
-    mtime = 0.0
-    try:
-        mtime = os.lstat(path).st_mtime
-    except OSError:
-        pass
+    mtime = _dir_mtime(path)
 
-    def info(status: Status, reason: str, kind: str | None = None) -> CheckpointInfo:
-        return CheckpointInfo(
-            path=path, step=step, status=status, reason=reason, kind=kind, size_bytes=_tree_size(path),
-            mtime=mtime,
-        )
+    def info(status: Status, reason: str, manifest: dict[str, Any] | None = None) -> CheckpointInfo:
+        kind = run_id = None
+        written_at = mtime
+        if manifest is not None:
+            kind = manifest.get("kind") if isinstance(manifest.get("kind"), str) else None
+        if manifest is not None and status in WHOLE_STATUSES:  # only a verified manifest is believed
+            run_id = manifest.get("run_id") if isinstance(manifest.get("run_id"), str) else None
+            written_at = _created(manifest) or mtime
+        return CheckpointInfo(path=path, step=step, status=status, reason=reason, kind=kind,
+                              size_bytes=_tree_size_or_none(path), mtime=mtime, written_at=written_at,
+                              run_id=run_id)
 
     if path.is_symlink():
         return info(Status.CORRUPT, "the checkpoint directory is a symlink: not trusted")
@@ -219,9 +259,8 @@ def _inspect(path: Path, step: int, deep: bool, progress: Callable[[int], None] 
         manifest, why = read_manifest(path)
         if manifest is None:
             return info(Status.CORRUPT, why or "manifest unusable")
-        kind = manifest.get("kind") if isinstance(manifest.get("kind"), str) else None
         why = _verify_manifest(path, step, manifest, deep, progress) or _check_trainer_state(path, step)
-        return info(Status.CORRUPT, why, kind) if why else info(Status.COMPLETE, "", kind)
+        return info(Status.CORRUPT, why, manifest) if why else info(Status.COMPLETE, "", manifest)
     return _inspect_unmanifested(path, step, info)
 
 
@@ -239,7 +278,7 @@ def _inspect_unmanifested(path: Path, step: int, info: Callable[..., CheckpointI
 
 def scan(out_dir: str | os.PathLike[str], deep: bool = False,
          progress: Callable[[int], None] | None = None) -> tuple[list[CheckpointInfo], list[str]]:
-    """(checkpoint directories newest first, names ignored). Raises OSError when out_dir is unreadable."""
+    """(checkpoint directories newest written first, names ignored). Raises OSError when out_dir is unreadable."""
     root = Path(out_dir)
     found: list[CheckpointInfo] = []
     ignored: list[str] = []
@@ -254,13 +293,14 @@ def scan(out_dir: str | os.PathLike[str], deep: bool = False,
             ignored.append(f"{name}: not a directory")
             continue
         found.append(inspect(entry, int(match.group(1)), deep=deep, progress=progress))
-    found.sort(key=lambda c: c.step, reverse=True)
-    return found, ignored
+    return newest_written_first(found), ignored
 
 
 def find_resumable(out_dir: str | os.PathLike[str], strict: bool = False, deep: bool = False,
                    progress: Callable[[int], None] | None = None) -> Resolution:
-    """The newest resumable checkpoint under ``out_dir`` and why every newer one was passed over.
+    """The most recently written resumable checkpoint under ``out_dir``, and why every checkpoint written after
+    it was passed over. The step number does not decide: after a rollback, or in a directory shared by several
+    runs, the checkpoint written last is the one to continue from.
 
     Raises OSError when ``out_dir`` cannot be listed; a missing ``out_dir`` means a fresh start.
     """
@@ -273,6 +313,25 @@ def find_resumable(out_dir: str | os.PathLike[str], strict: bool = False, deep: 
             return Resolution(checkpoint=ckpt, passed_over=passed_over, checkpoints=checkpoints, ignored=ignored)
         passed_over.append(ckpt)
     return Resolution(checkpoint=None, passed_over=passed_over, checkpoints=checkpoints, ignored=ignored)
+
+
+def rotation_victims(checkpoints: Iterable[CheckpointInfo], limit: int,
+                     keep: Collection[str | os.PathLike[str]] = ()) -> list[CheckpointInfo]:
+    """The checkpoints a ``save_total_limit`` rotation may delete, newest written first.
+
+    Only whole checkpoints (complete, unverified, model-only) are candidates: an incomplete or corrupt one is
+    never returned (it is evidence, set aside by quarantine, not deleted). Kept: the ``limit`` most recently
+    written whole checkpoints, the most recently written resumable one (so that rotation never removes the last
+    resume point), and every path in ``keep`` (the caller's: the one just written, the best model, the one
+    resumed from). ``limit < 1`` means no limit, as in transformers.
+    """
+    if limit < 1:
+        return []
+    kept_paths = {os.path.realpath(p) for p in keep}
+    whole = [c for c in newest_written_first(checkpoints) if c.status in WHOLE_STATUSES]
+    newest_resumable = next((c for c in whole if c.resumable()), None)
+    return [c for c in whole[limit:]
+            if c is not newest_resumable and os.path.realpath(c.path) not in kept_paths]
 
 
 def quarantine_path(ckpt_dir: Path) -> Path:

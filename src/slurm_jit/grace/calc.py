@@ -3,6 +3,16 @@
 The formula (Hugging Face transformers docs, JIT checkpointing on Slurm) is the longest step that can be
 running when the signal arrives, plus the checkpoint save time, plus the trainer's kill wait before the
 checkpoint starts: steps of up to 2 min and a 2 min save need 120 + 120 + 3 = 243 s, ``--signal=TERM@243``.
+
+What the JitTrainer does, exactly (its ranks agree on the stop at step boundaries, see
+:mod:`slurm_jit.train.agreement`): from the first signal until ``train()`` returns takes at most
+kill_wait + latency_steps x the longest step + the longest save + the teardown (save end to ``train()``
+returning). latency_steps is 1 where the trainer reads each stop round at the step boundary that started it
+(blocking: steps of at least :data:`BLOCKING_MIN_STEP_S`), 2 where it reads it one step later (overlapped,
+short steps). The sum is the bound whatever the step times do; ``max(kill_wait, latency_steps x step)`` would
+be one only for steps of equal length. The rule that picks the mode lives here (:func:`agreement_mode`) and the
+trainer imports it, so the two cannot drift apart.
+
 This module adds an evaluation that may be running, a safety margin, and the Slurm rules around the number:
 
 * ``--signal`` may be sent up to 60 s *earlier* than asked (sbatch(1)): N is a lower bound, and the early
@@ -62,9 +72,39 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 MASTER_COPY_BYTES = 4  # fp32 master weights, kept when the model dtype is 16-bit and there is an optimizer
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 4, "none": 0}  # momentum (+ variance) in fp32
 
+# How the trainer's ranks read their stop rounds (one small all-reduce over a CPU gloo group per step boundary).
+AGREE_BLOCKING = "blocking"  # read at the boundary that started it: the stop comes after the signal's step
+AGREE_OVERLAPPED = "overlapped"  # read at the next boundary, the all-reduce hidden behind a step: one step later
+LATENCY_STEPS = {AGREE_BLOCKING: 1, AGREE_OVERLAPPED: 2}  # steps from the signal until the stop, at most
+# Measured here (2 local ranks, gloo, a 4 x int64 MAX all-reduce, 2000 rounds, load average 8): 0.33 ms median,
+# 4 ms p99. From 0.5 s on even the p99 round is under 1 % of a step; below it, the second step of latency costs
+# under 0.5 s of grace, which the margin's floor covers, while a blocking round would cost > 1 % of every step.
+BLOCKING_MIN_STEP_S = 0.5
+# Judgement: a blocking round may cost up to 1 % of a step. The trainer measures the round on its own cluster
+# (many ranks over TCP take longer than 2 local ones) and reads rounds blocking only where this holds too.
+BLOCKING_MAX_OVERHEAD = 0.01
+
 
 class GraceError(ValueError):
     """Bad input or an impossible grace period; the message ends with a HINT on how to fix it."""
+
+
+def blocking_threshold_s(allreduce_s: float = 0.0) -> float:
+    """The shortest step for which the trainer reads stop rounds blocking, given one round's cost."""
+    return max(BLOCKING_MIN_STEP_S, allreduce_s / BLOCKING_MAX_OVERHEAD)
+
+
+def agreement_mode(step_s: float, allreduce_s: float = 0.0) -> str:
+    """The trainer's rule: blocking rounds (latency 1 step) where a round is negligible beside a step."""
+    return AGREE_BLOCKING if step_s >= blocking_threshold_s(allreduce_s) else AGREE_OVERLAPPED
+
+
+def latency_reason(steps: int, recorded: bool = False) -> str:
+    """Why the stop comes that many steps after the signal, in words."""
+    how = "as the trainer recorded" if recorded else f"steps {'>=' if steps == 1 else '<'} {BLOCKING_MIN_STEP_S:g} s"
+    if steps == 1:
+        return f"the stop comes after the step the signal lands in (stop rounds read at that boundary, {how})"
+    return f"the stop can come one step later (stop rounds read one step late, overlapped, {how})"
 
 
 # --- parsing user input ---------------------------------------------------------------------------------
@@ -121,7 +161,7 @@ def parse_params(text: str) -> int:
 
 @dataclass(frozen=True, kw_only=True)
 class Margin:
-    """The safety margin: ``max(floor_s, fraction * (step + eval + save))``."""
+    """The safety margin: ``max(floor_s, fraction * (step + eval + save + teardown))``."""
 
     fraction: float = DEFAULT_MARGIN_FRACTION  # share of the timed terms
     floor_s: float = DEFAULT_MARGIN_FLOOR_S  # never less than this many seconds
@@ -136,8 +176,8 @@ class Margin:
 
     def describe(self) -> str:
         if self.fraction and self.floor_s:
-            return f"{self.fraction:.0%} of step+eval+save, at least {self.floor_s:g} s"
-        return f"{self.fraction:.0%} of step+eval+save" if self.fraction else f"{self.floor_s:g} s"
+            return f"{self.fraction:.0%} of step+eval+save+teardown, at least {self.floor_s:g} s"
+        return f"{self.fraction:.0%} of step+eval+save+teardown" if self.fraction else f"{self.floor_s:g} s"
 
 
 def parse_margin(text: str) -> Margin:
@@ -174,19 +214,28 @@ class GraceInputs:
     save_s: float  # the checkpoint save time
     eval_s: float = 0.0  # an evaluation that can be running when the signal arrives (0: none can)
     kill_wait_s: float = DEFAULT_KILL_WAIT_S  # the trainer's wait after the signal, before the checkpoint
+    latency_steps: int | None = None  # steps from the signal to the stop (1 or 2); None: the trainer's rule
+    teardown_s: float = 0.0  # from the end of the save until train() returns
     margin: Margin = field(default_factory=Margin)  # safety margin on top
     sources: Mapping[str, str] = field(default_factory=dict)  # term name -> where its number came from
 
     def __post_init__(self) -> None:
         for name, value, zero_ok in (
             ("step", self.step_s, False), ("save", self.save_s, False),
-            ("eval", self.eval_s, True), ("kill_wait", self.kill_wait_s, True),
+            ("eval", self.eval_s, True), ("kill_wait", self.kill_wait_s, True), ("teardown", self.teardown_s, True),
         ):
             finite = isinstance(value, int | float) and math.isfinite(value)
             ok = finite and (value >= 0 if zero_ok else value > 0)
             if not ok:
                 limit = "0 or more" if zero_ok else "more than 0"
                 raise GraceError(f"{name} time {value!r} s: must be {limit}. HINT: give a time like 2m")
+        if self.latency_steps is not None and self.latency_steps not in LATENCY_STEPS.values():
+            raise GraceError(f"latency_steps={self.latency_steps!r}. HINT: 1 (blocking) or 2 (overlapped)")
+
+    @property
+    def steps_to_stop(self) -> int:
+        """1 or 2: how many steps can run from the signal until the stop."""
+        return self.latency_steps or LATENCY_STEPS[agreement_mode(self.step_s)]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -196,6 +245,7 @@ class GraceResult:
     terms: tuple[Term, ...]
     needed_s: float  # the sum of the terms
     lead_s: int  # N of --signal=TERM@N: needed_s rounded up to whole seconds
+    latency_steps: int = 1  # steps that can run from the signal until the stop
 
     @property
     def option(self) -> str:
@@ -215,13 +265,18 @@ class GraceResult:
 
 def compute_grace(inputs: GraceInputs) -> GraceResult:
     """Sum the terms; raises GraceError when the result cannot be a Slurm --signal lead."""
-    timed_s = inputs.step_s + inputs.eval_s + inputs.save_s
+    steps = inputs.steps_to_stop
+    step_term_s = steps * inputs.step_s
+    timed_s = step_term_s + inputs.eval_s + inputs.save_s + inputs.teardown_s
     src = inputs.sources
+    latency = src.get("latency", latency_reason(steps))
     terms = (
-        Term(name="step", seconds=inputs.step_s, source=src.get("step", "given")),
+        Term(name="step", seconds=step_term_s,
+             source=f"{steps} x {inputs.step_s:.3g} s ({src.get('step', 'given')}): {latency}"),
         Term(name="eval", seconds=inputs.eval_s, source=src.get("eval", "none can be running")),
         Term(name="save", seconds=inputs.save_s, source=src.get("save", "given")),
         Term(name="kill_wait", seconds=inputs.kill_wait_s, source=src.get("kill_wait", "given")),
+        Term(name="teardown", seconds=inputs.teardown_s, source=src.get("teardown", "not counted")),
         Term(name="margin", seconds=inputs.margin.seconds(timed_s), source=inputs.margin.describe()),
     )
     needed_s = sum(t.seconds for t in terms)
@@ -233,7 +288,7 @@ def compute_grace(inputs: GraceInputs) -> GraceResult:
             "s (sbatch(1)). HINT: make the checkpoint faster (fewer bytes, a faster filesystem) or the steps "
             "shorter"
         )
-    return GraceResult(terms=terms, needed_s=needed_s, lead_s=lead_s)
+    return GraceResult(terms=terms, needed_s=needed_s, lead_s=lead_s, latency_steps=steps)
 
 
 # --- the cluster ----------------------------------------------------------------------------------------
@@ -296,27 +351,35 @@ class Timeline:
 
     events: tuple[Event, ...]
     checkpoint_done_s: float  # when the worst-case checkpoint is complete
+    exit_s: float  # when train() has returned (checkpoint_done_s + teardown)
     second_sigterm_s: float  # the end time: SIGTERM again (the checkpoint should be done by then)
     sigkill_s: float  # when the training processes are SIGKILLed
 
     @property
     def fits(self) -> bool:
-        return self.checkpoint_done_s <= self.second_sigterm_s
+        return self.exit_s <= self.second_sigterm_s
 
     @property
     def survives(self) -> bool:
         return self.checkpoint_done_s < self.sigkill_s
 
 
-def _checkpoint_events(result: GraceResult, start_s: float) -> tuple[list[Event], float]:
+def _checkpoint_events(result: GraceResult, start_s: float) -> tuple[list[Event], float, float]:
+    """(events, checkpoint done, train() returned) after a signal at ``start_s``, in the worst case."""
     busy_s = start_s + result.term("step") + result.term("eval")
     save_start_s = busy_s + result.term("kill_wait")
     done_s = save_start_s + result.term("save")
-    return [
-        Event(at_s=busy_s, what="the step (and evaluation) in progress ends"),
+    exit_s = done_s + result.term("teardown")
+    steps = "the step (and evaluation) in progress ends" if result.latency_steps == 1 else (
+        "the step in progress and the next one (and evaluation) end")
+    events = [
+        Event(at_s=busy_s, what=steps),
         Event(at_s=save_start_s, what="kill wait over: the checkpoint starts"),
         Event(at_s=done_s, what="the checkpoint is complete"),
-    ], done_s
+    ]
+    if exit_s > done_s:
+        events.append(Event(at_s=exit_s, what="train() returns"))
+    return events, done_s, exit_s
 
 
 def time_limit_timeline(
@@ -325,7 +388,7 @@ def time_limit_timeline(
 ) -> Timeline:
     """Replay a time-limit ending: the --signal lead_s (+ early_s) before the end, SIGTERM, SIGKILL."""
     end_s = signal_at_s + result.lead_s + early_s
-    events, done_s = _checkpoint_events(result, signal_at_s)
+    events, done_s, exit_s = _checkpoint_events(result, signal_at_s)
     kill_s = end_s + facts.kill_wait_s
     events += [
         Event(at_s=signal_at_s, what=f"--signal=TERM@{result.lead_s} arrives"),
@@ -338,7 +401,7 @@ def time_limit_timeline(
         kill_s = min(kill_s, launcher_kill_s)
         end_s = min(end_s, kill_s)
     return Timeline(
-        events=tuple(sorted(events, key=lambda e: e.at_s)), checkpoint_done_s=done_s,
+        events=tuple(sorted(events, key=lambda e: e.at_s)), checkpoint_done_s=done_s, exit_s=exit_s,
         second_sigterm_s=end_s, sigkill_s=kill_s,
     )
 
@@ -346,7 +409,7 @@ def time_limit_timeline(
 def preemption_timeline(result: GraceResult, facts: ClusterFacts, *, preempted_at_s: float) -> Timeline:
     """Replay a preemption: SIGTERM now, SIGTERM again after GraceTime, SIGKILL KillWait later."""
     grace_s = facts.grace_time_s if facts.grace_time_s is not None else SLURM_GRACE_TIME_DEFAULT_S
-    events, done_s = _checkpoint_events(result, preempted_at_s)
+    events, done_s, exit_s = _checkpoint_events(result, preempted_at_s)
     first = "the --signal" if facts.preempt_send_user_signal else "SIGTERM (not the --signal)"
     events += [
         Event(at_s=preempted_at_s, what=f"preempted: {first}"),
@@ -355,7 +418,7 @@ def preemption_timeline(result: GraceResult, facts: ClusterFacts, *, preempted_a
                                                                       "SIGKILL"),
     ]
     return Timeline(
-        events=tuple(sorted(events, key=lambda e: e.at_s)), checkpoint_done_s=done_s,
+        events=tuple(sorted(events, key=lambda e: e.at_s)), checkpoint_done_s=done_s, exit_s=exit_s,
         second_sigterm_s=preempted_at_s + grace_s, sigkill_s=preempted_at_s + grace_s + facts.kill_wait_s,
     )
 
@@ -421,17 +484,43 @@ class Measured:
 
     step_s: float | None
     step_source: str
+    latency_steps: int | None  # 1 or 2: steps from the signal to the stop, as the runs read their rounds
+    latency_source: str
     save_s: float | None
     save_source: str
     eval_s: float | None
     eval_source: str
+    kill_wait_s: float | None  # as the trainer recorded it
+    teardown_s: float | None
+    teardown_source: str
     warnings: tuple[str, ...]
 
 
+def _worst_stop_window(summary: timing.TimingSummary, step_stat: str) -> tuple[float, int, str, int] | None:
+    """(step, latency steps, mode, samples) of the mode whose latency x step is longest; None without steps."""
+    windows = []
+    for mode, stats in summary.steps_by_mode.items():
+        step_s = stats.max_s if step_stat == "max" else stats.p99_s
+        steps = LATENCY_STEPS.get(mode) or LATENCY_STEPS[agreement_mode(step_s)]
+        windows.append((steps * step_s, step_s, steps, mode, stats.n))
+    if not windows:
+        return None
+    _, step_s, steps, mode, n = max(windows)
+    return step_s, steps, mode, n
+
+
 def measured_terms(summary: timing.TimingSummary, *, step_stat: str = "max") -> Measured:
-    """Step (max or p99), longest save of any kind, longest evaluation, from a timing summary."""
+    """Step (max or p99) and the latency the runs' agreement mode gives it, longest save of any kind, longest
+    evaluation, the recorded kill_wait and the longest teardown, from a timing summary."""
     runs = f"{summary.n_runs} run{'s' if summary.n_runs != 1 else ''}"
-    step_s = summary.step_max_s if step_stat == "max" else summary.step_p99_s
+    worst = _worst_stop_window(summary, step_stat)
+    step_s: float | None = None
+    step_source, latency_source, steps = f"no steps over {runs} in the timing log", "", None
+    if worst is not None:
+        step_s, steps, mode, n = worst
+        mixed = f" ({mode} runs)" if len(summary.steps_by_mode) > 1 else ""
+        step_source = f"{step_stat} of {n} steps over {runs} in the timing log{mixed}"
+        latency_source = latency_reason(steps, recorded=mode in LATENCY_STEPS)
     warnings = []
     if summary.n_steps < MIN_STEP_SAMPLES:
         warnings.append(f"only {summary.n_steps} step samples (warm-up left out); the {step_stat} is rough. "
@@ -441,13 +530,22 @@ def measured_terms(summary: timing.TimingSummary, *, step_stat: str = "max") -> 
         kind, stats = max(summary.saves.items(), key=lambda kv: kv[1].max_dur_s)
         total = sum(s.count for s in summary.saves.values())
         save_s, save_source = stats.max_dur_s, f"longest of {total} saves ({kind}) in the timing log"
+    teardown_source = "no JIT stop in the timing log yet: not counted (the margin covers it)"
+    if summary.teardown_max_s is not None:
+        teardown_source = f"longest of {summary.n_stops} JIT stops (all ranks) in the timing log: save end to " \
+                          "train() returning"
     return Measured(
         step_s=step_s,
-        step_source=f"{step_stat} of {summary.n_steps} steps over {runs} in the timing log",
+        step_source=step_source,
+        latency_steps=steps,
+        latency_source=latency_source,
         save_s=save_s,
         save_source=save_source,
         eval_s=summary.eval_max_s,
         eval_source=f"longest of {summary.n_evals} evaluations in the timing log",
+        kill_wait_s=summary.kill_wait_s,
+        teardown_s=summary.teardown_max_s,
+        teardown_source=teardown_source,
         warnings=tuple(warnings),
     )
 

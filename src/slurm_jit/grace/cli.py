@@ -48,7 +48,8 @@ def _add_sizing(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save-time", help="the checkpoint save time")
     g.add_argument("--eval-time", help="an evaluation that can be running when the signal arrives")
     g.add_argument("--kill-wait",
-                   help=f"the trainer's wait before the checkpoint (default {grace.DEFAULT_KILL_WAIT_S:g} s)")
+                   help="the trainer's wait before the checkpoint (default: as --from's timing log recorded it, "
+                   f"else {grace.DEFAULT_KILL_WAIT_S:g} s)")
     g.add_argument("--margin", help=f"safety margin, a duration or a percentage of step+eval+save (default "
                    f"{grace.DEFAULT_MARGIN_FRACTION:.0%}, at least {grace.DEFAULT_MARGIN_FLOOR_S:g} s; 0: "
                    "the docs' formula)")
@@ -150,21 +151,20 @@ def _estimated_save(args: argparse.Namespace, world_size: int | None) -> tuple[f
 _Term = tuple[float, str]  # seconds, and where the number came from
 
 
-def _measured(
-    args: argparse.Namespace, world_size: int | None
-) -> tuple[_Term | None, _Term | None, _Term | None, list[str], dict[str, Any]]:
-    """(step, save, eval, warnings, sample counts) from --from's timing log; all None without --from."""
+def _measured(args: argparse.Namespace, world_size: int | None) -> tuple[grace.Measured | None, dict[str, Any]]:
+    """The terms of --from's timing log, and its sample counts; (None, {}) without --from."""
     if args.from_dir is None:
-        return None, None, None, [], {}
+        return None, {}
     summary = timing.summarize(grace.select_world_size(timing.read_records(args.from_dir), world_size))
-    measured = grace.measured_terms(summary, step_stat=args.step_stat)
     samples = {"steps": summary.n_steps, "runs": summary.n_runs, "evals": summary.n_evals,
                "saves": {k: v.count for k, v in summary.saves.items()},
-               "world_sizes": sorted(summary.world_sizes)}
-    step = (measured.step_s, measured.step_source) if measured.step_s is not None else None
-    save = (measured.save_s, measured.save_source) if measured.save_s is not None else None
-    evaluation = (measured.eval_s, measured.eval_source) if measured.eval_s is not None else None
-    return step, save, evaluation, list(measured.warnings), samples
+               "world_sizes": sorted(summary.world_sizes), "stops": summary.n_stops,
+               "agreement_modes": sorted(summary.steps_by_mode)}
+    return grace.measured_terms(summary, step_stat=args.step_stat), samples
+
+
+def _term(value: float | None, source: str) -> _Term | None:
+    return (value, source) if value is not None else None
 
 
 def gather_inputs(
@@ -172,9 +172,20 @@ def gather_inputs(
 ) -> tuple[GraceInputs, list[str], dict[str, Any]]:
     """The terms from the options (given, then measured, then estimated), with warnings and sample counts."""
     world_size = _world_size(args, env)
-    step, save, evaluation, warnings, samples = _measured(args, world_size)
+    measured, samples = _measured(args, world_size)
+    step = save = evaluation = kill_wait_measured = teardown = None
+    latency: tuple[int | None, str] = (None, "")
+    warnings: list[str] = []
+    if measured is not None:
+        step, save = _term(measured.step_s, measured.step_source), _term(measured.save_s, measured.save_source)
+        evaluation = _term(measured.eval_s, measured.eval_source)
+        kill_wait_measured = _term(measured.kill_wait_s, "recorded by the trainer in the timing log")
+        teardown = (measured.teardown_s or 0.0, measured.teardown_source)
+        latency = (measured.latency_steps, measured.latency_source)
+        warnings = list(measured.warnings)
     if args.step_time is not None:
         step = (grace.parse_duration(args.step_time, what="--step-time"), "--step-time")
+        latency = (None, "")  # the trainer's rule for the given step time
     if args.save_time is not None:
         save = (grace.parse_duration(args.save_time, what="--save-time"), "--save-time")
     if args.eval_time is not None:
@@ -190,14 +201,16 @@ def gather_inputs(
     if save is None:
         raise GraceError("no save time. HINT: give --save-time, --from a run that saved a checkpoint, or "
                          "--ckpt-bytes / --params with --probe DIR")
-    kill_wait = (grace.DEFAULT_KILL_WAIT_S, "default (transformers docs)")
+    kill_wait = kill_wait_measured or (grace.DEFAULT_KILL_WAIT_S, "default (transformers docs)")
     if args.kill_wait is not None:
         kill_wait = (grace.parse_duration(args.kill_wait, what="--kill-wait", allow_zero=True), "--kill-wait")
     margin = grace.Margin() if args.margin is None else grace.parse_margin(args.margin)
     inputs = GraceInputs(
         step_s=step[0], save_s=save[0], eval_s=evaluation[0] if evaluation else 0.0, kill_wait_s=kill_wait[0],
-        margin=margin,
+        latency_steps=latency[0], teardown_s=teardown[0] if teardown else 0.0, margin=margin,
         sources={"step": step[1], "save": save[1], "kill_wait": kill_wait[1],
+                 **({"latency": latency[1]} if latency[1] else {}),
+                 **({"teardown": teardown[1]} if teardown else {}),
                  **({"eval": evaluation[1]} if evaluation else {})},
     )
     return inputs, warnings, samples

@@ -1,10 +1,19 @@
 """Rank agreement on "stop now", over a CPU (gloo) side group.
 
-Every rank calls :meth:`StopAgreement.poll` at the same points (after each optimizer step, before each evaluation
-batch), with its own local wish to stop. ``poll`` returns the all-reduced (MAX) answer of the round started at the
-previous call and starts a new non-blocking round, so the collective overlaps the next step and costs about nothing
-in steady state; all ranks read the same round, so they stop after the same step. Local signals only change the
-values sent, never the sequence of collectives: every rank issues the same collectives in the same order.
+Every rank calls :meth:`StopAgreement.at_boundary` after each optimizer step (and :meth:`poll` before each
+evaluation batch) with its own local wish to stop; one all-reduce (MAX) per call carries every rank's wish. Two
+ways to read it, the same on every rank (the mode is agreed, never local):
+
+- **blocking** (:data:`~slurm_jit.grace.calc.AGREE_BLOCKING`): the round is read at the boundary that started
+  it, so a signal during step k stops training after step k. Used where steps are long enough that a small CPU
+  all-reduce is negligible beside them (:func:`slurm_jit.grace.calc.agreement_mode`).
+- **overlapped**: the round is read at the next boundary, so the collective is hidden behind a step and costs
+  about nothing, and the stop can come one step later. Used for short steps, where that step is short too.
+
+Until warm-up is over every round is blocking; the round of the first timed step carries each rank's step time
+and the cost of its blocking rounds so far, and the agreed (MAX) values fix the mode for the rest of ``train()``.
+All ranks read the same rounds, so they stop after the same step. Local signals only change the values sent,
+never the sequence of collectives: every rank issues the same collectives in the same order.
 
 A gloo side group keeps GPU runs free of an extra device synchronisation.
 """
@@ -19,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from slurm_jit.grace import calc
+
 SIDE_GROUP_TIMEOUT_S = 1800  # torch.distributed's default collective timeout
 
 
@@ -31,6 +42,8 @@ class Decision:
 
     stop: bool  # some rank wants to stop
     wait_s: float = 0.0  # until kill_wait has passed since the earliest signal on any rank (0: it has)
+    step_s: float = 0.0  # the longest last step of any rank (0: not sent)
+    allreduce_s: float = 0.0  # the highest cost of one blocking round any rank measured (0: none yet)
 
 
 @dataclass
@@ -38,6 +51,16 @@ class _Round:
     work: Any
     values: torch.Tensor
     sent_at: float
+
+
+@dataclass(frozen=True)
+class ModeChoice:
+    """The agreement mode fixed after warm-up, and the agreed numbers it was chosen from."""
+
+    mode: str
+    step_s: float
+    allreduce_s: float
+    threshold_s: float
 
 
 class StopAgreement:
@@ -49,11 +72,21 @@ class StopAgreement:
         if self.distributed:
             self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         self._pending: _Round | None = None
+        self.mode = calc.AGREE_BLOCKING  # until fixed after warm-up
+        self.choice: ModeChoice | None = None
+        self._round_cost_s: float | None = None  # the cheapest blocking round this rank has seen
 
-    def _reduce(self, stop: bool, remaining_s: float | None, async_op: bool) -> _Round:
-        # One MAX all-reduce carries both answers: max(stop) and, negated, min(remaining kill_wait).
+    @property
+    def latency_steps(self) -> int:
+        """Steps from a signal until the stop, as rounds are read now."""
+        return calc.LATENCY_STEPS[self.mode]
+
+    def _reduce(self, stop: bool, remaining_s: float | None, async_op: bool, step_s: float = 0.0) -> _Round:
+        # One MAX all-reduce carries every answer: max(stop), min(remaining kill_wait) negated, max(step time),
+        # max(cost of a blocking round); times in whole ms or us.
         remaining_ms = NO_SIGNAL_MS if remaining_s is None else int(remaining_s * 1000)
-        values = torch.tensor([1 if stop else 0, -remaining_ms], dtype=torch.int64)
+        cost_us = int((self._round_cost_s or 0.0) * 1e6)
+        values = torch.tensor([1 if stop else 0, -remaining_ms, int(step_s * 1000), cost_us], dtype=torch.int64)
         work = None
         if self.distributed:
             work = dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group, async_op=async_op)
@@ -63,11 +96,11 @@ class StopAgreement:
     def _read(round_: _Round) -> Decision:
         if round_.work is not None:
             round_.work.wait()
-        stop, neg_remaining_ms = (int(v) for v in round_.values.tolist())
-        if -neg_remaining_ms >= NO_SIGNAL_MS:
-            return Decision(stop=bool(stop))
-        remaining_s = -neg_remaining_ms / 1000 - (time.monotonic() - round_.sent_at)
-        return Decision(stop=bool(stop), wait_s=max(0.0, remaining_s))
+        stop, neg_remaining_ms, step_ms, cost_us = (int(v) for v in round_.values.tolist())
+        wait_s = 0.0
+        if -neg_remaining_ms < NO_SIGNAL_MS:
+            wait_s = max(0.0, -neg_remaining_ms / 1000 - (time.monotonic() - round_.sent_at))
+        return Decision(stop=bool(stop), wait_s=wait_s, step_s=step_ms / 1000, allreduce_s=cost_us / 1e6)
 
     def _drain(self) -> Decision:
         if self._pending is None:
@@ -84,21 +117,44 @@ class StopAgreement:
         self._pending = self._reduce(stop, remaining_s, async_op=True)
         return agreed
 
-    def agree_now(self, stop: bool, remaining_s: float | None = None) -> Decision:
+    def agree_now(self, stop: bool, remaining_s: float | None = None, step_s: float = 0.0) -> Decision:
         """A blocking round (after the pending one, whose answer counts too)."""
         earlier = self._drain()
-        now = self._read(self._reduce(stop, remaining_s, async_op=False))
-        return Decision(stop=earlier.stop or now.stop, wait_s=now.wait_s)
+        t0 = time.monotonic()
+        now = self._read(self._reduce(stop, remaining_s, async_op=False, step_s=step_s))
+        cost_s = time.monotonic() - t0
+        self._round_cost_s = cost_s if self._round_cost_s is None else min(self._round_cost_s, cost_s)
+        return Decision(stop=earlier.stop or now.stop, wait_s=now.wait_s, step_s=now.step_s,
+                        allreduce_s=now.allreduce_s)
 
-    def close(self) -> None:
+    def at_boundary(self, stop: bool, remaining_s: float | None, step_s: float, choose_mode: bool) -> Decision:
+        """The stop decision at an optimizer-step boundary, read as the mode says.
+
+        ``choose_mode`` (the same on every rank: after the first timed step) fixes the mode from this round's
+        agreed step time and round cost. Call it with a blocking mode, as every boundary before it is.
+        """
+        if self.mode == calc.AGREE_OVERLAPPED:
+            return self.poll(stop, remaining_s)
+        decision = self.agree_now(stop, remaining_s, step_s)
+        if choose_mode and self.choice is None:
+            self.mode = calc.agreement_mode(decision.step_s, decision.allreduce_s)
+            self.choice = ModeChoice(mode=self.mode, step_s=decision.step_s, allreduce_s=decision.allreduce_s,
+                                     threshold_s=calc.blocking_threshold_s(decision.allreduce_s))
+        return decision
+
+    def close(self, wait_for_peers: bool = True) -> None:
         """Finish the round in flight, wait for every rank, and tear the side group down.
 
         A gloo group left to the interpreter's exit can abort the process ("terminate called without an active
-        exception") when the peer rank has already exited.
+        exception") when the peer rank has already exited. ``wait_for_peers=False`` (after a failure, when a
+        peer may never come): drop the round in flight and tear the group down without a barrier.
         """
-        self._drain()
+        if wait_for_peers:
+            self._drain()
+        self._pending = None
         if self.distributed and self.group is not None:
-            dist.barrier(group=self.group)
+            if wait_for_peers:
+                dist.barrier(group=self.group)
             dist.destroy_process_group(self.group)
             self.group = None
             self.distributed = False

@@ -1,9 +1,10 @@
 """The runtime grace check: does the signal lead this job was given cover what it measurably needs?
 
-Run by the JitTrainer on global rank 0 under Slurm, after warm-up and after the first save. The need is the
-longest step + the longest save + kill_wait (the terms of :func:`slurm_jit.grace.calc.compute_grace`, from the timing
-log); what the job has is ``SLURM_JIT_SIGNAL_LEAD_S`` (exported by this project's launchers and sbatch scripts:
-the N of ``--signal=TERM@N``), and, at preemption, the partition's GraceTime. Warnings only, never an error.
+Run by the JitTrainer on global rank 0 under Slurm, after warm-up (once the agreement mode is recorded) and after
+the first save. The need is what :func:`slurm_jit.grace.calc.compute_grace` counts from the timing log, without
+the margin: kill_wait + latency steps x the longest step + the longest save + the teardown; what the job has
+is ``SLURM_JIT_SIGNAL_LEAD_S`` (exported by this project's launchers and sbatch scripts: the N of
+``--signal=TERM@N``), and, at preemption, the partition's GraceTime. Warnings only, never an error.
 """
 
 from __future__ import annotations
@@ -18,13 +19,16 @@ logger = logging.getLogger(__name__)
 
 
 def assess(*, step_s: float, save_s: float | None, kill_wait_s: float, lead_s: float | None,
-           facts: grace.ClusterFacts | None) -> list[str]:
+           facts: grace.ClusterFacts | None, latency_steps: int | None = None,
+           teardown_s: float = 0.0) -> list[str]:
     """Warnings (with a HINT each) when the grace this job has is shorter than what it needs. Pure."""
-    result = grace.compute_grace(grace.GraceInputs(
-        step_s=step_s, save_s=save_s if save_s else 1e-9, kill_wait_s=kill_wait_s, margin=grace.Margin(),
-    ))
-    needed_s = step_s + (save_s or 0.0) + kill_wait_s
-    what = f"longest step {step_s:.1f} s + save {save_s or 0:.1f} s + kill_wait {kill_wait_s:.0f} s"
+    inputs = grace.GraceInputs(step_s=step_s, save_s=save_s if save_s else 1e-9, kill_wait_s=kill_wait_s,
+                               latency_steps=latency_steps, teardown_s=teardown_s, margin=grace.Margin())
+    result = grace.compute_grace(inputs)
+    steps = inputs.steps_to_stop
+    needed_s = steps * step_s + (save_s or 0.0) + kill_wait_s + teardown_s
+    what = (f"{steps} x longest step {step_s:.1f} s + save {save_s or 0:.1f} s + kill_wait {kill_wait_s:.0f} s"
+            f" + teardown {teardown_s:.1f} s")
     warnings = []
     if lead_s is None:
         warnings.append(f"{grace.LEAD_ENV_VAR} is not set, so the signal lead cannot be checked (needed: {what}"
@@ -61,16 +65,17 @@ def check_and_warn(output_dir: str, kill_wait_s: float, when: str) -> list[str]:
     except timing.TimingLogError as exc:
         logger.info("slurm_jit: grace check skipped: %s", exc)
         return []
-    if summary.step_max_s is None:
+    measured = grace.measured_terms(summary)
+    if measured.step_s is None:
         return []
-    saves = [s.max_dur_s for s in summary.saves.values()]
     lead = os.environ.get(grace.LEAD_ENV_VAR)
     try:
         lead_s = float(lead) if lead else None
     except ValueError:
         lead_s = None
-    warnings = assess(step_s=summary.step_max_s, save_s=max(saves) if saves else None, kill_wait_s=kill_wait_s,
-                      lead_s=lead_s, facts=_cluster_facts())
+    warnings = assess(step_s=measured.step_s, save_s=measured.save_s, kill_wait_s=kill_wait_s, lead_s=lead_s,
+                      facts=_cluster_facts(), latency_steps=measured.latency_steps,
+                      teardown_s=measured.teardown_s or 0.0)
     for warning in warnings:
         logger.warning("slurm_jit grace check (%s): %s", when, warning)
     return warnings

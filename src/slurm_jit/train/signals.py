@@ -63,6 +63,29 @@ class IgnoreSignalsInWorker:
 
     def __call__(self, worker_id: int) -> None:
         for signum in self.signums:
-            signal.signal(signum, signal.SIG_IGN)
+            signal.signal(signum, signal.SIG_IGN)  # also discards one left pending by StartWorkersMasked
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, self.signums)
         if self.inner is not None:
             self.inner(worker_id)
+
+
+class StartWorkersMasked:
+    """Wraps a DataLoader's ``_get_iterator``: the stop signals are blocked in this thread while it starts workers.
+
+    A worker inherits the signal mask of the thread that starts it (through fork, and through the exec of the
+    spawn and forkserver start methods; a forkserver started here passes it on too), so it is born with the stop
+    signals blocked: one sent to the whole process group while the worker imports stays pending, and
+    :class:`IgnoreSignalsInWorker` discards it (SIG_IGN) before unblocking. Blocked, not ignored, in the parent:
+    a signal that arrives meanwhile stays pending and reaches the parent's latch when the old mask is restored.
+    """
+
+    def __init__(self, get_iterator: Callable[[], Any], signums: Iterable[int]) -> None:
+        self.get_iterator = get_iterator
+        self.signums = tuple(int(s) for s in signums)
+
+    def __call__(self) -> Any:
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, self.signums)
+        try:
+            return self.get_iterator()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)

@@ -14,7 +14,11 @@ Where a stop lands:
 - during evaluation: the evaluation loop is aborted at the next batch, then the checkpoint is written;
 - during a periodic save: the save finishes, and training stops there without a second checkpoint of that step;
 - before the first step: training returns at once and writes no new checkpoint;
-- after the last step: nothing more to do.
+- at the last step: nothing to stop; training finishes normally (final evaluation and save, ``finished``).
+
+A stop records ``jit_stop`` right after the checkpoint's manifest, before anything upstream runs at the end of
+training (best-model loading and Hub push waits are skipped on a JIT exit). Upstream never rotates or deletes a
+checkpoint: rotation is ours, after the manifest (:meth:`JitTrainer._rotate_checkpoints_safely`).
 """
 
 from __future__ import annotations
@@ -35,15 +39,18 @@ import transformers
 from transformers.trainer_utils import TrainOutput
 
 from slurm_jit.checkpoint import protocol
+from slurm_jit.grace.calc import AGREE_BLOCKING
 from slurm_jit.signal_names import parse_signal
 from slurm_jit.timing import WARMUP_STEPS, TimingLog
 from slurm_jit.train import exact_resume, runtime_grace, stop_record
 from slurm_jit.train.agreement import SIDE_GROUP_TIMEOUT_S, Decision, StopAgreement
-from slurm_jit.train.signals import IgnoreSignalsInWorker, SignalLatch
+from slurm_jit.train.refusals import JitRefusal, refused_settings, resume_refusal
+from slurm_jit.train.signals import IgnoreSignalsInWorker, SignalLatch, StartWorkersMasked
 
 logger = logging.getLogger(__name__)
 
 FAULT_SAVE_SLEEP_ENV = "SLURM_JIT_FAULT_SAVE_SLEEP_S"  # fault injection: seconds to stall inside every save
+LINEAGE_ID_CHARS = 12  # hex digits of a training lineage id (the manifest's run_id)
 DEFAULT_KILL_WAIT_S = 3.0  # transformers' kill_wait: a SIGKILL this soon after SIGTERM makes a save pointless
 # Files that hold the model weights again beside the fp32 master copy in the optimizer shards: what a JIT save
 # writes over the minimum a resume needs (the DeepSpeed format requires its model-states file).
@@ -97,12 +104,25 @@ class _Run:
     kill_wait_until: float = 0.0  # monotonic time when kill_wait since the earliest signal (any rank) has passed
     stopped: bool = False  # training stopped for a JIT checkpoint
     eval_aborted: bool = False
+    eval_owed: bool = False  # an evaluation due at the stop step was skipped or aborted: run it first on resume
+    owed_eval_step: int | None = None  # resumed from a checkpoint that owes the evaluation of this step
+    lineage: str = ""  # the manifest's run_id: carried from the checkpoint resumed from, new on a fresh start
+    resumed_from: str | None = None  # kept by rotation until this run has written a newer checkpoint
+    stop_recorded: bool = False  # rank 0 wrote jit_stop (right after the stop checkpoint's manifest)
+    trial: Any = None
+    ignore_keys_for_eval: list[str] | None = None
+    grace_due: list[str] = field(default_factory=list)  # runtime grace checks to run at the next calm boundary
     saved_step: int = -1  # the step of the last checkpoint written by this run
+    saved_contents: str = "full"  # what it holds: full, or model_only (save_only_model)
     save_kind: str | None = None
     checkpoint: str | None = None  # the checkpoint to resume from after this run
     step_t0: float = field(default_factory=time.monotonic)
     est_step_s: float = 0.0  # duration of the last step: how far ahead a stop wish is sent
     steps_done: int = 0
+    signal_step: int | None = None  # the step boundary at which this rank first saw its signal
+    save_started_at: float | None = None  # monotonic times of the JIT save (after the kill_wait sleep)
+    save_ended_at: float | None = None
+    agreement_mode: str = AGREE_BLOCKING  # how this boundary's stop rounds are read (fixed after warm-up)
     grace_checked: set[str] = field(default_factory=set)
 
 
@@ -113,8 +133,15 @@ class _JitCallback(transformers.TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.trainer._jit_on_train_begin()
 
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.trainer._run_owed_evaluation()  # when no RNG restore ran it (ignore_data_skip)
+
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.trainer._jit_on_step_end()
+
+
+def _already_called_on_save(args: Any, state: Any, control: Any) -> Any:
+    return control
 
 
 class JitTrainer(transformers.Trainer):
@@ -132,7 +159,15 @@ class JitTrainer(transformers.Trainer):
         self._jit_run: _Run | None = None
         self.jit_stopped = False  # after train(): did it stop for a JIT checkpoint?
         self._drop_upstream_jit()
+        ds_config = self.accelerator.state.deepspeed_plugin.deepspeed_config if self.is_deepspeed_enabled else None
+        refusal = refused_settings(save_on_each_node=bool(self.args.save_on_each_node), ds_config=ds_config)
+        if refusal:
+            raise JitRefusal(f"slurm_jit: {refusal}")
         self.add_callback(_JitCallback(self))
+        # Upstream calls on_save after _save_checkpoint returns, i.e. after our manifest; ours runs the callbacks
+        # inside the save, before the manifest, so that what they write is in it.
+        self._upstream_on_save = self.callback_handler.on_save
+        setattr(self.callback_handler, "on_save", _already_called_on_save)  # noqa: B010 - an instance override
 
     # ------------------------------------------------------------ set-up
 
@@ -163,6 +198,9 @@ class JitTrainer(transformers.Trainer):
             # accelerate's DataLoaderAdapter delegates to the torch DataLoader it wraps: set it there.
             base = getattr(loader, "base_dataloader", loader)
             base.worker_init_fn = IgnoreSignalsInWorker(base.worker_init_fn, self._jit_signums)
+            # Workers are born with the stop signals blocked (spawn/forkserver workers import for seconds before
+            # worker_init_fn runs); the instance attribute shadows DataLoader._get_iterator.
+            base._get_iterator = StartWorkersMasked(base._get_iterator, self._jit_signums)  # type: ignore[method-assign]
         return loader
 
     # ------------------------------------------------------------ train
@@ -173,15 +211,16 @@ class JitTrainer(transformers.Trainer):
         trial: Any = None,
         ignore_keys_for_eval: list[str] | None = None,
     ) -> TrainOutput:
-        run = _Run(latch=SignalLatch(self._jit_signums))
+        run = _Run(latch=SignalLatch(self._jit_signums), trial=trial, ignore_keys_for_eval=ignore_keys_for_eval)
         self._jit_run = run
         self.jit_stopped = False
         out_dir = str(self.args.output_dir)
         run.latch.install()
+        clean = False
         try:
             resume = self._resolve_resume(resume_from_checkpoint)
-            run.checkpoint = resume
-            run_id = self._agreement.broadcast(uuid.uuid4().hex[:12])  # one id for all ranks of this run
+            run.checkpoint = run.resumed_from = resume
+            run_id = self._agreement.broadcast(uuid.uuid4().hex[:12])  # one id for all ranks of this train()
             run.timing = TimingLog(out_dir, int(self.args.process_index), int(self.args.world_size), run_id)
             if self._is_rank0:
                 stop_record.write(out_dir, "running", step=None, resumed_from=resume)
@@ -190,55 +229,123 @@ class JitTrainer(transformers.Trainer):
                                        ignore_keys_for_eval=ignore_keys_for_eval)
             except _StopBeforeFirstStep:
                 output = TrainOutput(self.state.global_step, 0.0, {})
-            self._agreement.close()
-            self._jit_agreement = None
             self.jit_stopped = run.stopped
-            if self._is_rank0:
+            if self._is_rank0 and not run.stop_recorded:
                 state = "jit_stop" if run.stopped else "finished"
                 stop_record.write(out_dir, state, step=self.state.global_step, checkpoint=run.checkpoint,
                                   signal=_signal_name(run.latch.first_signum))
+            clean = True
             return output
         except BaseException as exc:
-            if self._is_rank0:
-                stop_record.write(out_dir, "failed", step=getattr(self.state, "global_step", None),
-                                  error=f"{type(exc).__name__}: {exc}"[:2000])
+            self._record_failure(run, exc)
             raise
         finally:
+            # Every path closes the side group: a failed train() must not leave a round in flight for the next
+            # one, nor a gloo group for the interpreter's exit. After a failure no barrier (a peer may be gone).
+            self._close_agreement(clean)
             run.in_loop = False
             # After a JIT stop the process is on its way out: a late signal (another node's copy, or Slurm's
             # second SIGTERM at the time limit) must not kill it mid-exit, so the stop signals stay ignored.
             # Otherwise the original handlers come back.
             run.latch.restore(keep_ignoring=run.stopped)
             if run.timing is not None:
+                self._record_stop_timing(run)
                 run.timing.close()
             self._jit_run = None
 
+    def _close_agreement(self, clean: bool) -> None:
+        agreement, self._jit_agreement = self._jit_agreement, None
+        if agreement is not None:
+            agreement.close(wait_for_peers=clean)
+
+    def _record_failure(self, run: _Run, exc: BaseException) -> None:
+        if not self._is_rank0:
+            return
+        error = f"{type(exc).__name__}: {exc}"[:2000]
+        if run.stop_recorded:  # the stop checkpoint is complete: still a JIT stop (requeue), with what went wrong
+            stop_record.write(str(self.args.output_dir), "jit_stop", step=self.state.global_step,
+                              checkpoint=run.checkpoint, signal=_signal_name(run.latch.first_signum),
+                              error_after_stop=error)
+        else:
+            stop_record.write(str(self.args.output_dir), "failed", step=getattr(self.state, "global_step", None),
+                              error=error)
+
     def _resolve_resume(self, resume_from_checkpoint: str | bool | None) -> str | None:
-        """``True``: rank 0 picks the newest resumable checkpoint (as ckpt-check does) and tells every rank."""
-        if resume_from_checkpoint is not True:
-            return resume_from_checkpoint or None
-        decision = None
+        """Rank 0 picks the checkpoint (``True``: the newest resumable one, as ckpt-check does), checks that it
+        can be resumed exactly by this run, reads what it carries, and tells every rank."""
+        decision: tuple[str | None, str | None, dict[str, Any]] = (None, None, {})
         if self._is_rank0:
+            decision = self._pick_resume(resume_from_checkpoint)
+        path, refusal, carried = self._agreement.broadcast(decision)
+        if refusal:
+            raise JitRefusal(f"slurm_jit: {refusal}")
+        run = self._jit_run
+        if run is not None:
+            run.lineage = carried.get("run_id") or uuid.uuid4().hex[:LINEAGE_ID_CHARS]
+            run.owed_eval_step = carried.get("owed_evaluation_step")
+        return path
+
+    def _pick_resume(self, resume_from_checkpoint: str | bool | None) -> tuple[str | None, str | None,
+                                                                                dict[str, Any]]:
+        path: str | None
+        if resume_from_checkpoint is True:
             resolution = protocol.find_resumable(str(self.args.output_dir))
             for ckpt in resolution.passed_over:
                 logger.warning("slurm_jit: passing over %s: %s (%s)", ckpt.path, ckpt.status.value, ckpt.reason)
             if resolution.checkpoint is None:
                 logger.warning("slurm_jit: no resumable checkpoint in %s: starting fresh", self.args.output_dir)
-            else:
-                decision = str(resolution.checkpoint.path)
-                logger.warning("slurm_jit: resuming from %s (%s)", decision, resolution.checkpoint.status.value)
-        return self._agreement.broadcast(decision)
+                return None, None, {}
+            path = str(resolution.checkpoint.path)
+            logger.warning("slurm_jit: resuming from %s (%s)", path, resolution.checkpoint.status.value)
+        else:
+            path = str(resume_from_checkpoint) if resume_from_checkpoint else None
+        if path is None:
+            return None, None, {}
+        refusal = resume_refusal(path, world_size=int(self.args.world_size))
+        manifest = None
+        if not refusal and (Path(path) / protocol.MANIFEST_NAME).is_file():
+            manifest, _ = protocol.read_manifest(Path(path))
+        carried: dict[str, Any] = {}
+        if manifest is not None:
+            if isinstance(manifest.get("run_id"), str):
+                carried["run_id"] = manifest["run_id"]
+            if manifest.get("owed_evaluation") is True:
+                carried["owed_evaluation_step"] = manifest["step"]
+        return path, refusal, carried
 
     # ------------------------------------------------------------ the stop decision
 
-    def _wish(self) -> tuple[bool, float | None]:
-        """(stop, remaining kill_wait): this rank wants to stop once kill_wait since its first signal will have
-        passed by the next boundary, where the answer of this round is read."""
+    def _wish(self, steps_ahead: int = 1) -> tuple[bool, float | None]:
+        """(stop, remaining kill_wait): this rank wants to stop once kill_wait since its first signal passes
+        within ``steps_ahead`` steps: the steps until the next chance to stop (1 where this round is read now, 2
+        where it is read one step on). The save then waits out the rest, never longer than by waiting."""
         run = self._jit_run
         if run is None or run.latch.first_at is None:
             return False, None
         remaining_s = run.latch.first_at + self.jit_config.kill_wait_s - time.monotonic()
-        return run.est_step_s >= remaining_s, remaining_s
+        return steps_ahead * run.est_step_s >= remaining_s, remaining_s
+
+    def _at_boundary(self) -> Decision:
+        """The stop round of this optimizer-step boundary; fixes the agreement mode after warm-up."""
+        run = self._jit_run
+        assert run is not None
+        agreement = self._agreement
+        if run.signal_step is None and run.latch.seen:
+            run.signal_step = self.state.global_step
+        choose = run.steps_done == WARMUP_STEPS + 1  # the first timed step, the same on every rank
+        decision = agreement.at_boundary(*self._wish(agreement.latency_steps), step_s=run.est_step_s,
+                                         choose_mode=choose)
+        run.agreement_mode = agreement.mode
+        if choose and agreement.choice is not None:
+            choice = agreement.choice
+            logger.info("slurm_jit: steps of %.3f s, a stop round costs %.4f s: rounds read %s (blocking from "
+                        "%.2f s steps)", choice.step_s, choice.allreduce_s, choice.mode, choice.threshold_s)
+            if run.timing is not None:
+                run.timing.agreement(self.state.global_step, mode=choice.mode, allreduce_s=choice.allreduce_s,
+                                     step_s=choice.step_s, threshold_s=choice.threshold_s,
+                                     kill_wait_s=self.jit_config.kill_wait_s)
+            run.grace_due.append("warm-up")  # run at the next calm boundary, never on the stop path
+        return decision
 
     def _take(self, decision: Decision) -> bool:
         """Record an agreed stop and when kill_wait (since the earliest signal on any rank) will have passed."""
@@ -267,8 +374,6 @@ class JitTrainer(transformers.Trainer):
         run.steps_done += 1
         if run.timing is not None:
             run.timing.step(self.state.global_step, run.est_step_s)
-        if run.steps_done == WARMUP_STEPS + 1:
-            self._grace_check("warm-up")
 
     def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
         run = self._jit_run
@@ -276,25 +381,48 @@ class JitTrainer(transformers.Trainer):
             super()._maybe_log_save_evaluate(*args, **kwargs)
             return
         step = self.state.global_step
-        last_step = bool(self.state.max_steps) and step >= self.state.max_steps  # training ends here anyway
+        last_step = self._at_last_step()  # training ends here anyway: nothing to stop
         if step != run.polled_step:  # once per optimizer step; epoch ends call this again at the same step
             run.polled_step = step
-            self._take(self._agreement.poll(*self._wish()))
+            self._take(self._at_boundary())
         if run.stop_now and not last_step:
+            run.eval_owed = run.eval_owed or self.control.should_evaluate
             self.control.should_evaluate = False
             self.control.should_save = False
         super()._maybe_log_save_evaluate(*args, **kwargs)
         if not run.stop_now and run.saved_step == step:
             # A periodic save just ended: a stop that came during it is taken here, not a step later.
             self._take(self._agreement.agree_now(*self._wish()))
-        if (run.stop_now or run.eval_aborted) and not last_step:
+        stopping = (run.stop_now or run.eval_aborted) and not last_step
+        if stopping and run.saved_step == step and run.saved_contents != "full":
+            # The stop came during a model-only periodic save (save_only_model): it cannot be resumed from, and
+            # its directory must not be replaced. Train one more step and write a full JIT checkpoint there.
+            logger.warning("slurm_jit: stop during a model-only save of step %d: a full JIT checkpoint follows "
+                           "after the next step", step)
+            stopping = False
+        if stopping:
             if run.saved_step != step:
                 self._save_jit(args[2] if len(args) > 2 else kwargs["model"], args[3] if len(args) > 3 else None)
             run.checkpoint = str(Path(self._get_output_dir(trial=None)) / f"checkpoint-{step}")
             run.stopped = True
+            self._record_stop()
             self.control.should_training_stop = True
         else:
+            if not run.stop_now:
+                self._run_due_grace_checks()  # never between a stop decision and the exit: it may query Slurm
             run.step_t0 = time.monotonic()
+
+    def _at_last_step(self) -> bool:
+        return bool(self.state.max_steps) and self.state.global_step >= self.state.max_steps
+
+    def _record_stop(self) -> None:
+        """Rank 0 records ``jit_stop`` as soon as the stop checkpoint is complete (nothing slow in between)."""
+        run = self._jit_run
+        if run is None or run.stop_recorded or not self._is_rank0:
+            return
+        stop_record.write(str(self.args.output_dir), "jit_stop", step=self.state.global_step,
+                          checkpoint=run.checkpoint, signal=_signal_name(run.latch.first_signum))
+        run.stop_recorded = True
 
     def _evaluate(self, trial: Any, ignore_keys_for_eval: Any, skip_scheduler: bool = False) -> dict[str, float]:
         run = self._jit_run
@@ -304,7 +432,8 @@ class JitTrainer(transformers.Trainer):
         try:
             metrics = super()._evaluate(trial, ignore_keys_for_eval, skip_scheduler=skip_scheduler)
         except _EvalAborted:
-            run.eval_aborted = True
+            run.eval_aborted = run.eval_owed = True
+            self.control.should_save = False  # the JIT save takes the place of this step's periodic one
             metrics = {}
             logger.warning("slurm_jit: evaluation aborted at step %d for a JIT checkpoint", self.state.global_step)
         else:
@@ -312,6 +441,28 @@ class JitTrainer(transformers.Trainer):
         if run.timing is not None:
             run.timing.evaluation(self.state.global_step, time.monotonic() - t0, run.eval_aborted)
         return metrics
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        super()._load_rng_state(checkpoint)
+        # The uninterrupted run evaluated before this point; its evaluation draws from the RNG (the DataLoader's
+        # base seed), so the owed one runs right after the RNG is restored, before the next batch is trained on.
+        self._run_owed_evaluation()
+
+    def _run_owed_evaluation(self) -> None:
+        """Run the evaluation that the stop skipped or aborted, as the uninterrupted run would have."""
+        run = self._jit_run
+        if run is None or run.owed_eval_step is None:
+            return
+        step, run.owed_eval_step = run.owed_eval_step, None
+        if step != self.state.global_step or self.eval_dataset is None or self.args.eval_strategy == "no":
+            return  # not this step's state, or this run does not evaluate
+        logger.warning("slurm_jit: running the evaluation owed from step %d (skipped by the stop)", step)
+        metrics = self._evaluate(run.trial, run.ignore_keys_for_eval)
+        if self._determine_best_metric(metrics=metrics, trial=run.trial) and self.state.best_global_step == step:
+            # Upstream names the best checkpoint when it saves; this step's checkpoint is the one resumed from.
+            best = Path(self._get_output_dir(trial=run.trial)) / f"checkpoint-{step}"
+            if best.is_dir():
+                self.state.best_model_checkpoint = str(best)
 
     def _determine_best_metric(self, metrics: dict[str, float], trial: Any) -> bool:
         if self._jit_run is not None and self._jit_run.eval_aborted:
@@ -321,7 +472,8 @@ class JitTrainer(transformers.Trainer):
     def prediction_step(self, model: Any, inputs: Any, prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None) -> Any:
         run = self._jit_run
-        if run is not None and run.in_loop and self._take(self._agreement.poll(*self._wish())):
+        if (run is not None and run.in_loop and not self._at_last_step()
+                and self._take(self._agreement.poll(*self._wish()))):
             raise _EvalAborted
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
@@ -334,10 +486,37 @@ class JitTrainer(transformers.Trainer):
             exact_resume.restore(self.model_wrapped)
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
-        # A JIT stop skips the evaluation due at its step, which the uninterrupted run does: evaluations must
-        # not move training's random streams (each eval DataLoader iterator draws its base seed from them).
+        # A JIT stop aborts or postpones the evaluation due at its step, which the uninterrupted run does in place:
+        # evaluations must not move training's random streams (each eval DataLoader iterator draws a seed there).
         with exact_resume.rng_untouched():
             return dict(super().evaluate(*args, **kwargs))
+
+    # ------------------------------------------------------------ the end of training
+
+    def _finalize_training(self, trial: Any, num_train_samples: Any, start_time: Any) -> Any:
+        # Upstream deletes every checkpoint-* but the best here when save_total_limit == 1 (the JIT checkpoint
+        # and quarantined directories included): rotation is ours alone, after each manifest.
+        limit = self.args.save_total_limit
+        self.args.save_total_limit = None
+        try:
+            return super()._finalize_training(trial, num_train_samples, start_time)
+        finally:
+            self.args.save_total_limit = limit
+
+    def _load_best_model(self) -> None:
+        if self._jit_run is not None and self._jit_run.stopped:
+            logger.warning("slurm_jit: JIT stop: not loading the best model (%s); the job is on its way out",
+                           self.state.best_model_checkpoint)
+            return
+        super()._load_best_model()
+
+    def _finish_current_push(self) -> None:
+        if self._jit_run is not None and self._jit_run.stopped:
+            push = getattr(self, "push_in_progress", None)
+            if push is not None and not push.is_done():
+                logger.warning("slurm_jit: JIT stop: not waiting for the Hub push in progress")
+            return
+        super()._finish_current_push()
 
     # ------------------------------------------------------------ saving
 
@@ -350,14 +529,16 @@ class JitTrainer(transformers.Trainer):
                 f"slurm_jit: DeepSpeed engine at step {engine_step} but Trainer at {self.state.global_step}; "
                 "refusing a checkpoint whose name and contents would disagree"
             )
-        remaining_s = run.kill_wait_until - time.monotonic()  # the wish was sent a step ahead of kill_wait
+        remaining_s = run.kill_wait_until - time.monotonic()  # the wish may come before kill_wait is over
         if remaining_s > 0:
             time.sleep(remaining_s)
         run.save_kind = "jit"
+        run.save_started_at = time.monotonic()
         try:
             self._save_checkpoint(model, trial)
         finally:
             run.save_kind = None
+        run.save_ended_at = time.monotonic()
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         run = self._jit_run
@@ -388,31 +569,47 @@ class JitTrainer(transformers.Trainer):
                 os.rename(ckpt, aside)
             protocol.write_sentinel(ckpt, step, kind)
         self._agreement.barrier()
-        limit = self.args.save_total_limit
-        self.args.save_total_limit = None  # rotation runs below, after the manifest, protocol-aware
-        try:
-            super()._save_checkpoint(model, trial)
-        finally:
-            self.args.save_total_limit = limit
+        contents = self._upstream_save(model, trial, kind)
+        # Callbacks run on every save (JIT too) before the manifest: what they add or rewrite is in it.
+        self.control = self._upstream_on_save(self.args, self.state, self.control)
         fault_sleep_s = float(os.environ.get(FAULT_SAVE_SLEEP_ENV, "0") or 0)
         if fault_sleep_s > 0:
             time.sleep(fault_sleep_s)
         protocol.fsync_tree(ckpt)
         self._agreement.barrier()
-        nbytes = self._write_manifest(ckpt, step, kind)
+        nbytes = self._write_manifest(ckpt, step, kind, {
+            "contents": contents, "run_id": run.lineage if run and run.lineage else None,
+            "owed_evaluation": bool(run and run.eval_owed),
+        })
+        if run is not None:
+            run.saved_step, run.saved_contents = step, contents
+            run.checkpoint = str(ckpt)
+            if kind == "jit":
+                self._record_stop()
         if self._is_rank0:
-            self._rotate_checkpoints_safely(run_dir)
+            self._rotate_checkpoints_safely(run_dir, just_written=ckpt)
         self._agreement.barrier()
         dur_s = time.monotonic() - t0
         if run is not None:
-            run.saved_step = step
-            run.checkpoint = str(ckpt)
             if run.timing is not None:
                 run.timing.save(step, kind, dur_s, nbytes)
+            run.grace_due.append("first save")
         logger.info("slurm_jit: %s checkpoint %s complete in %.2f s", kind, ckpt, dur_s)
-        self._grace_check("first save")
 
-    def _write_manifest(self, ckpt: Path, step: int, kind: str) -> int:
+    def _upstream_save(self, model: Any, trial: Any, kind: str) -> str:
+        """Upstream's save, without its rotation; a JIT save always holds what an exact resume needs
+        (optimizer, scheduler, RNG, DeepSpeed shards) whatever save_only_model says. Returns the contents."""
+        limit, only_model = self.args.save_total_limit, self.args.save_only_model
+        self.args.save_total_limit = None  # rotation runs after the manifest, protocol-aware
+        if kind == "jit":
+            self.args.save_only_model = False
+        try:
+            super()._save_checkpoint(model, trial)
+            return "model_only" if self.args.save_only_model else "full"
+        finally:
+            self.args.save_total_limit, self.args.save_only_model = limit, only_model
+
+    def _write_manifest(self, ckpt: Path, step: int, kind: str, fields: dict[str, Any]) -> int:
         """Ranks hash a share of the files each; rank 0 writes the manifest. Returns the bytes (rank 0)."""
         agreement = self._agreement
         rels = agreement.broadcast(protocol.payload_files(ckpt) if self._is_rank0 else None)
@@ -430,32 +627,58 @@ class JitTrainer(transformers.Trainer):
         protocol.write_manifest(
             ckpt, step=step, kind=kind, world_size=int(self.args.world_size), zero_stage=zero_stage,
             deepspeed_tag=tag, files=files,
-            extra={"bytes_weights_duplicate": duplicate, "bytes_needed_for_resume": total - duplicate},
+            extra={"bytes_weights_duplicate": duplicate, "bytes_needed_for_resume": total - duplicate, **fields},
         )
         logger.warning("slurm_jit: %s checkpoint-%d: %d bytes written, %d needed for resume, %d over (model "
                        "weights again beside the fp32 master copy in the optimizer shards)",
                        kind, step, total, total - duplicate, duplicate)
         return total
 
-    def _rotate_checkpoints_safely(self, run_dir: Path) -> None:
-        """save_total_limit over resumable checkpoints only; never the newest resumable or the best one."""
+    def _rotate_checkpoints_safely(self, run_dir: Path, just_written: Path) -> None:
+        """save_total_limit over resumable checkpoints only, after the new one is complete; never the one just
+        written, the best one, or the one resumed from until this run has written a newer one."""
         limit = self.args.save_total_limit
         if not limit or limit <= 0:
             return
+        keep = {just_written.resolve()}
+        if self.state.best_model_checkpoint:
+            keep.add(Path(self.state.best_model_checkpoint).resolve())
+        run = self._jit_run
+        if run is not None and run.resumed_from and run.saved_step < 0:
+            keep.add(Path(run.resumed_from).resolve())
         checkpoints, _ = protocol.scan(run_dir)
-        resumable = [c for c in checkpoints if c.resumable()]
-        best = self.state.best_model_checkpoint
-        for ckpt in resumable[limit:]:
-            if best is not None and Path(best).resolve() == ckpt.path.resolve():
-                continue
+        for ckpt in protocol.rotation_victims(checkpoints, limit, keep):
             logger.info("slurm_jit: deleting %s (save_total_limit=%d)", ckpt.path, limit)
             shutil.rmtree(ckpt.path, ignore_errors=True)
 
     # ------------------------------------------------------------ grace
 
-    def _grace_check(self, when: str) -> None:
-        run = self._jit_run
-        if run is None or not self.jit_config.grace_check or when in run.grace_checked or not self._is_rank0:
+    def _record_stop_timing(self, run: _Run) -> None:
+        """On a JIT stop, where the time from this rank's first signal until now (train() returning) went."""
+        if not run.stopped or run.latch.first_at is None or run.timing is None:
             return
-        run.grace_checked.add(when)
-        runtime_grace.check_and_warn(str(self.args.output_dir), self.jit_config.kill_wait_s, when)
+        now, wall = time.monotonic(), time.time()
+        fields: dict[str, Any] = {
+            "signal_step": run.signal_step, "mode": run.agreement_mode, "kill_wait_s": self.jit_config.kill_wait_s,
+            "signal_time": wall - (now - run.latch.first_at), "end_time": wall,
+        }
+        if run.save_started_at is not None and run.save_ended_at is not None:
+            fields.update(signal_to_save_s=run.save_started_at - run.latch.first_at,
+                          save_s=run.save_ended_at - run.save_started_at, teardown_s=now - run.save_ended_at,
+                          save_start_time=wall - (now - run.save_started_at))
+        run.timing.stop(self.state.global_step, signal_to_end_s=now - run.latch.first_at, fields=fields)
+
+    def _run_due_grace_checks(self) -> None:
+        """Rank 0, at a boundary where training goes on and no signal is seen here (it may query Slurm)."""
+        run = self._jit_run
+        # Before warm-up has passed the timing log has no step to judge by: the checks wait (they run once each).
+        if run is None or not run.grace_due or run.latch.seen or run.steps_done <= WARMUP_STEPS:
+            return
+        due, run.grace_due = run.grace_due, []
+        if run.timing is not None:
+            run.timing.flush()
+        for when in due:
+            if not self.jit_config.grace_check or when in run.grace_checked or not self._is_rank0:
+                continue
+            run.grace_checked.add(when)
+            runtime_grace.check_and_warn(str(self.args.output_dir), self.jit_config.kill_wait_s, when)

@@ -1,0 +1,131 @@
+"""After the training step: decide once per job whether to requeue it, say why in one line, and act.
+
+Run by the batch script after ``srun`` returns (every rank has exited)::
+
+    python -m slurm_jit.launch.after_step OUT_DIR --srun-exit $? --max-requeues 5 [--retry-on-failure K]
+
+It reads the stop record of *this* job id and restart, runs the ``ckpt-check`` gate, reads the job's state through
+the Slurm gateway, decides with :mod:`slurm_jit.launch.policy`, records the step in
+``OUT_DIR/slurm-jit/launch-progress.json``, prints the decision and only then calls ``scontrol requeue`` (which
+ends this batch shell). Exit 0 when requeued or finished, else srun's status (1 when that was 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from slurm_jit import slurm
+from slurm_jit.grace.calc import LEAD_ENV_VAR
+from slurm_jit.launch import gate, policy, progress
+from slurm_jit.train import stop_record
+
+EXIT_ERROR = 2
+
+
+def _int(value: object, default: int = 0) -> int:
+    try:
+        return int(str(value))
+    except ValueError:
+        return default
+
+
+def _record_facts(out_dir: str, job_id: str, restart_count: int) -> dict[str, Any]:
+    record = stop_record.read(out_dir)
+    if record is None:
+        return {"record_state": None, "record_step": None}
+    ours = str(record.get("job_id")) == job_id and _int(record.get("restart_count") or 0) == restart_count
+    if not ours:
+        return {"record_state": None, "record_step": None, "stale_record": True}
+    step = record.get("step")
+    return {"record_state": record["state"], "record_step": step if isinstance(step, int) else None}
+
+
+def _job_facts(job_id: str) -> dict[str, Any]:
+    try:
+        job = slurm.show_job(job_id)
+    except slurm.SlurmError as exc:
+        print(f"slurm-jit: cannot read the job's state ({exc}); not requeueing", file=sys.stderr)
+        return {"job_state": "UNKNOWN"}
+    limit_s, run_s = slurm.seconds(job.get("TimeLimit", "")), slurm.seconds(job.get("RunTime", ""))
+    return {"job_state": slurm.job_state(job),
+            "preempted": job.get("PreemptTime", "None") not in {"None", "", "Unknown"},
+            "time_left_s": None if limit_s is None or run_s is None else float(limit_s - run_s)}
+
+
+def gather(args: argparse.Namespace, env: Mapping[str, str]) -> policy.Facts:
+    job_id = env["SLURM_JOB_ID"]
+    restart_count = _int(env.get("SLURM_RESTART_COUNT") or 0)
+    try:
+        checked = gate.check(args.out_dir, quarantine=args.quarantine)
+        resumable, point = checked.resume_point is not None, checked.resume_point
+    except OSError:
+        resumable, point = False, None
+    lead = env.get(LEAD_ENV_VAR, "")
+    saved = progress.read(args.out_dir)
+    return policy.Facts(
+        **_record_facts(args.out_dir, job_id, restart_count), **_job_facts(job_id),
+        resumable=resumable, resume_point=point, signal_lead_s=_int(lead) if lead.isdigit() else None,
+        restart_count=restart_count, max_requeues=args.max_requeues,
+        failure_retries=progress.failure_retries(saved, job_id), retry_on_failure=args.retry_on_failure,
+        previous_step=progress.previous_step(saved), srun_exit=args.srun_exit,
+    )
+
+
+def _remember(out_dir: str, job_id: str, facts: policy.Facts, decision: policy.Decision) -> None:
+    saved = progress.read(out_dir)
+    stored, listed = saved.get("failure_retries"), saved.get("history")
+    retries: dict[str, int] = dict(stored) if isinstance(stored, dict) else {}
+    if decision.failure_retry:
+        retries = {**retries, job_id: progress.failure_retries(saved, job_id) + 1}
+    last_step = facts.record_step if facts.record_state == "jit_stop" else progress.previous_step(saved)
+    history: list[object] = list(listed) if isinstance(listed, list) else []
+    history = [*history, {"job_id": job_id, "restart": facts.restart_count, "cause": decision.cause,
+                          "step": facts.record_step, "requeue": decision.requeue, "reason": decision.reason}]
+    progress.write(out_dir, {"job_id": job_id, "last_step": last_step, "failure_retries": retries,
+                             "history": history[-50:]})
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m slurm_jit.launch.after_step", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out_dir")
+    p.add_argument("--srun-exit", type=int, default=None, help="srun's exit status ($?)")
+    p.add_argument("--max-requeues", type=int, default=5, help="the most requeues of this job (default 5)")
+    p.add_argument("--retry-on-failure", type=int, default=0, help="requeues after failures (default 0)")
+    p.add_argument("--quarantine", action="store_true", help="the gate quarantines non-resumable checkpoints")
+    return p
+
+
+def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    env = os.environ if env is None else env
+    if not env.get("SLURM_JOB_ID"):
+        print("slurm-jit after_step: SLURM_JOB_ID is not set. HINT: run it inside the batch script, after srun",
+              file=sys.stderr)
+        return EXIT_ERROR
+    try:
+        facts = gather(args, env)
+    except ValueError as exc:
+        print(f"slurm-jit after_step: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    decision = policy.decide(facts)
+    _remember(args.out_dir, env["SLURM_JOB_ID"], facts, decision)
+    print(decision.line(facts), flush=True)
+    if decision.requeue:
+        try:
+            slurm.requeue(env["SLURM_JOB_ID"])  # ends this batch shell: say everything before it
+        except slurm.SlurmError as exc:
+            print(f"slurm-jit: requeue failed: {exc}", flush=True)
+            return 1
+        return 0
+    if decision.cause == policy.CAUSE_FINISHED:
+        return 0
+    return args.srun_exit or 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

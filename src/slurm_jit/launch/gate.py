@@ -1,0 +1,66 @@
+"""The ``ckpt-check`` gate, run before every start of the training (at submit and in each job run).
+
+``python -m slurm_jit.launch.gate OUT_DIR [--quarantine]`` exits 0 when a resumable checkpoint exists or there is
+none at all (a fresh start), and 1 when checkpoints exist but none is resumable: resuming would silently start
+over (or a plain ``Trainer`` would pick a broken one). ``--quarantine`` renames the non-resumable directories
+newer than the resume point (``checkpoint-<step>.incomplete``, never deleted) and lets the run go on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from slurm_jit.checkpoint import protocol
+
+EXIT_OK = 0
+EXIT_REFUSED = 1
+EXIT_ERROR = 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class GateResult:
+    ok: bool
+    resume_point: str | None  # the checkpoint the next run resumes from; None: a fresh start
+    message: str  # one line
+
+
+def check(out_dir: str | os.PathLike[str], quarantine: bool = False) -> GateResult:
+    """Run the gate; raises OSError when ``out_dir`` cannot be read."""
+    resolution = protocol.find_resumable(out_dir)
+    newer = [f"checkpoint-{c.step} {c.status.value} ({c.reason})" for c in resolution.passed_over]
+    if resolution.checkpoint is None and resolution.checkpoints and not quarantine:
+        return GateResult(ok=False, resume_point=None, message=(
+            f"ckpt-check gate: no resumable checkpoint in {out_dir}, only {'; '.join(newer)}. HINT: inspect with "
+            f"ckpt-check {out_dir}; --quarantine renames them aside (never deletes) and starts over"))
+    moved = protocol.quarantine(resolution) if quarantine and resolution.passed_over else []
+    point = str(resolution.checkpoint.path) if resolution.checkpoint else None
+    parts = [f"resume from {point}" if point else "fresh start (no resumable checkpoint)"]
+    if moved:
+        parts.append("quarantined " + ", ".join(f"{src.name} -> {dst.name}" for src, dst in moved))
+    elif newer:
+        parts.append("passed over " + "; ".join(newer))
+    return GateResult(ok=True, resume_point=point, message="ckpt-check gate: " + "; ".join(parts))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m slurm_jit.launch.gate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dir")
+    parser.add_argument("--quarantine", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        result = check(args.out_dir, args.quarantine)
+    except OSError as exc:
+        print(f"ckpt-check gate: cannot read {args.out_dir}: {exc.strerror or exc}. HINT: check the path and its "
+              "permissions", file=sys.stderr)
+        sys.exit(EXIT_ERROR)
+    print(result.message, file=sys.stdout if result.ok else sys.stderr, flush=True)
+    sys.exit(EXIT_OK if result.ok else EXIT_REFUSED)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""The one requeue policy, shared by ``python launch/submit.py`` and the raw sbatch scripts.
+
+Pure: facts in, a decision and a one-line reason out. No Slurm calls, no files, no clock: the helper command
+:mod:`slurm_jit.launch.after_step` gathers the facts once per job, after every rank has exited, and acts.
+
+Requeue the same job id only when: the stop record of *this* job id and restart says a JIT checkpoint completed;
+``ckpt-check`` finds a resumable checkpoint; the job is still running (never after ``scancel``); the requeue
+count is below the maximum; and the run made progress (its global step passed the previous stop's, else it is
+a crash loop). After a failure that was not a JIT stop: no requeue unless ``--retry-on-failure K``, counted
+separately (and still bounded by the maximum).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Slurm states in which the job is still alive and may be requeued (scontrol show job). SIGNALING is shown while
+# slurmctld delivers the --signal warning; COMPLETING never reaches us (our batch shell is still running).
+ACTIVE_STATES = frozenset({"RUNNING", "SIGNALING", "CONFIGURING"})
+CANCELLED_STATES = frozenset({"CANCELLED"})
+# sbatch(1) --signal: "may be sent up to 60 seconds earlier than specified"; a JIT stop with at most the lead plus
+# this much left of the time limit was the time-limit warning.
+SLURM_SIGNAL_EARLY_S = 60
+
+CAUSE_TIME_LIMIT = "time limit"
+CAUSE_PREEMPTION = "preemption"
+CAUSE_USER_CANCEL = "user cancel"
+CAUSE_SIGNAL = "stop signal"  # a JIT stop neither near the time limit nor preempted: scancel --signal, say
+CAUSE_CRASH = "crash"
+CAUSE_FINISHED = "finished"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Facts:
+    """What the helper found after the training processes exited."""
+
+    record_state: str | None  # the stop record's state, None when missing or from another job/restart
+    record_step: int | None  # the global step in the stop record
+    stale_record: bool = False  # a record exists but belongs to another job id or restart
+    resumable: bool  # ckpt-check: a resumable checkpoint exists
+    resume_point: str | None = None  # its path, for the log line
+    job_state: str  # JobState from scontrol show job (RUNNING, SIGNALING, CANCELLED, ...)
+    preempted: bool = False  # scontrol's PreemptTime is set
+    time_left_s: float | None = None  # of the time limit; None when unlimited or unknown
+    signal_lead_s: int | None = None  # N of --signal=TERM@N
+    restart_count: int = 0  # SLURM_RESTART_COUNT (unset on the first run: 0)
+    max_requeues: int  # the most requeues this job may have
+    failure_retries: int = 0  # requeues already spent on failures (not JIT stops) of this job
+    retry_on_failure: int = 0  # the most requeues after failures
+    previous_step: int | None = None  # the global step at the previous stop, None on the first
+    srun_exit: int | None = None  # srun's exit status
+
+    def __post_init__(self) -> None:
+        if self.max_requeues < 0 or self.retry_on_failure < 0:
+            raise ValueError("--max-requeues and --retry-on-failure must be 0 or more. HINT: e.g. --max-requeues 5")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decision:
+    cause: str  # why training stopped: one of the CAUSE_* words
+    requeue: bool
+    reason: str  # why the policy decided so, in words
+    failure_retry: bool = False  # this requeue spends one of --retry-on-failure
+
+    def line(self, facts: Facts) -> str:
+        """The job log's one line."""
+        verdict = "requeue" if self.requeue else "no requeue"
+        step = "" if facts.record_step is None else f" at step {facts.record_step}"
+        what = "finished" if self.cause == CAUSE_FINISHED else f"stopped by {self.cause}"
+        return f"slurm-jit: {what}{step} (restart {facts.restart_count}); policy: {verdict}: {self.reason}"
+
+
+def stop_cause(facts: Facts) -> str:
+    """Why the training stopped, from the stop record and the job's Slurm state."""
+    if facts.job_state in CANCELLED_STATES:
+        return CAUSE_USER_CANCEL
+    if facts.record_state == "finished":
+        return CAUSE_FINISHED
+    if facts.record_state != "jit_stop":
+        return CAUSE_CRASH
+    if facts.preempted:
+        return CAUSE_PREEMPTION
+    if (facts.time_left_s is not None and facts.signal_lead_s is not None
+            and facts.time_left_s <= facts.signal_lead_s + SLURM_SIGNAL_EARLY_S):
+        return CAUSE_TIME_LIMIT
+    return CAUSE_SIGNAL
+
+
+def decide(facts: Facts) -> Decision:
+    """Requeue or not, and why (see the module docstring)."""
+    cause = stop_cause(facts)
+    if cause == CAUSE_FINISHED:
+        return Decision(cause=cause, requeue=False, reason="training reached its end")
+    if cause == CAUSE_USER_CANCEL:
+        return Decision(cause=cause, requeue=False, reason="the job was cancelled: never requeued")
+    if facts.job_state not in ACTIVE_STATES:
+        return Decision(cause=cause, requeue=False, reason=f"the job is {facts.job_state}, not running")
+    if facts.restart_count >= facts.max_requeues:
+        return Decision(cause=cause, requeue=False,
+                        reason=f"maximum requeues reached ({facts.restart_count} of {facts.max_requeues})")
+    if cause == CAUSE_CRASH:
+        return _after_failure(facts, cause)
+    if not facts.resumable:
+        return Decision(cause=cause, requeue=False, reason="ckpt-check finds no resumable checkpoint")
+    if facts.previous_step is not None and (facts.record_step is None or facts.record_step <= facts.previous_step):
+        return Decision(cause=cause, requeue=False,
+                        reason=f"crash loop: no progress since the last restart (step {facts.previous_step})")
+    return Decision(cause=cause, requeue=True,
+                    reason=f"JIT checkpoint complete; requeue {facts.restart_count + 1} of {facts.max_requeues}, "
+                           f"resume from {facts.resume_point}")
+
+
+def _after_failure(facts: Facts, cause: str) -> Decision:
+    if facts.stale_record:
+        what = "the stop record is from an earlier run (killed before train() started?)"
+    elif facts.record_state is None:
+        what = "no stop record"
+    else:
+        what = f"stop record says {facts.record_state}"
+    what += "" if facts.srun_exit is None else f", srun exit {facts.srun_exit}"
+    if facts.failure_retries >= facts.retry_on_failure:
+        return Decision(cause=cause, requeue=False,
+                        reason=f"{what}; failures are not requeued (--retry-on-failure {facts.retry_on_failure}, "
+                               f"{facts.failure_retries} used)")
+    return Decision(cause=cause, requeue=True, failure_retry=True,
+                    reason=f"{what}; failure retry {facts.failure_retries + 1} of {facts.retry_on_failure}")

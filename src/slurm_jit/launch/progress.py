@@ -1,0 +1,54 @@
+"""``OUT_DIR/slurm-jit/launch.json``: what the launcher decided at each stop of a job (read by ``status``).
+
+Written only by :mod:`slurm_jit.launch.after_step`, once per job run, after every rank exited.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from slurm_jit.timing import TIMING_DIR
+
+PROGRESS_NAME = "launch-progress.json"
+
+
+def path(output_dir: str | os.PathLike[str]) -> Path:
+    return Path(output_dir) / TIMING_DIR / PROGRESS_NAME
+
+
+def read(output_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """The progress record; an empty one when there is none or it is unreadable."""
+    try:
+        with open(path(output_dir), encoding="utf-8") as handle:
+            record = json.load(handle)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def write(output_dir: str | os.PathLike[str], record: dict[str, Any]) -> None:
+    """Atomically replace the progress record (temporary file, fsync, rename)."""
+    target = path(output_dir)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(".tmp")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        json.dump(record, handle, indent=1)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.rename(tmp, target)
+
+
+def failure_retries(record: dict[str, Any], job_id: str) -> int:
+    """Requeues already spent on failures by this job id."""
+    value = record.get("failure_retries", {}).get(job_id, 0) if isinstance(record.get("failure_retries"), dict) \
+        else 0
+    return value if isinstance(value, int) else 0
+
+
+def previous_step(record: dict[str, Any]) -> int | None:
+    """The global step at the previous stop (any job writing to this directory)."""
+    value = record.get("last_step")
+    return value if isinstance(value, int) else None

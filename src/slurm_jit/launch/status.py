@@ -1,0 +1,97 @@
+"""``python launch/submit.py status OUT_DIR|JOBID``: the job's state, restarts, last stop, resume point, grace."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from collections.abc import Sequence
+
+from slurm_jit import slurm, timing
+from slurm_jit.grace import calc as grace
+from slurm_jit.launch import gate, progress
+from slurm_jit.train import stop_record
+
+EXIT_OK, EXIT_ERROR = 0, 2
+
+
+def out_dir_of_job(job_id: str) -> str | None:
+    """The OUT_DIR= line of a job's batch script (as submit.py and the sbatch/ scripts write it), relative to the
+    job's working directory; None when there is none or it is computed by the shell (``$OUT``)."""
+    for line in slurm.job_script(job_id).splitlines():
+        if line.startswith("OUT_DIR="):
+            value = line.removeprefix("OUT_DIR=")
+            if not value.startswith("'") and ("$" in value or "`" in value):  # computed by the shell
+                return None
+            words = shlex.split(value)
+            if not words:
+                return None
+            return os.path.join(slurm.show_job(job_id).get("WorkDir", ""), words[0])
+    return None
+
+
+def _job_lines(job_id: str | None) -> list[str]:
+    if not job_id:
+        return ["job:      none recorded yet (no stop has been handled by the launcher)"]
+    try:
+        job = slurm.show_job(job_id)
+    except slurm.SlurmError:
+        return [f"job:      {job_id}: no longer known to slurmctld (ended more than MinJobAge ago)"]
+    return [f"job:      {job_id} {slurm.job_state(job)}, restarts {job.get('Restarts', '?')}, "
+            f"run time {job.get('RunTime', '?')} of {job.get('TimeLimit', '?')}"]
+
+
+def _grace_line(out_dir: str) -> str:
+    try:
+        summary = timing.summarize(timing.read_records(out_dir))
+        measured = grace.measured_terms(summary)
+    except (OSError, ValueError):
+        return "grace:    no timing log"
+    if measured.step_s is None or measured.save_s is None:
+        return "grace:    the timing log has no step or save time yet"
+    result = grace.compute_grace(grace.GraceInputs(step_s=measured.step_s, save_s=measured.save_s,
+                                                   eval_s=measured.eval_s or 0.0))
+    terms = " + ".join(f"{t.name} {t.seconds:.1f} s" for t in result.terms)
+    return f"grace:    {terms} = {result.needed_s:.1f} s -> --signal=TERM@{result.lead_s} (measured)"
+
+
+def report(out_dir: str, job_id: str | None) -> list[str]:
+    saved = progress.read(out_dir)
+    job_id = job_id or saved.get("job_id")
+    lines = [f"output:   {out_dir}", *_job_lines(job_id)]
+    history = saved.get("history") or []
+    if history:
+        last = history[-1]
+        verdict = "requeued" if last.get("requeue") else "not requeued"
+        lines.append(f"stopped:  {last.get('cause')} at step {last.get('step')} (restart {last.get('restart')}), "
+                     f"{verdict}: {last.get('reason')}")
+    record = stop_record.read(out_dir)
+    lines.append("record:   " + (f"{record['state']} step={record.get('step')} job={record.get('job_id')} "
+                                 f"restart={record.get('restart_count') or 0}" if record else "none"))
+    try:
+        lines.append("resume:   " + gate.check(out_dir).message.removeprefix("ckpt-check gate: "))
+    except OSError as exc:
+        lines.append(f"resume:   cannot read {out_dir}: {exc.strerror or exc}")
+    lines.append(_grace_line(out_dir))
+    return lines
+
+
+def status_main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python launch/submit.py status")
+    parser.add_argument("target", help="the output directory, or a job id")
+    args = parser.parse_args(argv)
+    job_id = None
+    out_dir: str | None = args.target
+    try:
+        if args.target.isdigit():
+            job_id, out_dir = args.target, out_dir_of_job(args.target)
+            if out_dir is None:
+                print(f"status: cannot tell the output directory of job {job_id} from its script (no literal "
+                      "OUT_DIR= line). HINT: give the output directory instead", file=sys.stderr)
+                return EXIT_ERROR
+    except slurm.SlurmError as exc:
+        print(f"status: {exc}. HINT: give the output directory instead", file=sys.stderr)
+        return EXIT_ERROR
+    print("\n".join(report(str(out_dir), job_id)))
+    return EXIT_OK

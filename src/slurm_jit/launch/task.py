@@ -1,0 +1,109 @@
+"""One srun task = one rank: ``python -m slurm_jit.launch.task SPEC.json`` (or ``-- PROGRAM ARGS...``).
+
+The spec (written by ``python launch/submit.py``) holds the training entry as data, never as shell text, so that
+arguments with spaces, quotes, ``$()`` or ``;`` reach the training process unchanged:
+
+- ``{"argv": ["python", "train.py", "--lr", "3e-4"]}``: exec'd in place (this process becomes the rank, so Slurm's
+  signals reach it directly; no wrapper in between that could swallow or forward them);
+- ``{"function": "package.module:function", "args": [...]}``: imported and called with no arguments, ``sys.argv``
+  set to ``[module, *args]``.
+
+The raw sbatch scripts use the second form, ``srun python -m slurm_jit.launch.task -- python train.py ...``.
+Before any of them, RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT are set from Slurm's variables.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import sys
+from collections.abc import MutableMapping, Sequence
+from typing import Any
+
+from slurm_jit.train import dist_env
+
+EXIT_BAD_SPEC = 2
+
+
+def local_world_size(env: MutableMapping[str, str]) -> int | None:
+    """Ranks on this node, from ``SLURM_STEP_TASKS_PER_NODE`` (``2(x3)``, ``3,2``) and ``SLURM_NODEID``."""
+    counts: list[int] = []
+    for part in env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", "")).split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if match is None:
+            return None
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    node = int(env.get("SLURM_NODEID", "0") or 0)
+    return counts[node] if node < len(counts) else None
+
+
+def set_rank_env(env: MutableMapping[str, str] | None = None) -> None:
+    """torch.distributed's variables from Slurm's, and LOCAL_WORLD_SIZE: without it accelerate takes each CPU
+    rank for the only one on its node and gives it every core's threads (other sums, other losses)."""
+    env = os.environ if env is None else env
+    dist_env.from_slurm(env)
+    local = local_world_size(env)
+    if local is not None and "SLURM_PROCID" in env:
+        env.setdefault("LOCAL_WORLD_SIZE", str(local))
+
+
+def load(spec_path: str) -> dict[str, Any]:
+    with open(spec_path, encoding="utf-8") as handle:
+        spec = json.load(handle)
+    argv, function = spec.get("argv"), spec.get("function")
+    if (argv is None) == (function is None):
+        raise ValueError("the spec needs exactly one of argv or function")
+    if argv is not None and (not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv)):
+        raise ValueError("argv must be a non-empty list of strings")
+    if function is not None and (not isinstance(function, str) or ":" not in function):
+        raise ValueError("function must be 'module:function'")
+    return dict(spec)
+
+
+def run(spec: dict[str, Any]) -> None:
+    set_rank_env()
+    if spec.get("argv"):
+        argv = list(spec["argv"])
+        os.execvp(argv[0], argv)  # replaces this process: the rank is the srun task itself
+    module_name, _, function_name = spec["function"].partition(":")
+    sys.argv = [module_name, *[str(a) for a in spec.get("args", [])]]
+    function = getattr(importlib.import_module(module_name), function_name)
+    result = function()
+    sys.exit(result if isinstance(result, int) else 0)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["--"] and len(args) > 1:
+        set_rank_env()
+        try:
+            os.execvp(args[1], args[1:])
+        except OSError as exc:
+            print(f"slurm-jit task: cannot run {args[1]}: {exc.strerror}. HINT: give the program's path",
+                  file=sys.stderr)
+            sys.exit(EXIT_BAD_SPEC)
+    if len(args) != 1:
+        print("usage: python -m slurm_jit.launch.task SPEC.json | -- PROGRAM ARGS...", file=sys.stderr)
+        sys.exit(EXIT_BAD_SPEC)
+    try:
+        spec = load(args[0])
+    except (OSError, ValueError) as exc:
+        print(f"slurm-jit task: bad spec {args[0]}: {exc}. HINT: write it with python launch/submit.py",
+              file=sys.stderr)
+        sys.exit(EXIT_BAD_SPEC)
+    try:
+        run(spec)
+    except (ImportError, AttributeError) as exc:
+        print(f"slurm-jit task: cannot load {spec.get('function')}: {exc}. HINT: is the module on PYTHONPATH?",
+              file=sys.stderr)
+        sys.exit(EXIT_BAD_SPEC)
+    except FileNotFoundError as exc:
+        print(f"slurm-jit task: cannot run {spec.get('argv')}: {exc}. HINT: give the program's path",
+              file=sys.stderr)
+        sys.exit(EXIT_BAD_SPEC)
+
+
+if __name__ == "__main__":
+    main()

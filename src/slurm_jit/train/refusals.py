@@ -1,0 +1,87 @@
+"""What the JitTrainer refuses, each as one line with a HINT: settings the checkpoint protocol cannot honour
+(checked at ``__init__``) and checkpoints that cannot be resumed exactly (checked before any training).
+
+Pure functions of their inputs (the checkpoint directory is read, never written), so that tests can call them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from pathlib import Path
+from typing import Any
+
+from slurm_jit.checkpoint import protocol
+
+LATEST_TAG_MAX_BYTES = 256  # DeepSpeed's `latest` holds one tag such as "global_step1234"
+TAG_RE = re.compile(r"^global_step(\d+)$")
+
+
+class JitRefusal(ValueError):
+    """A setting or a checkpoint the JitTrainer cannot work with; the message is one line with a HINT."""
+
+
+def refused_settings(*, save_on_each_node: bool, ds_config: dict[str, Any] | None) -> str | None:
+    """Why these Trainer/DeepSpeed settings cannot go with the checkpoint protocol, or None."""
+    if save_on_each_node:
+        return ("save_on_each_node=True: the checkpoint protocol needs one checkpoint directory that every rank "
+                "sees (rank 0 writes the manifest of every rank's files); with node-local storage the other "
+                "nodes' files are not there. HINT: save_on_each_node=False with output_dir on shared storage")
+    checkpoint = (ds_config or {}).get("checkpoint")
+    checkpoint = checkpoint if isinstance(checkpoint, dict) else {}
+    writer = checkpoint.get("writer")
+    if isinstance(writer, dict) and writer.get("decoupled"):
+        return ("DeepSpeed checkpoint.writer.decoupled=true: the decoupled engine commits its files after "
+                "save_checkpoint returns, so a manifest would be written before the data. HINT: remove "
+                "checkpoint.writer (or set decoupled=false) in the DeepSpeed config")
+    if (ds_config or {}).get("datastates_ckpt", False) is not False:
+        return ("DeepSpeed datastates_ckpt: the DataStates engine persists its files after save_checkpoint "
+                "returns, so a manifest would be written before the data. HINT: remove datastates_ckpt from "
+                "the DeepSpeed config")
+    if checkpoint.get("use_node_local_storage"):
+        return ("DeepSpeed checkpoint.use_node_local_storage=true: each node writes its shards to its own "
+                "storage, which rank 0 cannot list in the manifest. HINT: remove use_node_local_storage and "
+                "put output_dir on shared storage")
+    return None
+
+
+def _read_latest_tag(ckpt_dir: Path) -> str | None:
+    """The DeepSpeed tag in ``latest`` (a regular file only, bounded read), or None when there is none."""
+    path = ckpt_dir / "latest"
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return None
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    try:
+        return os.read(fd, LATEST_TAG_MAX_BYTES).decode("utf-8", "replace").strip()
+    finally:
+        os.close(fd)
+
+
+def resume_refusal(ckpt_dir: str | os.PathLike[str], *, world_size: int) -> str | None:
+    """Why this checkpoint cannot be resumed exactly by a run of ``world_size`` ranks, or None."""
+    path = Path(ckpt_dir)
+    match = protocol.CHECKPOINT_RE.match(path.name)
+    manifest = None
+    if (path / protocol.MANIFEST_NAME).is_file():
+        manifest, _ = protocol.read_manifest(path)
+    if manifest is not None:
+        written_by = manifest.get("world_size")
+        if isinstance(written_by, int) and written_by != world_size:
+            return (f"{path}: written by {written_by} ranks, this run has {world_size}: the optimizer shards "
+                    f"and RNG states are per rank. HINT: resume with {written_by} ranks, or start fresh in "
+                    "another output_dir")
+        if manifest.get("contents") == "model_only":
+            return (f"{path}: holds the model only (a save_only_model save): no optimizer, scheduler or RNG "
+                    "state to resume from. HINT: resume from a checkpoint whose manifest says contents=full "
+                    "(ckpt-check OUT_DIR), or load these weights with from_pretrained in a new run")
+    tag = _read_latest_tag(path)
+    if match is not None and tag is not None and tag != f"global_step{match.group(1)}":
+        return (f"{path}: DeepSpeed tag {tag!r} is not global_step{match.group(1)}: the engine state is of "
+                "another step (transformers' enable_jit_checkpoint saves step S+1's engine as checkpoint-S), "
+                "and every later JIT save would be refused. HINT: resume from an earlier checkpoint whose tag "
+                "matches its step (ckpt-check OUT_DIR), or move this one aside")
+    return None

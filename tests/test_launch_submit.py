@@ -1,0 +1,193 @@
+"""``python launch/submit.py``: --dry-run scripts against golden files (one per documented option), the plan,
+the ckpt-check gate, bad input, and arguments that must reach sbatch and the ranks unchanged."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from slurm_jit.launch import script, task
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = Path(__file__).parent / "golden"
+OUT = "/nonexistent/slurm-jit-golden/out"  # never created: the gate sees a fresh start
+BASE = ["--output-dir", OUT, "--python", "python", "--time", "30", "--signal-lead", "300"]
+CMD = ["--", "python", "train.py", "--lr", "3e-4"]
+
+CASES = {
+    "minimal": [*BASE, *CMD],
+    "nodes": [*BASE, "--nodes", "2", "--ntasks-per-node", "4", *CMD],
+    "resources": [*BASE, "--cpus-per-task", "8", "--mem", "64G", "--gpus-per-node", "4", *CMD],
+    "accounting": [*BASE, "--partition", "gpu", "--account", "proj-1", "--qos", "high", *CMD],
+    "time-hms": ["--output-dir", OUT, "--python", "python", "--time", "4:00:00", "--signal-lead", "300", *CMD],
+    "time-days": ["--output-dir", OUT, "--python", "python", "-t", "1-12", "--signal-lead", "300", *CMD],
+    "requeue": [*BASE, "--max-requeues", "2", "--retry-on-failure", "1", *CMD],
+    "quarantine": [*BASE, "--quarantine", *CMD],
+    "grace-calc": ["--output-dir", OUT, "--python", "python", "--time", "30", "--step-time", "2m",
+                   "--save-time", "2m", "--margin", "0", *CMD],
+}
+
+
+def submit(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """``submit.py --dry-run ARGS`` (first, so that it cannot end up in the training command after --)."""
+    return subprocess.run([sys.executable, str(ROOT / "launch" / "submit.py"), "--dry-run", *args],
+                          capture_output=True,
+                          text=True, check=False, timeout=60, cwd=cwd)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_dry_run_matches_golden(name: str) -> None:
+    proc = submit(*CASES[name])
+    assert proc.returncode == 0, proc.stderr
+    golden = GOLDEN / f"submit-{name}.sbatch"
+    if os.environ.get("UPDATE_GOLDEN"):
+        golden.write_text(proc.stdout)
+    assert proc.stdout == golden.read_text()
+
+
+def test_config_file_gives_the_same_script_and_the_command_line_wins(tmp_path: Path) -> None:
+    config = tmp_path / "job.toml"
+    config.write_text(f'output_dir = "{OUT}"\npython = "python"\ntime = "4:00:00"\nsignal-lead = 300\n'
+                      'nodes = 2\nntasks_per_node = 4\ncommand = ["python", "train.py", "--lr", "3e-4"]\n')
+    proc = submit("--config", str(config), "--time", "30")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == (GOLDEN / "submit-nodes.sbatch").read_text()
+
+
+def test_plan_names_grace_terms_signal_policy_and_resume_point() -> None:
+    proc = submit(*CASES["grace-calc"])
+    plan = proc.stderr
+    assert "step 120 s (1 x 120 s (--step-time)" in plan and "save 120 s (--save-time)" in plan and "= 243 s" in plan
+    assert "#SBATCH --signal=TERM@243 (no B:" in plan and "SLURM_JIT_SIGNAL_LEAD_S=243" in plan
+    assert "up to 5 times" in plan and "never after scancel" in plan
+    assert "resume:   fresh start" in plan
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--time", "30", "--signal-lead", "60", "--", "python", "t.py"], "no --output-dir. HINT"),
+    (["--output-dir", "o", "--signal-lead", "60", "--", "python", "t.py"], "no --time. HINT"),
+    (["--output-dir", "o", "--time", "1", "--signal-lead", "60", "--", "python", "t.py"], "not shorter than"),
+    (["--output-dir", "o", "--time", "soon", "--signal-lead", "60", "--", "t"], "cannot read --time=soon"),
+    (["--output-dir", "o", "--time", "30", "--signal-lead", "60"], "no training command. HINT"),
+    (["--output-dir", "o", "--time", "30", "--", "python", "t.py"], "no step time. HINT"),
+    (["--output-dir", "o", "--time", "30", "--signal-lead", "60", "--partition", "a b", "--", "t"], "HINT"),
+    (["--output-dir", "o", "--time", "30", "--signal-lead", "60", "--function", "nocolon"], "HINT"),
+    (["--config", "/nonexistent.toml"], "cannot read config"),
+    (["--bogus"], "HINT"),
+])
+def test_bad_input_is_one_line_with_a_hint(args: list[str], message: str, tmp_path: Path) -> None:
+    proc = submit(*args, cwd=tmp_path)
+    assert proc.returncode == 2, proc
+    assert message in proc.stderr and "HINT" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_unknown_config_key_is_refused(tmp_path: Path) -> None:
+    config = tmp_path / "job.toml"
+    config.write_text('tme = "30"\n')
+    proc = submit("--config", str(config))
+    assert proc.returncode == 2 and "unknown key(s) tme" in proc.stderr and "HINT" in proc.stderr
+
+
+def test_gate_refuses_only_non_resumable_checkpoints_unless_quarantine(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    (out / "checkpoint-4").mkdir(parents=True)
+    (out / "checkpoint-4" / "checkpoint-is-incomplete.txt").write_text("x")
+    args = ["--output-dir", str(out), "--time", "30", "--signal-lead", "60", "--", "python", "t.py"]
+    refused = submit(*args)
+    assert refused.returncode == 1 and "no resumable checkpoint" in refused.stderr and "HINT" in refused.stderr
+    assert refused.stdout == ""  # no script
+    allowed = submit("--quarantine", *args)
+    assert allowed.returncode == 0 and "--quarantine" in allowed.stdout
+    assert (out / "checkpoint-4").is_dir()  # a dry run renames nothing
+    gate = subprocess.run([sys.executable, "-m", "slurm_jit.launch.gate", str(out), "--quarantine"],
+                          capture_output=True, text=True, check=False, timeout=60)
+    assert gate.returncode == 0 and "checkpoint-4 -> checkpoint-4.incomplete" in gate.stdout
+    assert (out / "checkpoint-4.incomplete").is_dir() and not (out / "checkpoint-4").exists()
+
+
+HOSTILE = ["a b", "it's", 'say "hi"', "$(touch /tmp/slurm-jit-pwned)", "x; rm -rf ~", "`id`", "$HOME", "*",
+           "new\nline", ""]
+
+
+def test_job_name_and_extra_options_go_to_sbatch_as_argv() -> None:
+    job = script.JobSpec(output_dir="/o", time="30", signal_lead_s=60, job_name=HOSTILE[3] + HOSTILE[1],
+                         extra_sbatch=("--comment=a b; c",))
+    argv = script.sbatch_argv(job, "/o/s.sbatch", "/o/slurm-%j.out")
+    assert argv == ["sbatch", "--parsable", "--job-name=$(touch /tmp/slurm-jit-pwned)it's",
+                    "--output=/o/slurm-%j.out", "--comment=a b; c", "/o/s.sbatch"]
+    assert job.job_name not in script.render(job)
+
+
+def test_hostile_arguments_reach_the_rank_unchanged(tmp_path: Path) -> None:
+    """The spec a task reads, exec'd for real: the training process sees exactly the argv given."""
+    seen = tmp_path / "argv.json"
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"argv": [sys.executable, "-c",
+                                         "import json,sys; json.dump(sys.argv[1:], open(sys.argv[1], 'w'))",
+                                         str(seen), *HOSTILE]}))
+    pwned = Path("/tmp/slurm-jit-pwned")
+    pwned.unlink(missing_ok=True)
+    subprocess.run([sys.executable, "-m", "slurm_jit.launch.task", str(spec)], check=True, timeout=60)
+    assert json.loads(seen.read_text()) == [str(seen), *HOSTILE]
+    assert not pwned.exists()
+
+
+def test_function_entry_is_called_with_its_arguments(tmp_path: Path) -> None:
+    module = tmp_path / "userjob.py"
+    module.write_text("import json, os, sys\ndef main():\n"
+                      "    json.dump([sys.argv[1:], os.environ.get('RANK')], open(sys.argv[1], 'w'))\n")
+    spec = tmp_path / "spec.json"
+    seen = tmp_path / "seen.json"
+    spec.write_text(json.dumps({"function": "userjob:main", "args": [str(seen), "a b", "$(x)"]}))
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}",
+           "SLURM_PROCID": "1", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "7"}
+    env.pop("RANK", None)
+    subprocess.run([sys.executable, "-m", "slurm_jit.launch.task", str(spec)], check=True, timeout=60, env=env)
+    assert json.loads(seen.read_text()) == [[str(seen), "a b", "$(x)"], "1"]
+
+
+def test_bad_spec_is_one_line(tmp_path: Path) -> None:
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"argv": []}))
+    proc = subprocess.run([sys.executable, "-m", "slurm_jit.launch.task", str(spec)], capture_output=True,
+                          text=True, check=False, timeout=60)
+    assert proc.returncode == 2 and "HINT" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed (apt-get install shellcheck)")
+def test_generated_and_raw_scripts_are_shellcheck_clean() -> None:
+    scripts = [str(p) for p in sorted(GOLDEN.glob("submit-*.sbatch"))]
+    scripts += [str(p) for p in sorted((ROOT / "sbatch").glob("*.sbatch"))]
+    proc = subprocess.run(["shellcheck", "-s", "bash", *scripts], capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_generated_scripts_pass_grace_calc_check(name: str) -> None:
+    golden = GOLDEN / f"submit-{name}.sbatch"
+    lead = "243" if name == "grace-calc" else "300"
+    proc = subprocess.run([sys.executable, "-m", "slurm_jit.grace.cli", "check", str(golden), "--step-time",
+                           "1m", "--save-time", "1m", "--no-slurm"], capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"TERM@{lead}" in golden.read_text()
+
+
+@pytest.mark.parametrize(("env", "expected"), [
+    ({"SLURM_STEP_TASKS_PER_NODE": "2"}, 2),
+    ({"SLURM_STEP_TASKS_PER_NODE": "4(x3)", "SLURM_NODEID": "2"}, 4),
+    ({"SLURM_STEP_TASKS_PER_NODE": "3,2", "SLURM_NODEID": "1"}, 2),
+    ({"SLURM_STEP_TASKS_PER_NODE": "2(x2),1", "SLURM_NODEID": "2"}, 1),
+    ({"SLURM_TASKS_PER_NODE": "8"}, 8),
+    ({}, None),
+    ({"SLURM_STEP_TASKS_PER_NODE": "junk"}, None),
+])
+def test_local_world_size_from_slurm(env: dict[str, str], expected: int | None) -> None:
+    assert task.local_world_size(dict(env)) == expected
