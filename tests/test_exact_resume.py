@@ -99,6 +99,7 @@ def test_zero3_jit_resume_is_bitwise_on_two_ranks(tmp_path: Path, reference: dic
     assert result.equal, exactness.report(result)
 
 
+@pytest.mark.deepspeed  # builds DeepSpeed's cpu_adam op on first use (~2 min on a fresh 2-core machine)
 def test_cpu_adam_kernel_replay_restores_hidden_beta_products() -> None:
     """DeepSpeedCPUAdam itself: a fresh kernel loaded with the optimizer state at step 29 updates differently
     from the kernel that took those 29 steps (its float32 beta products), until replayed."""
