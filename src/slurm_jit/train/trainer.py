@@ -43,7 +43,7 @@ from slurm_jit.checkpoint import protocol
 from slurm_jit.grace.calc import AGREE_BLOCKING
 from slurm_jit.signal_names import parse_signal
 from slurm_jit.timing import WARMUP_STEPS, TimingLog
-from slurm_jit.train import runtime_grace, stop_record
+from slurm_jit.train import exact_resume, runtime_grace, stop_record
 from slurm_jit.train.agreement import SIDE_GROUP_TIMEOUT_S, Decision, StopAgreement
 from slurm_jit.train.refusals import JitRefusal, refused_settings, resume_refusal
 from slurm_jit.train.signals import IgnoreSignalsInWorker, SignalLatch, StartWorkersMasked
@@ -477,6 +477,20 @@ class JitTrainer(transformers.Trainer):
                 and self._take(self._agreement.poll(*self._wish()))):
             raise _EvalAborted
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+
+    # ------------------------------------------------------------ exact resume
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        # Trainer calls this right after DeepSpeed's load_checkpoint and before the first resumed step.
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None and self.is_deepspeed_enabled:
+            exact_resume.restore(self.model_wrapped)
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        # A JIT stop aborts or postpones the evaluation due at its step, which the uninterrupted run does in place:
+        # evaluations must not move training's random streams (each eval DataLoader iterator draws a seed there).
+        with exact_resume.rng_untouched():
+            return dict(super().evaluate(*args, **kwargs))
 
     # ------------------------------------------------------------ the end of training
 
