@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 STATE_DIR = "exact-state"
+_STEP_DIR_RE = re.compile(r"step-([0-9]{1,18})", re.ASCII)  # what dump() writes; other names are not dumps
 _MAX_DEPTH = 16  # nesting of optimizer state dicts is < 8; deeper means a cycle through object attributes
 
 
@@ -161,23 +163,46 @@ def compare_states(a: dict[str, Any], b: dict[str, Any], where: str, result: Com
 
 
 def _load(path: Path, unpickle: bool) -> dict[str, Any]:
+    """The flattened state in one file; BadInput for anything that is not a readable torch.save dict."""
     import pickle
 
     import torch
 
+    from slurm_jit.checkpoint import formats
+
     try:
-        return dict(torch.load(path, map_location="cpu", weights_only=True))
-    except pickle.UnpicklingError:
-        if not unpickle:
-            raise BadInput(f"{path} holds pickled Python objects. HINT: add --unpickle to load it "
-                           "(runs code from the file: only for checkpoints you trust)") from None
-    return flatten(torch.load(path, map_location="cpu", weights_only=False))
+        with formats.open_regular(path) as handle:  # a FIFO would block, a symlink lead out of the directory
+            try:
+                state = torch.load(handle, map_location="cpu", weights_only=True)
+            except pickle.UnpicklingError:
+                if not unpickle:
+                    raise BadInput(f"{path} holds pickled Python objects. HINT: add --unpickle to load it "
+                                   "(runs code from the file: only for checkpoints you trust)") from None
+                handle.seek(0)
+                state = torch.load(handle, map_location="cpu", weights_only=False)
+    except BadInput:
+        raise
+    except Exception as exc:  # noqa: BLE001 - an unreadable file is bad input, never a "different" verdict
+        raise BadInput(f"{path}: not a readable torch.save file ({type(exc).__name__}: {exc}). "
+                       "HINT: pass dumps written by --dump-state-at or whole checkpoint-N dirs") from None
+    return _flat(state)
+
+
+def _flat(state: Any) -> dict[str, Any]:
+    """A dump (already flat) as it is; a nested checkpoint state as ``{"a/b/0": value}``."""
+    if not isinstance(state, dict):
+        return flatten(state)
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        flatten(value, str(key), out)
+    return out
 
 
 def _files(root: Path, step: int | None) -> tuple[Path, list[Path]]:
     """The directory compared and its state files: a dump dir, a run dir's dump at ``step``, a checkpoint."""
     if (root / STATE_DIR).is_dir():
-        steps = sorted(int(p.name.split("-")[1]) for p in (root / STATE_DIR).glob("step-*"))
+        steps = sorted(int(m.group(1)) for p in (root / STATE_DIR).iterdir()
+                       if (m := _STEP_DIR_RE.fullmatch(p.name)) is not None and p.is_dir())
         if not steps:
             raise BadInput(f"{root / STATE_DIR} holds no dump. HINT: run with --dump-state-at N")
         chosen = step if step is not None else steps[-1]
@@ -196,6 +221,10 @@ def _files(root: Path, step: int | None) -> tuple[Path, list[Path]]:
 def compare(path_a: Path, path_b: Path, step: int | None = None, unpickle: bool = False) -> Comparison:
     root_a, files_a = _files(path_a, step)
     root_b, files_b = _files(path_b, step)
+    ranks_a, ranks_b = (len([f for f in files if f.name.startswith("rank")]) for files in (files_a, files_b))
+    if ranks_a != ranks_b:
+        raise BadInput(f"{root_a} holds {ranks_a} rank dumps, {root_b} {ranks_b}: runs of different world sizes. "
+                       "HINT: compare runs with the same number of ranks")
     result = Comparison()
     names_b = {f.relative_to(root_b) for f in files_b}
     for fa in files_a:
@@ -203,9 +232,22 @@ def compare(path_a: Path, path_b: Path, step: int | None = None, unpickle: bool 
         if rel not in names_b:
             result.missing.append(f"{rel} (only in A)")
             continue
-        compare_states(_load(fa, unpickle), _load(root_b / rel, unpickle), f"{rel}:", result)
+        state_a, state_b = _load(fa, unpickle), _load(root_b / rel, unpickle)
+        _same_step(state_a, state_b, root_a, root_b)
+        compare_states(state_a, state_b, f"{rel}:", result)
     result.missing += [f"{r} (only in B)" for r in sorted(names_b - {f.relative_to(root_a) for f in files_a})]
+    if result.entries == 0:
+        raise BadInput(f"{root_a} and {root_b}: no state to compare (the files hold nothing). "
+                       "HINT: pass dumps written by --dump-state-at or whole checkpoint-N dirs")
     return result
+
+
+def _same_step(a: dict[str, Any], b: dict[str, Any], root_a: Path, root_b: Path) -> None:
+    """States of different steps differ trivially: that is a wrong pair of paths, not a verdict."""
+    step_a, step_b = a.get("global_step"), b.get("global_step")
+    if step_a is not None and step_b is not None and step_a != step_b:
+        raise BadInput(f"{root_a} is at step {step_a!r}, {root_b} at step {step_b!r}. "
+                       "HINT: compare the same step of both runs (--step N)")
 
 
 def report(result: Comparison) -> str:
@@ -235,6 +277,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = compare(args.a, args.b, args.step, args.unpickle)
     except BadInput as exc:
         print(f"exactness: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # noqa: BLE001 - exit 1 means "different": a crash must never read as a verdict
+        if not isinstance(exc, OSError):
+            print(f"exactness: internal error, no verdict: {type(exc).__name__}: {exc}. HINT: report it with "
+                  "the two paths", file=sys.stderr)
+            return 2
+        print(f"exactness: {exc.filename or ''}: {exc.strerror or exc}. HINT: check the paths and that you may "
+              "read them", file=sys.stderr)
         return 2
     print(report(result))
     return 0 if result.equal else 1

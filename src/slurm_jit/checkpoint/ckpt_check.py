@@ -199,6 +199,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     except UsageError as exc:
         _fail(f"ckpt-check: {exc}")
         code = EXIT_USAGE
+    except BrokenPipeError:  # `ckpt-check OUT | head -1`: the reader left before the last line (the verdict)
+        _silence_stdout()
+        _fail("ckpt-check: standard output was closed before the resume path (the last line) was written. "
+              "HINT: read the last line, e.g. `ckpt-check OUT | tail -n 1`, or use the exit status alone")
+        code = EXIT_USAGE
     except OSError as exc:
         hint = "HINT: check the path and that you may read it"
         _fail(f"ckpt-check: {exc.filename or ''}: {exc.strerror or exc}. {hint}")
@@ -208,6 +213,16 @@ def main(argv: Sequence[str] | None = None) -> None:
               "HINT: do not resubmit on this result; report it with the directory listing")
         code = EXIT_USAGE
     sys.exit(code)
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's final flush does not raise on the closed pipe."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
 
 
 def _fail(message: str) -> None:
