@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import ckpt_factory
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from slurm_jit import exactness
+from slurm_jit.checkpoint import protocol
 
 SUBPROCESS_TIMEOUT_S = 60  # one ckpt-check start (imports only) on a loaded 2-core machine
 
@@ -110,3 +112,32 @@ def test_ckpt_check_closed_stdout_says_so_without_traceback(tmp_path: Path) -> N
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr
     assert "standard output was closed" in done.stderr and "HINT:" in done.stderr, done.stderr
+
+
+# ---------------------------------------------------------------- ordering: clocks cannot reorder writes
+
+
+def test_a_node_clock_ahead_cannot_make_resume_pick_an_older_checkpoint(tmp_path: Path) -> None:
+    now = time.time()
+    older = ckpt_factory.checkpoint(tmp_path, 10, created=now + 300.0, mtime=now + 300.0)  # node 5 min ahead
+    newer = ckpt_factory.checkpoint(tmp_path, 12, created=now, mtime=now)  # the next job, on a correct clock
+    res = protocol.find_resumable(tmp_path)
+    assert res.checkpoint is not None and res.checkpoint.path == newer, [c.step for c in res.checkpoints]
+    checkpoints, _ = protocol.scan(tmp_path)
+    assert [c.path for c in protocol.rotation_victims(checkpoints, 1)] == [older]  # never the newer one
+
+
+def test_a_far_future_created_time_cannot_pin_resume_to_an_old_checkpoint(tmp_path: Path) -> None:
+    ckpt_factory.checkpoint(tmp_path, 4, created=float(2**33 - 1))  # year 2242, still "plausible"
+    later = ckpt_factory.checkpoint(tmp_path, 2, created=1_000_000_000.0)  # a rollback, clock in 2001
+    res = protocol.find_resumable(tmp_path)
+    assert res.checkpoint is not None and res.checkpoint.path == later
+
+
+def test_checkpoints_without_a_sequence_keep_their_place_by_time(tmp_path: Path) -> None:
+    now = time.time()
+    ckpt_factory.checkpoint(tmp_path, 3, created=now - 300.0)
+    plain = ckpt_factory.checkpoint(tmp_path, 5, manifest=False, mtime=now - 200.0)  # plain Trainer
+    last = ckpt_factory.checkpoint(tmp_path, 4, created=now - 100.0)
+    assert [c.path for c in protocol.scan(tmp_path)[0]] == [last, plain, tmp_path / "checkpoint-3"]
+    assert protocol.next_save_seq(tmp_path) == 3

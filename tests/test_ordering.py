@@ -74,8 +74,8 @@ def test_broken_checkpoints_written_after_the_resume_point_are_passed_over(tmp_p
 
 
 def test_equal_times_order_by_step(tmp_path: Path) -> None:
-    for step in (3, 12, 6):
-        ckpt_factory.checkpoint(tmp_path, step, created=1_700_000_000.0, mtime=1_700_000_000.0)
+    for step in (3, 12, 6):  # no manifest, so no save_seq: the time decides, then the step
+        ckpt_factory.checkpoint(tmp_path, step, manifest=False, mtime=1_700_000_000.0)
     assert [c.step for c in protocol.scan(tmp_path)[0]] == [12, 6, 3]
 
 

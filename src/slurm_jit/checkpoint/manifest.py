@@ -25,6 +25,9 @@ HASH_NAME = "xxh3_128"
 HASH_CHUNK_BYTES = 8 * 1024 * 1024
 MAX_EPOCH_S = 2**33  # year 2242: a manifest's "created" beyond it is not a time (clocks differ, not by centuries)
 TRAINER_STATE_NAME = "trainer_state.json"
+# "save_seq": one more than the highest of every manifest in the output directory when it was written, so that
+# the order of writes holds whatever the clocks say (a node ahead or behind, a clock stepped back).
+SAVE_SEQ_MAX = 2**62  # a save per microsecond for 100 000 years stays below; above it is no sequence number
 
 
 def hash_file(path: str | os.PathLike[str], progress: Callable[[int], None] | None = None) -> str:
@@ -124,3 +127,9 @@ def created(manifest: dict[str, Any]) -> float | None:
     return float(created)
 
 
+
+
+def save_seq(manifest: dict[str, Any]) -> int | None:
+    """The manifest's ``save_seq`` when it is a plausible sequence number, else None (older manifests)."""
+    seq = manifest.get("save_seq")
+    return seq if plain_int(seq) and 0 < seq <= SAVE_SEQ_MAX else None

@@ -21,8 +21,11 @@ Reading one gives a :class:`Status` (only ``complete`` and ``unverified`` are re
 - ``corrupt``: a listed file missing, resized, not a regular file, (deep) with the wrong checksum, or escaping the
   directory; manifest, ``trainer_state.json`` and the DeepSpeed tag disagreeing on the step.
 
-"Newest" is the checkpoint written last (:attr:`CheckpointInfo.written_at`), not the highest step: resume and
-rotation (:func:`rotation_victims`) both go by it.
+"Newest" is the checkpoint written last, not the highest step: resume and rotation (:func:`rotation_victims`)
+both go by it. Among checkpoints whose verified manifests carry a ``save_seq`` (one more than the highest in the
+output directory when each was written) the sequence decides, so that a node whose clock is ahead or behind, or a
+clock stepped back, cannot reorder them; the others are placed by :attr:`CheckpointInfo.written_at` (the
+manifest's ``created``, else the directory's mtime).
 
 Nothing is ever unpickled to check it: checkpoint files are untrusted input (see :mod:`slurm_jit.checkpoint.formats`).
 """
@@ -87,14 +90,21 @@ class CheckpointInfo:
     written_at: float = 0.0  # the verified manifest's ``created``, else ``mtime``: what "newest" means
     run_id: str | None = None  # the writing run's lineage id, from a verified manifest
     world_size: int | None = None  # the number of ranks that wrote it, from a verified manifest
+    save_seq: int | None = None  # the order of writes in the output directory, from a verified manifest
 
     def resumable(self, strict: bool = False) -> bool:
         return self.status is Status.COMPLETE or (self.status is Status.UNVERIFIED and not strict)
 
 
 def newest_written_first(checkpoints: Iterable[CheckpointInfo]) -> list[CheckpointInfo]:
-    """Most recently written first; the higher step first among equal times."""
-    return sorted(checkpoints, key=lambda c: (c.written_at, c.step), reverse=True)
+    """Most recently written first: by time (the higher step first among equal times), then the checkpoints
+    with a save sequence number reordered among the places they hold by it, so clocks cannot reorder them."""
+    by_time = sorted(checkpoints, key=lambda c: (c.written_at, c.step), reverse=True)
+    places = [i for i, c in enumerate(by_time) if c.save_seq is not None]
+    by_seq = sorted((by_time[i] for i in places), key=lambda c: (c.save_seq, c.step), reverse=True)
+    for place, ckpt in zip(places, by_seq, strict=True):
+        by_time[place] = ckpt
+    return by_time
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -197,7 +207,7 @@ def _inspect(path: Path, step: int, deep: bool, progress: Callable[[int], None] 
     mtime = _dir_mtime(path)
 
     def info(status: Status, reason: str, manifest: dict[str, Any] | None = None) -> CheckpointInfo:
-        kind = run_id = world = None
+        kind = run_id = world = seq = None
         written_at = mtime
         if manifest is not None:
             kind = manifest.get("kind") if isinstance(manifest.get("kind"), str) else None
@@ -205,9 +215,10 @@ def _inspect(path: Path, step: int, deep: bool, progress: Callable[[int], None] 
             run_id = manifest.get("run_id") if isinstance(manifest.get("run_id"), str) else None
             world = manifest.get("world_size")
             written_at = manifest_mod.created(manifest) or mtime
+            seq = manifest_mod.save_seq(manifest)
         return CheckpointInfo(path=path, step=step, status=status, reason=reason, kind=kind,
                               size_bytes=_tree_size_or_none(path), mtime=mtime, written_at=written_at,
-                              run_id=run_id, world_size=world)
+                              run_id=run_id, world_size=world, save_seq=seq)
 
     if not stat.S_ISDIR(os.lstat(path).st_mode):
         return info(Status.CORRUPT, "the checkpoint directory is a symlink: not trusted")
@@ -393,6 +404,23 @@ def file_entries(ckpt_dir: str | os.PathLike[str], rels: Iterable[str]) -> dict[
     return entries
 
 
+def next_save_seq(out_dir: str | os.PathLike[str]) -> int:
+    """One more than the highest ``save_seq`` of any readable manifest in a ``checkpoint-*`` directory (quarantined
+    ones too) under ``out_dir``; 1 when there is none. Reads only manifests, each bounded."""
+    highest = 0
+    try:
+        names = os.listdir(out_dir)
+    except OSError:
+        return 1
+    for name in names:
+        if not name.startswith("checkpoint-") or not structure.real_dir(Path(out_dir) / name):
+            continue
+        manifest, _ = manifest_mod.read(Path(out_dir) / name)
+        seq = manifest_mod.save_seq(manifest) if manifest is not None else None
+        highest = max(highest, seq or 0)
+    return min(highest + 1, manifest_mod.SAVE_SEQ_MAX)
+
+
 def write_manifest(
     ckpt_dir: str | os.PathLike[str],
     *,
@@ -430,6 +458,7 @@ def write_manifest(
         "run_id": run_id,
         "hash": HASH_NAME,
         "created": time.time(),
+        "save_seq": next_save_seq(root.parent),
         "total_bytes": sum(entry["size"] for entry in files.values()),
         "files": files,
         **(extra or {}),

@@ -55,10 +55,10 @@ def _regular(path: Path) -> bool:
 
 def _file_entry(path: Path) -> bool:
     """Present and not a directory (a symlink, FIFO, ... counts: the header check reports it)."""
-    return os.path.lexists(path) and not _real_dir(path)
+    return os.path.lexists(path) and not real_dir(path)
 
 
-def _real_dir(path: Path) -> bool:
+def real_dir(path: Path) -> bool:
     try:
         return stat.S_ISDIR(os.lstat(path).st_mode)
     except OSError:
@@ -76,7 +76,7 @@ def _shards(tag_dir: Path) -> tuple[set[int], set[int]]:
 
 
 def _tag_dirs(ckpt_dir: Path) -> list[Path]:
-    return [ckpt_dir / name for name in os.listdir(ckpt_dir) if _real_dir(ckpt_dir / name)]
+    return [ckpt_dir / name for name in os.listdir(ckpt_dir) if real_dir(ckpt_dir / name)]
 
 
 def _first_missing(ranks: set[int], world: int) -> int | None:
@@ -157,7 +157,7 @@ def _deepspeed_missing(ckpt_dir: Path, world: int) -> str | None:
     if tag is None:
         return why
     tag_dir = ckpt_dir / tag
-    if not _real_dir(tag_dir):
+    if not real_dir(tag_dir):
         return f"'latest' names {tag}, which is not a directory here"
     optim, model = _shards(tag_dir)
     if not _regular(tag_dir / MODEL_STATES) and _first_missing(model, world) is not None:
