@@ -132,4 +132,6 @@ def created(manifest: dict[str, Any]) -> float | None:
 def save_seq(manifest: dict[str, Any]) -> int | None:
     """The manifest's ``save_seq`` when it is a plausible sequence number, else None (older manifests)."""
     seq = manifest.get("save_seq")
-    return seq if plain_int(seq) and 0 < seq <= SAVE_SEQ_MAX else None
+    if not isinstance(seq, int) or isinstance(seq, bool) or not 0 < seq <= SAVE_SEQ_MAX:
+        return None
+    return seq
