@@ -6,6 +6,7 @@ status that reads as a verdict (exactness: 1 = "different"; ckpt-check: 1 = "non
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from slurm_jit import exactness
-from slurm_jit.checkpoint import protocol
+from slurm_jit.checkpoint import formats, protocol
 
 SUBPROCESS_TIMEOUT_S = 60  # one ckpt-check start (imports only) on a loaded 2-core machine
 
@@ -141,3 +142,51 @@ def test_checkpoints_without_a_sequence_keep_their_place_by_time(tmp_path: Path)
     last = ckpt_factory.checkpoint(tmp_path, 4, created=now - 100.0)
     assert [c.path for c in protocol.scan(tmp_path)[0]] == [last, plain, tmp_path / "checkpoint-3"]
     assert protocol.next_save_seq(tmp_path) == 3
+
+
+# ---------------------------------------------------------------- a long run's trainer_state.json
+
+
+def long_run_state(step: int, entries: int) -> str:
+    """trainer_state.json as Trainer writes it (indent=2, sorted keys) with one log entry per step."""
+    log = [{"epoch": i / 1000, "grad_norm": 1.25, "learning_rate": 5e-05, "loss": 2.5, "step": i}
+           for i in range(1, entries + 1)]
+    return json.dumps({"global_step": step, "log_history": log, "max_steps": 10**6}, indent=2, sort_keys=True)
+
+
+@pytest.fixture
+def small_caps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The caps at kilobytes, so that the paths past them run on files written in milliseconds."""
+    monkeypatch.setattr(formats, "JSON_MAX_BYTES", 4 * 1024)
+    monkeypatch.setattr(formats, "TRAINER_STATE_MAX_BYTES", 64 * 1024)
+
+
+@pytest.mark.usefixtures("small_caps")
+def test_a_long_runs_trainer_state_over_the_parse_cap_is_still_resumable(tmp_path: Path) -> None:
+    ckpt = ckpt_factory.checkpoint(tmp_path, 7, manifest=False)
+    (ckpt / "trainer_state.json").write_text(long_run_state(7, 100))  # ~14 KiB: over the parse cap
+    assert (ckpt / "trainer_state.json").stat().st_size > formats.JSON_MAX_BYTES
+    info = protocol.inspect(ckpt, 7)
+    assert info.status is protocol.Status.UNVERIFIED, info.reason
+
+
+@pytest.mark.usefixtures("small_caps")
+@pytest.mark.parametrize(("content", "why"), [
+    (long_run_state(7, 100)[:-3], "unbalanced"),  # truncated
+    (long_run_state(8, 100), "global_step 8"),  # another step
+    (long_run_state(7, 100)[:-1] + ', "global_step": 9}', "global_step 9"),  # duplicate key: the last wins
+    ("[" + long_run_state(7, 100) + "]", "not one JSON object"),
+    (long_run_state(7, 600), "too large"),  # over the scan cap too
+])
+def test_a_big_trainer_state_is_scanned_strictly(tmp_path: Path, content: str, why: str) -> None:
+    ckpt = ckpt_factory.checkpoint(tmp_path, 7, manifest=False)
+    (ckpt / "trainer_state.json").write_text(content)
+    info = protocol.inspect(ckpt, 7)
+    assert info.status is protocol.Status.CORRUPT and why in info.reason, info.reason
+
+
+def test_a_huge_global_step_is_shown_cut(tmp_path: Path) -> None:
+    ckpt = ckpt_factory.checkpoint(tmp_path, 4, manifest=False)
+    (ckpt / "trainer_state.json").write_text('{"global_step": 1%s}' % ("0" * 400))
+    info = protocol.inspect(ckpt, 4)
+    assert info.status is protocol.Status.CORRUPT and len(info.reason) < 120, info.reason

@@ -12,7 +12,9 @@ Every file is opened through :func:`open_regular`: a symlink, FIFO, socket or de
 from __future__ import annotations
 
 import json
+import mmap
 import os
+import re
 import stat
 import struct
 import zipfile
@@ -22,7 +24,15 @@ TORCH_ZIP_SUFFIXES = (".pt", ".pth", ".bin")
 SAFETENSORS_SUFFIX = ".safetensors"
 SAFETENSORS_MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors spec caps the header at 100 MB
 JSON_SUFFIX = ".json"
-JSON_MAX_BYTES = 64 * 1024 * 1024  # trainer_state.json of a very long run stays far below this
+JSON_MAX_BYTES = 64 * 1024 * 1024  # parsed whole below this (a hostile 64 MiB of "{}," costs ~1.7 GB to parse)
+# trainer_state.json grows by ~135 bytes per logged step (Trainer writes it with indent=2): logging every step for
+# 500 000 steps passes JSON_MAX_BYTES. Above that it is scanned, never built in memory, up to this cap (8 million
+# logged steps; upstream's own load of such a file at resume costs ~2.6 GB per rank).
+TRAINER_STATE_NAME = "trainer_state.json"
+TRAINER_STATE_MAX_BYTES = 1024 * 1024 * 1024
+# A JSON string or a structural character: what the scanner steps through (C speed, nothing built).
+_JSON_TOKEN_RE = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}:]')
+_SCALAR_MAX_BYTES = 8192  # a number of up to 4300 digits (CPython's int() limit) fits
 OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC  # never block, never follow
 
 
@@ -71,6 +81,50 @@ def read_bounded(path: str | os.PathLike[str], max_bytes: int) -> bytes:
 def load_json(path: str | os.PathLike[str], max_bytes: int = JSON_MAX_BYTES) -> object:
     """A JSON document from a regular file of at most ``max_bytes``; ValueError (or RecursionError) when not."""
     return json.loads(read_bounded(path, max_bytes))
+
+
+def top_level_value(path: str | os.PathLike[str], key: str, max_bytes: int) -> object:
+    """The value of ``key`` in the top-level JSON object of a regular file of at most ``max_bytes``, found by
+    scanning the bytes in place (memory-mapped; nothing but the value is built). The last occurrence wins, as with
+    ``json.loads``; None when absent. ValueError when the brackets do not balance into one object."""
+    with open_regular(path) as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if size > max_bytes:
+            raise UntrustedFile(f"over {max_bytes} bytes: too large to read")
+        if size == 0:
+            raise ValueError("empty file")
+        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            value_at = _scan_object(data, key.encode())
+            if value_at is None:
+                return None
+            text = bytes(data[value_at:value_at + _SCALAR_MAX_BYTES]).decode("utf-8", "replace").lstrip()
+    return json.JSONDecoder().raw_decode(text)[0]
+
+
+def _scan_object(data: mmap.mmap, key: bytes) -> int | None:
+    """Where the value of the last top-level ``key`` starts, after checking that the document is one object."""
+    depth = 0
+    previous = b""
+    value_at = None
+    quoted = b'"' + key + b'"'
+    for match in _JSON_TOKEN_RE.finditer(data):  # type: ignore[call-overload]  # mmap is a bytes-like buffer
+        token = match.group()
+        if token in (b"{", b"["):
+            if depth == 0 and (token != b"{" or data[:match.start()].strip()):
+                raise ValueError("not one JSON object")
+            depth += 1
+        elif token in (b"}", b"]"):
+            depth -= 1
+            if depth < 0:
+                raise ValueError("unbalanced brackets")
+            if depth == 0 and data[match.end():].strip():
+                raise ValueError("data after the top-level object")
+        elif token == b":" and depth == 1 and previous == quoted:
+            value_at = match.end()
+        previous = token
+    if depth != 0:
+        raise ValueError("unbalanced brackets (truncated?)")
+    return value_at
 
 
 def check_torch_zip(path: str | os.PathLike[str]) -> str | None:
@@ -126,8 +180,16 @@ def check_safetensors(path: str | os.PathLike[str]) -> str | None:
 
 
 def check_json(path: str | os.PathLike[str]) -> str | None:
-    """None when the file is a JSON document of sane size."""
+    """None when the file is a JSON document of sane size (a big trainer_state.json: one balanced object)."""
     size = os.lstat(path).st_size
+    if size > JSON_MAX_BYTES and os.path.basename(path) == TRAINER_STATE_NAME:
+        try:
+            top_level_value(path, "global_step", TRAINER_STATE_MAX_BYTES)
+        except UntrustedFile as exc:
+            return str(exc)
+        except ValueError as exc:
+            return f"not valid JSON: {exc}"
+        return None
     if size > JSON_MAX_BYTES:
         return f"{size} bytes: too large for a JSON state file"
     try:

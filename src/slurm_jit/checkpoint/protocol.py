@@ -62,6 +62,7 @@ MAX_STEP_DIGITS = 18  # 10**18 steps is beyond any run; int() refuses over 4300 
 # transformers.trainer_utils uses ^checkpoint-(\d+)$, whose $ also matches before a final newline and whose \d
 # matches any Unicode digit; ours is used with fullmatch and ASCII digits only
 CHECKPOINT_RE = re.compile(r"checkpoint-([0-9]+)", re.ASCII)
+SHOWN_VALUE_CHARS = 40  # of a value from a checkpoint file, in a reason
 QUARANTINE_SUFFIX = ".incomplete"
 QUARANTINED_RE = re.compile(r"checkpoint-[0-9]+\.incomplete(\.[0-9]+)?", re.ASCII)
 SAVE_KINDS = ("jit", "periodic", "final")
@@ -151,14 +152,24 @@ def _tree_size(directory: Path) -> int:
 
 
 def _check_trainer_state(ckpt_dir: Path, step: int) -> str | None:
+    path = ckpt_dir / TRAINER_STATE_NAME
     try:
-        state = formats.load_json(ckpt_dir / TRAINER_STATE_NAME)
+        if os.lstat(path).st_size > formats.JSON_MAX_BYTES:  # a long run's log history: scanned, not built
+            found = formats.top_level_value(path, "global_step", formats.TRAINER_STATE_MAX_BYTES)
+        else:
+            state = formats.load_json(path)
+            found = state.get("global_step") if isinstance(state, dict) else None
     except (OSError, ValueError, RecursionError) as exc:
         return f"{TRAINER_STATE_NAME} unreadable: {type(exc).__name__}: {exc}"
-    found = state.get("global_step") if isinstance(state, dict) else None
     if not manifest_mod.plain_int(found) or found != step:
-        return f"{TRAINER_STATE_NAME} global_step {found!r} != directory step {step}"
+        return f"{TRAINER_STATE_NAME} global_step {_short(found)} != directory step {step}"
     return None
+
+
+def _short(value: object) -> str:
+    """A value read from an untrusted file, as shown in a reason (a 400-digit number is cut)."""
+    text = repr(value)
+    return text if len(text) <= SHOWN_VALUE_CHARS else f"{text[:SHOWN_VALUE_CHARS]}... ({len(text)} chars)"
 
 
 def inspect(
