@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -190,3 +191,36 @@ def test_a_huge_global_step_is_shown_cut(tmp_path: Path) -> None:
     (ckpt / "trainer_state.json").write_text('{"global_step": 1%s}' % ("0" * 400))
     info = protocol.inspect(ckpt, 4)
     assert info.status is protocol.Status.CORRUPT and len(info.reason) < 120, info.reason
+
+
+# ---------------------------------------------------------------- races with other processes
+
+
+def test_a_checkpoint_deleted_during_the_scan_is_skipped_with_a_note(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    paths = {step: ckpt_factory.checkpoint(tmp_path, step) for step in (2, 4)}
+    real_inspect = protocol.inspect
+
+    def rotated_meanwhile(path: Path, step: int, **kwargs: object) -> protocol.CheckpointInfo:
+        if step == 4:
+            shutil.rmtree(path)  # another job's rotation, between the listing and the check
+        return real_inspect(path, step, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(protocol, "inspect", rotated_meanwhile)
+    run = ckpt_factory.run_ckpt_check(tmp_path)
+    assert run.code == 0 and run.last_line == os.fsencode(paths[2]), run
+    assert "checkpoint-4: vanished while being checked" in run.stderr, run.stderr
+
+
+def test_quarantine_that_cannot_rename_loses_nothing_and_says_so(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    ckpt_factory.checkpoint(tmp_path, 2, created=time.time() - 100.0)
+    broken = ckpt_factory.checkpoint(tmp_path, 4)
+    (broken / protocol.SENTINEL_NAME).write_text("killed mid-save")
+    taken = tmp_path / "checkpoint-4.incomplete"  # created by another process after the name was chosen
+    (taken / "evidence").mkdir(parents=True)
+    monkeypatch.setattr(protocol, "quarantine_path", lambda _path: taken)
+    run = ckpt_factory.run_ckpt_check(tmp_path, "--quarantine")
+    assert run.code == 2 and "HINT:" in run.stderr and "nothing was deleted" in run.stderr, run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1 and "Traceback" not in run.stderr, run.stderr
+    assert (broken / protocol.SENTINEL_NAME).exists() and (taken / "evidence").is_dir()

@@ -148,7 +148,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         resolution = protocol.find_resumable(args.out_dir, strict=args.strict, deep=args.deep, progress=progress)
     finally:
         close()
-    moved = protocol.quarantine(resolution) if args.quarantine else []
+    moved = _quarantine(resolution) if args.quarantine else []
     code = _exit_code(resolution)
     resume = str(resolution.checkpoint.path) if resolution.checkpoint else ""
     if args.json:
@@ -164,6 +164,15 @@ def run(argv: Sequence[str] | None = None) -> int:
         print(printable(f"quarantined {src} -> {dst}", sys.stderr), file=sys.stderr)
     _print_path(resume)
     return code
+
+
+def _quarantine(resolution: protocol.Resolution) -> list[tuple[Path, Path]]:
+    try:
+        return protocol.quarantine(resolution)
+    except protocol.QuarantineError as exc:
+        done = "".join(f"; moved {src} -> {dst}" for src, dst in exc.moved)
+        raise UsageError(f"could not rename {exc.src} to {exc.dst.name}: {exc.strerror}; nothing was deleted{done}. "
+                         "HINT: run as the owner of the directory, or without --quarantine") from None
 
 
 def _print_path(path: str) -> None:

@@ -118,6 +118,14 @@ class Resolution:
     ignored: list[str] = field(default_factory=list)  # entries named like checkpoints that are not
 
 
+class QuarantineError(OSError):
+    """A rename of :func:`quarantine` failed; ``moved`` says what was renamed before it (nothing is deleted)."""
+
+    def __init__(self, src: Path, dst: Path, cause: OSError, moved: list[tuple[Path, Path]]) -> None:
+        super().__init__(cause.errno, cause.strerror, str(src))
+        self.src, self.dst, self.moved = src, dst, moved
+
+
 class ProtocolError(RuntimeError):
     """A checkpoint could not be written through the protocol; the message says why."""
 
@@ -289,7 +297,12 @@ def scan(out_dir: str | os.PathLike[str], deep: bool = False,
         if not entry.is_symlink() and not entry.is_dir():
             ignored.append(f"{name}: not a directory")
             continue
-        found.append(inspect(entry, int(match.group(1)), deep=deep, progress=progress))
+        try:
+            found.append(inspect(entry, int(match.group(1)), deep=deep, progress=progress))
+        except (FileNotFoundError, NotADirectoryError):
+            if os.path.lexists(entry):
+                raise
+            ignored.append(f"{name}: vanished while being checked (deleted or renamed by another process)")
     return newest_written_first(found), ignored
 
 
@@ -343,10 +356,13 @@ def quarantine_path(ckpt_dir: Path) -> Path:
 
 def quarantine(resolution: Resolution) -> list[tuple[Path, Path]]:
     """Rename every non-resumable directory newer than the resume point; never deletes anything."""
-    moved = []
+    moved: list[tuple[Path, Path]] = []
     for ckpt in resolution.passed_over:
         target = quarantine_path(ckpt.path)
-        os.rename(ckpt.path, target)
+        try:
+            os.rename(ckpt.path, target)
+        except OSError as exc:
+            raise QuarantineError(ckpt.path, target, exc, moved) from None
         moved.append((ckpt.path, target))
     for parent in {src.parent for src, _ in moved}:
         fsync_dir(parent)
