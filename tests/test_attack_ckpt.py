@@ -224,3 +224,11 @@ def test_quarantine_that_cannot_rename_loses_nothing_and_says_so(tmp_path: Path,
     assert run.code == 2 and "HINT:" in run.stderr and "nothing was deleted" in run.stderr, run.stderr
     assert len(run.stderr.strip().splitlines()) == 1 and "Traceback" not in run.stderr, run.stderr
     assert (broken / protocol.SENTINEL_NAME).exists() and (taken / "evidence").is_dir()
+
+
+def test_json_shows_the_save_sequence(tmp_path: Path) -> None:
+    for step in (5, 3):
+        ckpt_factory.checkpoint(tmp_path, step)
+    run = ckpt_factory.run_ckpt_check(tmp_path, "--json")
+    rows = json.loads(run.stdout)["checkpoints"]
+    assert [(r["step"], r["save_seq"]) for r in rows] == [(3, 2), (5, 1)], rows

@@ -192,7 +192,7 @@ def _as_json(out_dir: str, resolution: protocol.Resolution, moved: list[tuple[Pa
             {"path": str(c.path), "step": c.step, "status": c.status.value, "kind": c.kind,
              "world_size": c.world_size,
              "size_bytes": c.size_bytes, "mtime": c.mtime, "written_at": c.written_at or None,
-             "run_id": c.run_id, "reason": c.reason,
+             "run_id": c.run_id, "save_seq": c.save_seq, "reason": c.reason,
              "resumable": resolution.checkpoint is not None and c.path == resolution.checkpoint.path}
             for c in resolution.checkpoints
         ],
