@@ -232,3 +232,41 @@ def test_json_shows_the_save_sequence(tmp_path: Path) -> None:
     run = ckpt_factory.run_ckpt_check(tmp_path, "--json")
     rows = json.loads(run.stdout)["checkpoints"]
     assert [(r["step"], r["save_seq"]) for r in rows] == [(3, 2), (5, 1)], rows
+
+
+def inspect_at_default_recursion_limit(ckpt: Path, step: int) -> protocol.CheckpointInfo:
+    previous = sys.getrecursionlimit()
+    sys.setrecursionlimit(1000)  # CPython's default (pytest may run with a higher one)
+    try:
+        return protocol.inspect(ckpt, step)
+    finally:
+        sys.setrecursionlimit(previous)
+
+
+def test_a_very_deep_tree_is_walked_without_recursion(tmp_path: Path) -> None:
+    ckpt = ckpt_factory.checkpoint(tmp_path, 4)
+    deep = ckpt
+    for _ in range(1500):  # ~3000 bytes of path: within PATH_MAX; made level by level (makedirs recurses)
+        deep = deep / "d"
+        deep.mkdir()
+    info = inspect_at_default_recursion_limit(ckpt, 4)
+    assert info.status is protocol.Status.COMPLETE and info.size_bytes is not None, info.reason
+    (deep / "stray.json").write_text("{not json")  # and the walk reaches the bottom
+    try:
+        info = inspect_at_default_recursion_limit(ckpt, 4)
+        assert info.status is protocol.Status.INCOMPLETE and "stray.json" in info.reason, info.reason
+    finally:
+        (deep / "stray.json").unlink()
+        while deep != ckpt:  # level by level: pytest's own cleanup (shutil.rmtree) recurses and would fail
+            deep.rmdir()
+            deep = deep.parent
+
+
+def test_a_manifest_over_64_mib_is_not_parsed(tmp_path: Path) -> None:
+    """256 MiB of tiny JSON objects took 6.6 GB to parse: the cap is what bounds ckpt-check's memory."""
+    ckpt = ckpt_factory.checkpoint(tmp_path, 4)
+    path = ckpt / protocol.MANIFEST_NAME
+    text = path.read_text()
+    path.write_text(text + " " * (64 * 1024 * 1024 + 1 - len(text)))  # valid JSON, one byte over
+    info = protocol.inspect(ckpt, 4)
+    assert info.status is protocol.Status.CORRUPT and "too large" in info.reason, info.reason

@@ -18,6 +18,7 @@ import re
 import stat
 import struct
 import zipfile
+from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
 TORCH_ZIP_SUFFIXES = (".pt", ".pth", ".bin")
@@ -47,6 +48,38 @@ def file_kind(mode: int) -> str:
         if test(mode):
             return kind
     return "not a regular file"
+
+
+def walk(top: str | os.PathLike[str], onerror: Callable[[OSError], None] | None = None,
+         ) -> Iterator[tuple[str, list[str], list[str]]]:
+    """``os.walk(top)`` (top-down, symlinked directories listed, not followed) without recursion: Python 3.11's
+    os.walk recurses once per level, so a tree deeper than ~1000 levels raised RecursionError."""
+    stack = [os.fspath(top)]
+    while stack:
+        root = stack.pop()
+        dirs: list[str] = []
+        files: list[str] = []
+        descend: list[str] = []
+        try:
+            with os.scandir(root) as entries:
+                for entry in entries:
+                    is_dir = _is_dir(entry)
+                    (dirs if is_dir else files).append(entry.name)
+                    if is_dir and not entry.is_symlink():
+                        descend.append(os.path.join(root, entry.name))
+        except OSError as exc:
+            if onerror is not None:
+                onerror(exc)
+            continue
+        yield root, dirs, files
+        stack.extend(reversed(descend))
+
+
+def _is_dir(entry: os.DirEntry[str]) -> bool:
+    try:
+        return entry.is_dir()  # as os.walk: a symlink to a directory is listed among dirs (and not followed)
+    except OSError:
+        return False
 
 
 def open_regular(path: str | os.PathLike[str]) -> BinaryIO:

@@ -17,7 +17,9 @@ MANIFEST_NAME = "slurm-jit-manifest.json"
 MANIFEST_FORMAT = "slurm-jit-checkpoint"
 FORMAT_VERSION = 2  # 2 added "contents" and "run_id"; version 1 manifests are read as contents "full"
 READABLE_VERSIONS = (1, 2)
-MANIFEST_MAX_BYTES = 256 * 1024 * 1024  # ~100 bytes per file: millions of files, far beyond any real checkpoint
+# ~130 bytes per file: 500 000 files, ~150 000 ranks of ZeRO shards, beyond any run published. It bounds the parse
+# too: a hostile manifest of tiny JSON objects costs ~25x its size in memory (measured: 256 MiB took 6.6 GB).
+MANIFEST_MAX_BYTES = 64 * 1024 * 1024
 CONTENTS_FULL = "full"  # everything an exact resume needs
 CONTENTS_MODEL_ONLY = "model_only"  # a save_only_model save: weights for inference, never resumed
 CONTENTS = (CONTENTS_FULL, CONTENTS_MODEL_ONLY)

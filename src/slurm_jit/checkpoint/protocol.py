@@ -148,7 +148,7 @@ def _present(path: Path) -> bool:
 
 def _tree_size(directory: Path) -> int:
     total = 0
-    for root, _dirs, files in os.walk(directory, onerror=_raise):  # os.walk does not follow symlinked dirs
+    for root, _dirs, files in formats.walk(directory, onerror=_raise):  # symlinked dirs are not followed
         for name in files:
             try:
                 st = os.lstat(os.path.join(root, name))
@@ -382,7 +382,7 @@ def fsync_dir(directory: str | os.PathLike[str]) -> None:
 
 def fsync_tree(directory: str | os.PathLike[str]) -> None:
     """fsync every regular file and directory under ``directory`` (the files this rank wrote among them)."""
-    for root, _dirs, files in os.walk(directory):
+    for root, _dirs, files in formats.walk(directory):
         for name in files:
             path = os.path.join(root, name)
             if stat.S_ISREG(os.lstat(path).st_mode):  # a FIFO would block the open, a symlink leads elsewhere
@@ -409,7 +409,7 @@ def payload_files(ckpt_dir: str | os.PathLike[str]) -> list[str]:
     """Relative paths of the files a manifest lists: everything but the sentinel and the manifest."""
     root = Path(ckpt_dir)
     rels = []
-    for dirpath, _dirs, files in os.walk(root):
+    for dirpath, _dirs, files in formats.walk(root):
         for name in files:
             rel = os.path.relpath(os.path.join(dirpath, name), root)
             if rel not in (SENTINEL_NAME, MANIFEST_NAME) and not name.startswith(f".{MANIFEST_NAME}"):

@@ -198,7 +198,7 @@ def model_only(ckpt_dir: Path) -> bool:
 
 def headers(ckpt_dir: Path) -> str | None:
     """The first file under ``ckpt_dir`` that is not a regular file or fails its header check, with why."""
-    for root, dirs, files in os.walk(ckpt_dir):
+    for root, dirs, files in formats.walk(ckpt_dir):
         for name in sorted(files + [d for d in dirs if os.path.islink(os.path.join(root, d))]):
             path = Path(root) / name
             problem = formats.check_file(path)
