@@ -270,3 +270,11 @@ def test_a_manifest_over_64_mib_is_not_parsed(tmp_path: Path) -> None:
     path.write_text(text + " " * (64 * 1024 * 1024 + 1 - len(text)))  # valid JSON, one byte over
     info = protocol.inspect(ckpt, 4)
     assert info.status is protocol.Status.CORRUPT and "too large" in info.reason, info.reason
+
+
+def test_the_trainer_writes_the_save_sequence(jit_zero2_run: Path) -> None:
+    """The real JitTrainer path (ZeRO-2, 2 ranks; the session's shared run): periodic 3 then final 6."""
+    seqs = {step: json.loads((jit_zero2_run / f"checkpoint-{step}" / protocol.MANIFEST_NAME).read_text())["save_seq"]
+            for step in (3, 6)}
+    assert seqs == {3: 1, 6: 2}, seqs
+    assert [c.save_seq for c in protocol.scan(jit_zero2_run)[0]] == [2, 1]
