@@ -33,6 +33,7 @@ statuses:
   complete    manifest present and verified (sizes; checksums too with --deep)
   unverified  no manifest (plain Trainer) but structurally whole; resumable unless --strict
   incomplete  sentinel {protocol.SENTINEL_NAME} present, or required files missing
+  model-only  manifest verified, but a save_only_model save: no optimizer/scheduler/RNG state; never resumed
   corrupt     manifest present but a file is missing, resized, or (--deep) has the wrong checksum
 """
 

@@ -29,6 +29,7 @@ import enum
 import json
 import os
 import re
+import shutil
 import stat
 import time
 from collections.abc import Callable, Collection, Iterable
@@ -51,6 +52,8 @@ QUARANTINE_SUFFIX = ".incomplete"
 QUARANTINED_RE = re.compile(r"^checkpoint-\d+\.incomplete(\.\d+)?$")
 SAVE_KINDS = ("jit", "periodic", "final")
 TRAINER_STATE_NAME = "trainer_state.json"
+MODEL_ONLY_CONTENTS = "model_only"  # the manifest's "contents" of a save_only_model save (else "full")
+DELETING_PREFIX = ".slurm-jit-deleting-"  # a checkpoint being deleted: out of every checkpoint-* pattern first
 MAX_EPOCH_S = 2**33  # year 2242: a manifest's "created" beyond it is not a time (clocks differ, not by centuries)
 
 
@@ -260,7 +263,12 @@ def _inspect(path: Path, step: int, deep: bool, progress: Callable[[int], None] 
         if manifest is None:
             return info(Status.CORRUPT, why or "manifest unusable")
         why = _verify_manifest(path, step, manifest, deep, progress) or _check_trainer_state(path, step)
-        return info(Status.CORRUPT, why, manifest) if why else info(Status.COMPLETE, "", manifest)
+        if why:
+            return info(Status.CORRUPT, why, manifest)
+        if manifest.get("contents") == MODEL_ONLY_CONTENTS:
+            return info(Status.MODEL_ONLY, "holds the model only (save_only_model): no optimizer, scheduler or "
+                        "RNG state to resume from", manifest)
+        return info(Status.COMPLETE, "", manifest)
     return _inspect_unmanifested(path, step, info)
 
 
@@ -344,10 +352,34 @@ def quarantine_path(ckpt_dir: Path) -> Path:
     return target
 
 
+def delete_checkpoint(ckpt_dir: Path) -> None:
+    """Delete a checkpoint so that no instant of it can be taken for a resume point: first an atomic rename out of
+    the ``checkpoint-*`` names (durable), then the removal. Deleting in place could leave, after a kill, the files
+    without the manifest: a whole-looking ``unverified`` checkpoint whose directory mtime (the removal's) makes it
+    the newest."""
+    doomed = ckpt_dir.with_name(f"{DELETING_PREFIX}{ckpt_dir.name}.{time.time_ns()}")
+    try:
+        os.rename(ckpt_dir, doomed)
+    except FileNotFoundError:
+        return  # already gone
+    fsync_dir(ckpt_dir.parent)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def remove_deletion_leftovers(out_dir: Path) -> None:
+    """Finish deletions that a kill interrupted (directories renamed by :func:`delete_checkpoint`)."""
+    for leftover in out_dir.glob(f"{DELETING_PREFIX}*"):
+        if leftover.is_dir() and not leftover.is_symlink():
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
 def quarantine(resolution: Resolution) -> list[tuple[Path, Path]]:
-    """Rename every non-resumable directory newer than the resume point; never deletes anything."""
+    """Rename every non-resumable directory newer than the resume point; never deletes anything. A model-only
+    checkpoint is whole (just not a resume point): it stays where it is."""
     moved = []
     for ckpt in resolution.passed_over:
+        if ckpt.status is Status.MODEL_ONLY:
+            continue
         target = quarantine_path(ckpt.path)
         os.rename(ckpt.path, target)
         moved.append((ckpt.path, target))

@@ -27,7 +27,6 @@ import logging
 import math
 import os
 import re
-import shutil
 import signal
 import time
 import uuid
@@ -632,10 +631,11 @@ class JitTrainer(transformers.Trainer):
         run = self._jit_run
         if run is not None and run.resumed_from and run.saved_step < 0:
             keep.add(Path(run.resumed_from).resolve())
+        protocol.remove_deletion_leftovers(run_dir)
         checkpoints, _ = protocol.scan(run_dir)
         for ckpt in protocol.rotation_victims(checkpoints, limit, keep):
             logger.info("slurm_jit: deleting %s (save_total_limit=%d)", ckpt.path, limit)
-            shutil.rmtree(ckpt.path, ignore_errors=True)
+            protocol.delete_checkpoint(ckpt.path)
 
     # ------------------------------------------------------------ grace
 
