@@ -15,9 +15,12 @@ import textwrap
 from pathlib import Path
 
 import ckpt_factory
+import pytest
 from jit_helpers import ckpt_check
 
 from slurm_jit.checkpoint import protocol
+from slurm_jit.train.signals import SignalLatch
+from slurm_jit.train.trainer import JitConfig
 
 
 def test_model_only_checkpoint_is_never_picked_for_resume(tmp_path: Path) -> None:
@@ -73,3 +76,35 @@ def test_kill_during_rotation_never_leaves_a_resume_point(tmp_path: Path) -> Non
     protocol.remove_deletion_leftovers(tmp_path)  # the next rotation finishes the deletion
     assert not list(tmp_path.glob(f"{protocol.DELETING_PREFIX}*"))
     assert json.loads((new / protocol.MANIFEST_NAME).read_text())["step"] == 4
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"kill_wait_s": 1e300},  # accepted, then time.sleep overflowed on the stop path: no JIT checkpoint
+    {"kill_wait_s": float("inf")}, {"kill_wait_s": "3"}, {"kill_wait_s": True}, {"kill_wait_s": None},
+    {"side_group_timeout_s": 0}, {"side_group_timeout_s": float("nan")}, {"side_group_timeout_s": -5},
+    {"signals": "TERM"}, {"signals": ("TERM", "SIGTERM")}, {"signals": ("USR1", 10)}, {"signals": (99,)},
+    {"signals": ("CHLD",)}, {"signals": ("SEGV",)}, {"signals": ("STOP",)}, {"signals": ("",)},
+    {"signals": (None,)},
+])
+def test_odd_jit_config_is_one_line_with_a_hint(kwargs: dict) -> None:
+    with pytest.raises(ValueError) as caught:
+        JitConfig(**kwargs)
+    message = str(caught.value)
+    assert "HINT:" in message and "\n" not in message, message
+
+
+def test_latch_with_a_signal_named_twice_restores_the_original_handler() -> None:
+    # install() recorded its own handler as the "previous" one of the second copy: after train() the latch stayed
+    # installed, and every later SIGUSR1 was swallowed.
+    seen: list[int] = []
+    original = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
+    try:
+        latch = SignalLatch([signal.SIGUSR1, signal.SIGUSR1])
+        latch.install()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert latch.seen and not seen
+        latch.restore()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert seen == [signal.SIGUSR1] and latch.count == 1
+    finally:
+        signal.signal(signal.SIGUSR1, original)

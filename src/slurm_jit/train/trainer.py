@@ -38,7 +38,7 @@ import transformers
 from transformers.trainer_utils import TrainOutput
 
 from slurm_jit.checkpoint import protocol
-from slurm_jit.grace.calc import AGREE_BLOCKING
+from slurm_jit.grace.calc import AGREE_BLOCKING, SLURM_SIGNAL_LEAD_MAX_S
 from slurm_jit.signal_names import parse_signal
 from slurm_jit.timing import WARMUP_STEPS, TimingLog
 from slurm_jit.train import runtime_grace, stop_record
@@ -50,6 +50,18 @@ logger = logging.getLogger(__name__)
 
 FAULT_SAVE_SLEEP_ENV = "SLURM_JIT_FAULT_SAVE_SLEEP_S"  # fault injection: seconds to stall inside every save
 LINEAGE_ID_CHARS = 12  # hex digits of a training lineage id (the manifest's run_id)
+# A JitConfig duration above Slurm's largest signal lead can never be waited out before the kill (and a huge one
+# overflows time.sleep on the stop path).
+MAX_CONFIG_S = SLURM_SIGNAL_LEAD_MAX_S
+# Signals that cannot request a stop: uncatchable, sent for other reasons (SIGCHLD at every DataLoader worker's
+# exit), or faults (a handler that only sets a flag returns to the faulting instruction).
+UNFIT_STOP_SIGNALS = {
+    signal.SIGKILL: "cannot be caught", signal.SIGSTOP: "cannot be caught",
+    signal.SIGCHLD: "is sent whenever a child process (a DataLoader worker) exits",
+    signal.SIGCONT: "is sent on every resume of a stopped process", signal.SIGURG: "is not a stop request",
+    signal.SIGWINCH: "is not a stop request", signal.SIGSEGV: "is a fault", signal.SIGBUS: "is a fault",
+    signal.SIGILL: "is a fault", signal.SIGFPE: "is a fault",
+}
 DEFAULT_KILL_WAIT_S = 3.0  # transformers' kill_wait: a SIGKILL this soon after SIGTERM makes a save pointless
 # Files that hold the model weights again beside the fp32 master copy in the optimizer shards: what a JIT save
 # writes over the minimum a resume needs (the DeepSpeed format requires its model-states file).
@@ -70,13 +82,29 @@ class JitConfig:
     side_group_timeout_s: float = SIDE_GROUP_TIMEOUT_S  # timeout of the gloo side group's collectives
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.kill_wait_s) and self.kill_wait_s >= 0):
-            raise ValueError(f"kill_wait_s={self.kill_wait_s!r}. HINT: a number of seconds >= 0, e.g. 3")
+        for name in ("kill_wait_s", "side_group_timeout_s"):
+            _check_seconds(name, getattr(self, name), allow_zero=name == "kill_wait_s")
+        if isinstance(self.signals, str) or not isinstance(self.signals, tuple | list):
+            raise ValueError(f"signals={self.signals!r} is not a tuple of names. HINT: signals=('TERM',)")
         if not self.signals:
             raise ValueError("signals is empty. HINT: signals=('TERM',)")
+        seen: set[signal.Signals] = set()
         for name in self.signals:
-            if parse_signal(name) in (signal.SIGKILL, signal.SIGSTOP):
-                raise ValueError(f"{name} cannot be caught. HINT: use TERM or USR1")
+            signum = parse_signal(name)
+            if signum in UNFIT_STOP_SIGNALS:
+                raise ValueError(f"signals: {name!r} {UNFIT_STOP_SIGNALS[signum]}. HINT: use TERM or USR1")
+            if signum in seen:
+                raise ValueError(f"signals={tuple(self.signals)!r} names {signum.name} twice. HINT: list each "
+                                 "signal once, e.g. ('TERM', 'USR1')")
+            seen.add(signum)
+
+
+def _check_seconds(name: str, value: object, allow_zero: bool) -> None:
+    """A JitConfig duration: a finite number of seconds, >= 0 (or > 0), at most MAX_CONFIG_S."""
+    number = float(value) if isinstance(value, int | float) and not isinstance(value, bool) else math.nan
+    if not (0 <= number <= MAX_CONFIG_S and (allow_zero or number > 0)):  # NaN fails every comparison
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name}={value!r}. HINT: a number of seconds {bound} and <= {MAX_CONFIG_S}, e.g. 3")
 
 
 def _signal_name(signum: int | None) -> str | None:
