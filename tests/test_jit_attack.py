@@ -16,9 +16,18 @@ from pathlib import Path
 
 import ckpt_factory
 import pytest
-from jit_helpers import ckpt_check
+from jit_helpers import (
+    STOP_DEADLINE_S,
+    assert_same_losses,
+    ckpt_check,
+    losses,
+    run_to_end,
+    start_demo,
+    wait_for,
+)
 
 from slurm_jit.checkpoint import protocol
+from slurm_jit.train import stop_record
 from slurm_jit.train.signals import SignalLatch
 from slurm_jit.train.trainer import JitConfig
 
@@ -108,3 +117,40 @@ def test_latch_with_a_signal_named_twice_restores_the_original_handler() -> None
         assert seen == [signal.SIGUSR1] and latch.count == 1
     finally:
         signal.signal(signal.SIGUSR1, original)
+
+
+# Real ranks (plain DDP over gloo: the path does not depend on DeepSpeed), eval every 2 steps, stop at step 6
+# (SIGTERM at the end of step 5, read one step on) with that step's evaluation skipped: owed.
+OWED = ["--max-steps", "8", "--eval-steps", "2", "--kill-wait", "0", "--zero-stage", "0"]
+OWED_EVAL_SLEEP_S = "1"  # per evaluation batch on resume: the owed evaluation lasts long enough to be signalled
+
+
+def _evals(out: Path) -> list[tuple[int, float]]:
+    path = out / "evals-rank0.jsonl"
+    return [(r["step"], r["eval_loss"]) for r in map(json.loads, path.read_text().splitlines())]
+
+
+@pytest.mark.deepspeed
+def test_stop_during_the_owed_evaluation_keeps_it_owed(tmp_path: Path) -> None:
+    # SIGTERM while the resumed run ran the evaluation owed from step 6: it was aborted, step 7 was trained and
+    # saved as a JIT checkpoint owing an evaluation at step 7; the next resume evaluated at 7, never at 6.
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    assert run_to_end(ref, OWED) == [0, 0]
+    assert run_to_end(out, [*OWED, "--signal-self-at-step", "5"]) == [0, 0]
+    ckpt = out / "checkpoint-6"
+    assert json.loads((ckpt / protocol.MANIFEST_NAME).read_text())["owed_evaluation"] is True
+    ranks = start_demo(out, [*OWED, "--resume", "--eval-sleep", OWED_EVAL_SLEEP_S])
+    wait_for(ranks, "ran the owed evaluation", lambda: "running the evaluation owed from step 6" in ranks.log(0))
+    for rank in (0, 1):
+        ranks.signal(rank, signal.SIGTERM)
+    assert ranks.wait(STOP_DEADLINE_S) == [0, 0], ranks.log(0)[-3000:]
+    record = stop_record.read(out)
+    assert record is not None and record["state"] == "jit_stop" and record["checkpoint"] == str(ckpt), record
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-6"]
+    assert "aborted before this run's first step" in ranks.log(0)
+    assert ckpt_check(out).stdout.splitlines()[-1] == str(ckpt)
+    # the next resume runs the evaluation owed from step 6, and everything is the uninterrupted run's
+    assert run_to_end(out, [*OWED, "--resume"]) == [0, 0]
+    assert [s for s, _ in _evals(ref)] == [2, 4, 6, 8]
+    assert _evals(out) == _evals(ref)
+    assert_same_losses(losses(out), losses(ref))

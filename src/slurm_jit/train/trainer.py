@@ -112,7 +112,8 @@ def _signal_name(signum: int | None) -> str | None:
 
 
 class _StopBeforeFirstStep(Exception):
-    """Raised from on_train_begin when a stop was agreed before the first step."""
+    """Raised when a stop was agreed before this run's first step: in on_train_begin, or during an evaluation
+    that runs before it (the one owed on resume, eval_on_start)."""
 
 
 class _EvalAborted(Exception):
@@ -462,6 +463,14 @@ class JitTrainer(transformers.Trainer):
             run.eval_aborted = run.eval_owed = True
             self.control.should_save = False  # the JIT save takes the place of this step's periodic one
             metrics = {}
+            if run.steps_done == 0:
+                # No step trained yet: the state is the checkpoint resumed from, which still owes this
+                # evaluation (a new checkpoint one step on would owe it at the wrong step, and lose this one).
+                run.stopped = True
+                logger.warning("slurm_jit: evaluation at step %d aborted before this run's first step: exiting "
+                               "without a new checkpoint (%s still owes it)", self.state.global_step,
+                               run.resumed_from or "a fresh start")
+                raise _StopBeforeFirstStep from None
             logger.warning("slurm_jit: evaluation aborted at step %d for a JIT checkpoint", self.state.global_step)
         else:
             self._take(self._agreement.agree_now(*self._wish()))
