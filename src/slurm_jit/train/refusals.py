@@ -61,9 +61,23 @@ def _read_latest_tag(ckpt_dir: Path) -> str | None:
         os.close(fd)
 
 
+def _broken(path: Path, match: re.Match[str] | None) -> str | None:
+    """Why the protocol calls this checkpoint incomplete or corrupt, or None (an explicit path is checked too)."""
+    if match is None:  # not named checkpoint-<step>: the step is unknown; the sentinel still says "unfinished"
+        sentinel = path / protocol.SENTINEL_NAME
+        return f"{protocol.SENTINEL_NAME} present" if sentinel.exists() or sentinel.is_symlink() else None
+    info = protocol.inspect(path, int(match.group(1)))
+    if info.status in (protocol.Status.INCOMPLETE, protocol.Status.CORRUPT):
+        return f"{info.status.value} ({info.reason})"
+    return None
+
+
 def resume_refusal(ckpt_dir: str | os.PathLike[str], *, world_size: int) -> str | None:
     """Why this checkpoint cannot be resumed exactly by a run of ``world_size`` ranks, or None."""
     path = Path(ckpt_dir)
+    if not path.is_dir():
+        return (f"{path}: no such checkpoint directory. HINT: pass an existing checkpoint-<step> directory, or "
+                "resume_from_checkpoint=True to resume from the newest resumable one in output_dir")
     match = protocol.CHECKPOINT_RE.match(path.name)
     manifest = None
     if (path / protocol.MANIFEST_NAME).is_file():
@@ -78,6 +92,10 @@ def resume_refusal(ckpt_dir: str | os.PathLike[str], *, world_size: int) -> str 
             return (f"{path}: holds the model only (a save_only_model save): no optimizer, scheduler or RNG "
                     "state to resume from. HINT: resume from a checkpoint whose manifest says contents=full "
                     "(ckpt-check OUT_DIR), or load these weights with from_pretrained in a new run")
+    broken = _broken(path, match)
+    if broken:
+        return (f"{path}: {broken}: resuming it would load a partial or damaged state. HINT: resume from the "
+                "checkpoint ckpt-check OUT_DIR names, or resume_from_checkpoint=True")
     tag = _read_latest_tag(path)
     if match is not None and tag is not None and tag != f"global_step{match.group(1)}":
         return (f"{path}: DeepSpeed tag {tag!r} is not global_step{match.group(1)}: the engine state is of "
