@@ -120,9 +120,11 @@ def test_latch_with_a_signal_named_twice_restores_the_original_handler() -> None
         signal.signal(signal.SIGUSR1, original)
 
 
-# Real ranks (plain DDP over gloo: the path does not depend on DeepSpeed), eval every 2 steps, stop at step 6
-# (SIGTERM at the end of step 5, read one step on) with that step's evaluation skipped: owed.
-OWED = ["--max-steps", "8", "--eval-steps", "2", "--kill-wait", "0", "--zero-stage", "0"]
+# Real ranks (plain DDP over gloo: the paths do not depend on DeepSpeed), evaluation and a periodic save every 2
+# steps, save_total_limit=1; a stop at step 6 (SIGTERM at the end of step 5, read one step on) skips that step's
+# evaluation: owed.
+OWED = ["--max-steps", "8", "--eval-steps", "2", "--save-steps", "2", "--save-total-limit", "1", "--kill-wait", "0",
+        "--zero-stage", "0"]
 OWED_EVAL_SLEEP_S = "1"  # per evaluation batch on resume: the owed evaluation lasts long enough to be signalled
 
 
@@ -131,14 +133,23 @@ def _evals(out: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["eval_loss"]) for r in map(json.loads, path.read_text().splitlines())]
 
 
+def _dirs(out: Path) -> list[str]:
+    return sorted(p.name for p in out.iterdir() if "checkpoint-" in p.name)
+
+
 @pytest.mark.deepspeed
-def test_stop_during_the_owed_evaluation_keeps_it_owed(tmp_path: Path) -> None:
+def test_stop_during_the_owed_evaluation_keeps_it_owed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # SIGTERM while the resumed run ran the evaluation owed from step 6: it was aborted, step 7 was trained and
     # saved as a JIT checkpoint owing an evaluation at step 7; the next resume evaluated at 7, never at 6.
-    ref, out = tmp_path / "ref", tmp_path / "out"
+    # Meanwhile: output_dir relative and through a symlink, rotation with save_total_limit=1.
+    monkeypatch.chdir(tmp_path)  # the ranks inherit it
+    (tmp_path / "real").mkdir()
+    os.symlink("real", tmp_path / "link")
+    ref, out = Path("ref"), Path("link/out")
     assert run_to_end(ref, OWED) == [0, 0]
     assert run_to_end(out, [*OWED, "--signal-self-at-step", "5"]) == [0, 0]
     ckpt = out / "checkpoint-6"
+    assert _dirs(out) == ["checkpoint-6"]  # checkpoint-4 rotated away once 6 was complete
     assert json.loads((ckpt / protocol.MANIFEST_NAME).read_text())["owed_evaluation"] is True
     ranks = start_demo(out, [*OWED, "--resume", "--eval-sleep", OWED_EVAL_SLEEP_S])
     wait_for(ranks, "ran the owed evaluation", lambda: "running the evaluation owed from step 6" in ranks.log(0))
@@ -146,8 +157,9 @@ def test_stop_during_the_owed_evaluation_keeps_it_owed(tmp_path: Path) -> None:
         ranks.signal(rank, signal.SIGTERM)
     assert ranks.wait(STOP_DEADLINE_S) == [0, 0], ranks.log(0)[-3000:]
     record = stop_record.read(out)
-    assert record is not None and record["state"] == "jit_stop" and record["checkpoint"] == str(ckpt), record
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-6"]
+    assert record is not None and record["state"] == "jit_stop", record
+    assert record["checkpoint"] == os.path.abspath(ckpt), record  # absolute: read from any directory
+    assert _dirs(out) == ["checkpoint-6"]
     assert "aborted before this run's first step" in ranks.log(0)
     assert ckpt_check(out).stdout.splitlines()[-1] == str(ckpt)
     # the next resume runs the evaluation owed from step 6, and everything is the uninterrupted run's
@@ -155,6 +167,7 @@ def test_stop_during_the_owed_evaluation_keeps_it_owed(tmp_path: Path) -> None:
     assert [s for s, _ in _evals(ref)] == [2, 4, 6, 8]
     assert _evals(out) == _evals(ref)
     assert_same_losses(losses(out), losses(ref))
+    assert _dirs(out) == ["checkpoint-8"]  # the one resumed from goes once this run has written a newer one
 
 
 def test_an_explicit_resume_path_that_is_missing_incomplete_or_corrupt_is_refused(tmp_path: Path) -> None:
@@ -176,3 +189,13 @@ def test_an_explicit_resume_path_that_is_missing_incomplete_or_corrupt_is_refuse
     renamed.rename(interrupted)
     refusal = resume_refusal(interrupted, world_size=1)
     assert refusal is not None and "incomplete" in refusal, refusal
+
+
+def test_stop_record_paths_are_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # With a relative output_dir, stop.json named the checkpoint relative to the training's working directory.
+    monkeypatch.chdir(tmp_path)
+    stop_record.write("out", "jit_stop", step=6, checkpoint="out/checkpoint-6", resumed_from="out/checkpoint-4")
+    record = stop_record.read(tmp_path / "out")
+    assert record is not None
+    assert record["checkpoint"] == str(tmp_path / "out" / "checkpoint-6")
+    assert record["resumed_from"] == str(tmp_path / "out" / "checkpoint-4")
