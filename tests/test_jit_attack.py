@@ -21,6 +21,7 @@ from jit_helpers import (
     assert_same_losses,
     ckpt_check,
     losses,
+    run_logged,
     run_to_end,
     start_demo,
     wait_for,
@@ -199,3 +200,21 @@ def test_stop_record_paths_are_absolute(tmp_path: Path, monkeypatch: pytest.Monk
     assert record is not None
     assert record["checkpoint"] == str(tmp_path / "out" / "checkpoint-6")
     assert record["resumed_from"] == str(tmp_path / "out" / "checkpoint-4")
+
+
+# A stop read during the evaluation of step 5 (SIGTERM at the end of step 5): the evaluation is aborted.
+ABORTED = ["--max-steps", "10", "--eval-steps", "5", "--kill-wait", "0", "--zero-stage", "0"]
+
+
+@pytest.mark.deepspeed
+def test_resume_after_an_aborted_evaluation_matches_the_uninterrupted_run(tmp_path: Path) -> None:
+    # The aborted evaluation had drawn from the RNG (its DataLoader's base seed) before the JIT checkpoint saved
+    # the RNG state; the owed evaluation on resume drew again: every later loss (dropout) diverged.
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    assert run_to_end(ref, ABORTED) == [0, 0]
+    stopped = run_logged(out, [*ABORTED, "--signal-self-at-step", "5"])
+    assert stopped.codes == [0, 0] and "evaluation aborted at step 5" in stopped.log, stopped.log[-3000:]
+    resumed = run_logged(out, [*ABORTED, "--resume"])
+    assert resumed.codes == [0, 0] and "running the evaluation owed from step 5" in resumed.log
+    assert _evals(out) == _evals(ref)
+    assert_same_losses(losses(out), losses(ref))

@@ -26,10 +26,12 @@ from __future__ import annotations
 import logging
 import math
 import os
+import random
 import re
 import signal
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -105,6 +107,24 @@ def _check_seconds(name: str, value: object, allow_zero: bool) -> None:
     if not (0 <= number <= MAX_CONFIG_S and (allow_zero or number > 0)):  # NaN fails every comparison
         bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{name}={value!r}. HINT: a number of seconds {bound} and <= {MAX_CONFIG_S}, e.g. 3")
+
+
+def _rng_snapshot() -> Callable[[], None]:
+    """The global RNG states upstream saves in a checkpoint (python, numpy, torch, CUDA); returns their restore."""
+    import numpy as np
+    import torch
+
+    py_state, np_state, cpu_state = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+    cuda_states = torch.cuda.random.get_rng_state_all() if torch.cuda.is_available() else None
+
+    def restore() -> None:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+        torch.random.set_rng_state(cpu_state)
+        if cuda_states is not None:
+            torch.cuda.random.set_rng_state_all(cuda_states)
+
+    return restore
 
 
 def _signal_name(signum: int | None) -> str | None:
@@ -457,9 +477,13 @@ class JitTrainer(transformers.Trainer):
         if run is None or not run.in_loop:
             return super()._evaluate(trial, ignore_keys_for_eval, skip_scheduler=skip_scheduler)
         t0 = time.monotonic()
+        restore_rng = _rng_snapshot()
         try:
             metrics = super()._evaluate(trial, ignore_keys_for_eval, skip_scheduler=skip_scheduler)
         except _EvalAborted:
+            # The evaluation drew from the RNG (its DataLoader's base seed) before it was aborted; the checkpoint
+            # must hold the state from before it, as after a skipped one, or the owed one on resume draws twice.
+            restore_rng()
             run.eval_aborted = run.eval_owed = True
             self.control.should_save = False  # the JIT save takes the place of this step's periodic one
             metrics = {}
