@@ -218,3 +218,45 @@ def test_resume_after_an_aborted_evaluation_matches_the_uninterrupted_run(tmp_pa
     assert resumed.codes == [0, 0] and "running the evaluation owed from step 5" in resumed.log
     assert _evals(out) == _evals(ref)
     assert_same_losses(losses(out), losses(ref))
+
+
+@pytest.mark.parametrize("flags", [["--kill-wait", "nan"], ["--signals", "TERM,CHLD"]])
+def test_demo_train_says_a_bad_jit_config_in_one_line(tmp_path: Path, flags: list[str]) -> None:
+    done = subprocess.run([sys.executable, "-m", "slurm_jit.demo_train", "--output-dir", str(tmp_path / "out"),
+                           "--zero-stage", "0", "--max-steps", "1", *flags], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("demo_train: slurm_jit") or
+             line.startswith("demo_train: JitConfig")]
+    assert len(lines) == 1 and "HINT:" in lines[0], done.stderr[-3000:]
+
+
+KILL_BEFORE_SENTINEL_REMOVAL = textwrap.dedent("""
+    import os, signal, sys
+    from pathlib import Path
+    from slurm_jit.checkpoint import protocol
+
+    def die(path, *args, **kwargs):  # the manifest is renamed into place; the sentinel not yet removed
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    ckpt = Path(sys.argv[1])
+    protocol.write_sentinel(ckpt, 6, "jit")
+    (ckpt / "trainer_state.json").write_text('{"global_step": 6}')
+    os.remove = die
+    protocol.write_manifest(ckpt, step=6, kind="jit", world_size=1, zero_stage=None, deepspeed_tag=None,
+                            files=protocol.file_entries(ckpt, protocol.payload_files(ckpt)))
+""")
+
+
+def test_kill_between_manifest_and_sentinel_removal_is_incomplete(tmp_path: Path) -> None:
+    # Held: the sentinel is read first, so a manifest already in place does not make the checkpoint complete.
+    older = ckpt_factory.checkpoint(tmp_path, 4)
+    child = subprocess.run([sys.executable, "-c", KILL_BEFORE_SENTINEL_REMOVAL, str(tmp_path / "checkpoint-6")],
+                           capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    assert (tmp_path / "checkpoint-6" / protocol.MANIFEST_NAME).is_file()
+    resolution = protocol.find_resumable(tmp_path)
+    assert resolution.checkpoint is not None and resolution.checkpoint.path == older
+    assert [c.status for c in resolution.passed_over] == [protocol.Status.INCOMPLETE]
