@@ -153,6 +153,23 @@ def _check_trainer_state(ckpt_dir: Path, step: int) -> str | None:
     return None
 
 
+def _tag_problem(ckpt_dir: Path, step: int, manifest_tag: object) -> str | None:
+    """Why the DeepSpeed engine state is not of the directory's step (``latest`` or the manifest's tag), or None.
+
+    transformers' enable_jit_checkpoint saves step S+1's engine as checkpoint-S when the signal lands in
+    on_pre_optimizer_step; resuming it is refused by the trainer, so it must never be the one picked."""
+    tags = [manifest_tag] if isinstance(manifest_tag, str) else []
+    latest = ckpt_dir / structure.DS_LATEST
+    if structure.regular_file(latest) and os.lstat(latest).st_size <= structure.LATEST_MAX_BYTES:
+        tags.append(latest.read_text(encoding="utf-8", errors="replace").strip())
+    want = f"global_step{step}"
+    for tag in tags:
+        if tag != want:
+            return (f"DeepSpeed tag {tag!r} is not {want}: the engine state is of another step (transformers' "
+                    "enable_jit_checkpoint writes step S+1's as checkpoint-S)")
+    return None
+
+
 def read_manifest(ckpt_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
     """(manifest, None) or (None, why it cannot be used)."""
     try:
@@ -262,7 +279,8 @@ def _inspect(path: Path, step: int, deep: bool, progress: Callable[[int], None] 
         manifest, why = read_manifest(path)
         if manifest is None:
             return info(Status.CORRUPT, why or "manifest unusable")
-        why = _verify_manifest(path, step, manifest, deep, progress) or _check_trainer_state(path, step)
+        why = (_verify_manifest(path, step, manifest, deep, progress) or _check_trainer_state(path, step)
+               or _tag_problem(path, step, manifest.get("deepspeed_tag")))
         if why:
             return info(Status.CORRUPT, why, manifest)
         if manifest.get("contents") == MODEL_ONLY_CONTENTS:
@@ -281,6 +299,9 @@ def _inspect_unmanifested(path: Path, step: int, info: Callable[..., CheckpointI
     missing = structure.check(path)
     if missing:
         return info(Status.INCOMPLETE, f"no manifest; {missing}")
+    why = _tag_problem(path, step, None)
+    if why:
+        return info(Status.CORRUPT, why)
     return info(Status.UNVERIFIED, "no manifest (plain Trainer save); structure whole")
 
 

@@ -31,7 +31,8 @@ WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.ind
 LATEST_MAX_BYTES = 4096
 
 
-def _regular(path: Path) -> bool:
+def regular_file(path: Path) -> bool:
+    """A regular file (not a link, FIFO or device): the only kind a check may open."""
     try:
         return stat.S_ISREG(os.lstat(path).st_mode)
     except OSError:
@@ -53,7 +54,7 @@ def _shard_ranks(ckpt_dir: Path) -> set[int]:
 def world_size(ckpt_dir: Path) -> tuple[int | None, str | None]:
     """(world size, None) or (None, what is wrong): the RNG state files and the shards must agree."""
     ranks = sorted(int(m.group(1)) for name in os.listdir(ckpt_dir) if (m := RNG_RE.match(name)))
-    if not ranks and _regular(ckpt_dir / "rng_state.pth"):
+    if not ranks and regular_file(ckpt_dir / "rng_state.pth"):
         ranks = [0]
     world = max([*ranks, *_shard_ranks(ckpt_dir)], default=-1) + 1
     if world == 0:
@@ -66,7 +67,7 @@ def world_size(ckpt_dir: Path) -> tuple[int | None, str | None]:
 
 def _deepspeed_missing(ckpt_dir: Path, world: int) -> str | None:
     latest = ckpt_dir / DS_LATEST
-    if not _regular(latest) or latest.stat().st_size > LATEST_MAX_BYTES:
+    if not regular_file(latest) or latest.stat().st_size > LATEST_MAX_BYTES:
         return "DeepSpeed tag directory without a readable 'latest' file"
     tag = latest.read_text(encoding="utf-8", errors="replace").strip()
     if not DS_TAG_RE.match(tag) or tag in (".", ".."):
@@ -90,14 +91,14 @@ def check(ckpt_dir: Path) -> str | None:
     world, why = world_size(ckpt_dir)
     if world is None:
         return why
-    has_deepspeed = _regular(ckpt_dir / DS_LATEST) or any(
+    has_deepspeed = regular_file(ckpt_dir / DS_LATEST) or any(
         p.name.startswith("global_step") for p in ckpt_dir.iterdir()
     )
     if has_deepspeed:
         why = _deepspeed_missing(ckpt_dir, world)
-    elif not any(_regular(ckpt_dir / name) for name in WEIGHT_FILES):
+    elif not any(regular_file(ckpt_dir / name) for name in WEIGHT_FILES):
         why = "no model weights file"
-    elif not _regular(ckpt_dir / "optimizer.pt"):
+    elif not regular_file(ckpt_dir / "optimizer.pt"):
         why = "no optimizer.pt"
     return why or _headers(ckpt_dir)
 

@@ -92,14 +92,14 @@ def resume_refusal(ckpt_dir: str | os.PathLike[str], *, world_size: int) -> str 
             return (f"{path}: holds the model only (a save_only_model save): no optimizer, scheduler or RNG "
                     "state to resume from. HINT: resume from a checkpoint whose manifest says contents=full "
                     "(ckpt-check OUT_DIR), or load these weights with from_pretrained in a new run")
-    broken = _broken(path, match)
-    if broken:
-        return (f"{path}: {broken}: resuming it would load a partial or damaged state. HINT: resume from the "
-                "checkpoint ckpt-check OUT_DIR names, or resume_from_checkpoint=True")
     tag = _read_latest_tag(path)
     if match is not None and tag is not None and tag != f"global_step{match.group(1)}":
         return (f"{path}: DeepSpeed tag {tag!r} is not global_step{match.group(1)}: the engine state is of "
                 "another step (transformers' enable_jit_checkpoint saves step S+1's engine as checkpoint-S), "
                 "and every later JIT save would be refused. HINT: resume from an earlier checkpoint whose tag "
                 "matches its step (ckpt-check OUT_DIR), or move this one aside")
+    broken = _broken(path, match)
+    if broken:
+        return (f"{path}: {broken}: resuming it would load a partial or damaged state. HINT: resume from the "
+                "checkpoint ckpt-check OUT_DIR names, or resume_from_checkpoint=True")
     return None
