@@ -7,16 +7,24 @@ manifest is wanted. The content is not loadable by torch: nothing here trains or
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import pickle
+import shlex
+import signal
 import struct
 import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from slurm_jit.checkpoint import protocol
+from slurm_jit.checkpoint import ckpt_check, protocol
 
 TENSOR_BYTES = 16  # one small tensor in model.safetensors
+CHECK_TIMEOUT_S = 10.0  # a hang detector: a crafted directory is checked in milliseconds
 
 
 def torch_like_zip(path: Path, payload: bytes = b"\x80\x02}q\x00.") -> None:
@@ -25,6 +33,25 @@ def torch_like_zip(path: Path, payload: bytes = b"\x80\x02}q\x00.") -> None:
     with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
         archive.writestr("archive/data.pkl", payload)
         archive.writestr("archive/version", "3\n")
+
+
+class _TouchOnUnpickle:
+    """Unpickling this runs ``touch MARKER``: proof that something was unpickled."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.system, (f"touch {shlex.quote(str(self.marker))}",))
+
+
+def write_evil_pt(path: Path, marker: Path) -> Path:
+    """A zip laid out like ``torch.save`` output whose data.pkl touches ``marker`` when unpickled."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
+        archive.writestr("archive/data.pkl", pickle.dumps(_TouchOnUnpickle(marker), protocol=2))
+        archive.writestr("archive/byteorder", "little")
+        archive.writestr("archive/version", "3\n")
+    return path
 
 
 def safetensors(path: Path) -> None:
@@ -87,3 +114,52 @@ def edit_manifest(ckpt: Path, **changes: Any) -> None:
     manifest = json.loads(path.read_text())
     manifest.update(changes)
     path.write_text(json.dumps(manifest))
+
+
+# ---------------------------------------------------------------- ckpt-check in-process, bounded in time
+
+
+@dataclass(frozen=True)
+class CheckRun:
+    code: int
+    stdout: bytes
+    stderr: str
+
+    @property
+    def last_line(self) -> bytes:
+        assert self.stdout.endswith(b"\n"), self.stdout
+        return self.stdout.splitlines()[-1] if self.stdout.strip(b"\n") else b""
+
+
+class Hung(BaseException):
+    """ckpt-check did not return within its time bound (a BaseException: no ``except Exception`` swallows it)."""
+
+
+@contextlib.contextmanager
+def time_bound(seconds: float) -> Iterator[None]:
+    """Raise Hung in the main thread after ``seconds`` (interrupts a blocking open() or read(): PEP 475)."""
+    def expire(_signum: int, _frame: object) -> None:
+        raise Hung(f"no answer within {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def run_ckpt_check(*argv: object, timeout_s: float = CHECK_TIMEOUT_S) -> CheckRun:
+    """``ckpt_check.main`` in this process with a strict UTF-8 stdout and stderr (PYTHONIOENCODING=utf-8:strict)."""
+    out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", errors="strict", write_through=True)
+    err = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", errors="strict", write_through=True)
+    code: int | str | None = None
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), time_bound(timeout_s):
+        try:
+            ckpt_check.main([os.fspath(a) if isinstance(a, Path) else str(a) for a in argv])
+        except SystemExit as exc:
+            code = exc.code
+    assert isinstance(code, int), code
+    return CheckRun(code=code, stdout=out.buffer.getvalue(),  # type: ignore[attr-defined]
+                    stderr=err.buffer.getvalue().decode("utf-8"))  # type: ignore[attr-defined]

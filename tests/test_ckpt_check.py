@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from ckpt_factory import write_evil_pt
 from conftest import flip_middle_byte
-from test_formats import write_evil_pt
 from transformers.trainer_utils import get_last_checkpoint
 
 from slurm_jit.checkpoint import protocol
@@ -75,9 +75,13 @@ def restep(src: Path, dst: Path, step: int) -> Path:
     state = json.loads((dst / "trainer_state.json").read_text())
     state["global_step"] = step
     (dst / "trainer_state.json").write_text(json.dumps(state))
+    if (dst / "latest").exists():  # the DeepSpeed tag directory of that step, as DeepSpeed names it
+        old_tag = (dst / "latest").read_text().strip()
+        (dst / old_tag).rename(dst / f"global_step{step}")
+        (dst / "latest").write_text(f"global_step{step}")
     written_at = time.time() + step
     if (dst / MANIFEST_NAME).exists():
-        reseal(dst, step=step, created=written_at)
+        reseal(dst, step=step, created=written_at, deepspeed_tag=f"global_step{step}")
     os.utime(dst, (written_at, written_at))
     return dst
 
@@ -177,7 +181,8 @@ def test_unreadable_checkpoint_dir_is_a_usage_error(world_traversable_tmp: Path,
     prefix = unprivileged_prefix()
     out = world_traversable_tmp / "out"
     shutil.copytree(jit_zero2_run, out)
-    out.chmod(0o755)
+    for path in [out, *out.rglob("*")]:  # as the job's user sees its own files (the header checks read them)
+        path.chmod(0o755 if path.is_dir() else 0o644)
     assert ckpt_check(out, prefix=prefix).returncode == 0  # readable as it is
     (out / "checkpoint-6").chmod(0o700)
     assert_usage_error(ckpt_check(out, prefix=prefix), "Permission denied")
@@ -280,7 +285,7 @@ def test_quarantine_renames_broken_newer_dirs_and_transformers_agrees(
         jit_zero2_run: Path, tmp_path: Path, copy_run: Callable[[Path], Path]) -> None:
     out = copy_run(jit_zero2_run)
     restep(out / "checkpoint-6", out / "checkpoint-9", 9)
-    (out / "checkpoint-9" / OPTIM_1).unlink()  # corrupt
+    (out / "checkpoint-9" / OPTIM_1.replace("global_step6", "global_step9")).unlink()  # corrupt
     (out / "checkpoint-6" / SENTINEL_NAME).write_text("interrupted")  # incomplete
     outside = restep(out / "checkpoint-3", tmp_path / "elsewhere" / "checkpoint-12", 12)
     (out / "checkpoint-12").symlink_to(outside)  # corrupt: a symlink

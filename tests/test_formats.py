@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import shlex
 import struct
 import zipfile
 from pathlib import Path
 
 import pytest
+from ckpt_factory import write_evil_pt
 
 from slurm_jit.checkpoint import formats
 
@@ -18,25 +18,6 @@ CD_SIGNATURE = b"PK\x01\x02"  # a zip central directory file header
 CD_EXTRACT_VERSION_OFFSET = 6  # its "version needed to extract" byte (zipfile.structCentralDir)
 CD_COMPRESS_SIZE_OFFSET = 20  # its 4-byte compressed size
 NESTING_DEPTH = 100_000  # deeper than CPython's recursion limit, so json's C scanner gives up
-
-
-class _TouchOnUnpickle:
-    """Unpickling this runs ``touch MARKER``: proof that something was unpickled."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self) -> tuple[object, tuple[str]]:
-        return (os.system, (f"touch {shlex.quote(str(self.marker))}",))
-
-
-def write_evil_pt(path: Path, marker: Path) -> Path:
-    """A zip laid out like ``torch.save`` output whose data.pkl touches ``marker`` when unpickled."""
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
-        archive.writestr("archive/data.pkl", pickle.dumps(_TouchOnUnpickle(marker), protocol=2))
-        archive.writestr("archive/byteorder", "little")
-        archive.writestr("archive/version", "3\n")
-    return path
 
 
 def write_torch_like_zip(path: Path, members: dict[str, bytes]) -> Path:

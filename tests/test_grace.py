@@ -5,10 +5,10 @@ Exact timelines for the docs' 243 s example, property tests for the sum, and eac
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
+import ckpt_factory
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -450,12 +450,8 @@ def test_probe_of_a_missing_directory_is_an_error(tmp_path: Path) -> None:
 def test_newest_checkpoint_bytes_uses_the_protocol(tmp_path: Path) -> None:
     assert grace_cli.newest_checkpoint_bytes(tmp_path) is None
     assert grace_cli.newest_checkpoint_bytes(tmp_path / "missing") is None
-    done = tmp_path / "checkpoint-10"
-    protocol.write_sentinel(done, 10, "jit")
-    (done / "trainer_state.json").write_text(json.dumps({"global_step": 10}))
-    (done / "weights.bin").write_bytes(b"w" * 5000)
-    protocol.write_manifest(done, step=10, kind="jit", world_size=1, zero_stage=None, deepspeed_tag=None,
-                            files=protocol.file_entries(done, protocol.payload_files(done)))
+    done = ckpt_factory.checkpoint(tmp_path, 10)
+    (done / "notes.txt").write_bytes(b"w" * 5000)  # an extra file, outside the manifest: still counted
     protocol.write_sentinel(tmp_path / "checkpoint-20", 20, "jit")  # newer, but cut short: passed over
     found = grace_cli.newest_checkpoint_bytes(tmp_path)
     assert found is not None

@@ -262,17 +262,13 @@ def test_kill_between_manifest_and_sentinel_removal_is_incomplete(tmp_path: Path
     assert [c.status for c in resolution.passed_over] == [protocol.Status.INCOMPLETE]
 
 
-def test_checkpoint_whose_deepspeed_tag_is_another_step_is_never_picked(tmp_path: Path) -> None:
-    # transformers' enable_jit_checkpoint wrote checkpoint-6 holding global_step7: ckpt-check called it unverified
-    # and picked it, resume=True picked it and the trainer refused it: a crash on every requeue.
-    good = ckpt_factory.checkpoint(tmp_path, 4, deepspeed=True, world=2, created=1_700_000_000.0)
-    upstream_jit = ckpt_factory.checkpoint(tmp_path, 6, manifest=False, deepspeed=True, tag="global_step7", world=2)
-    resolution = protocol.find_resumable(tmp_path)
-    assert resolution.checkpoint is not None and resolution.checkpoint.path == good, resolution
-    assert resolution.passed_over[0].path == upstream_jit
-    assert resolution.passed_over[0].status is protocol.Status.CORRUPT
-    assert "'global_step7' is not global_step6" in resolution.passed_over[0].reason
-    assert ckpt_check(tmp_path).stdout.splitlines()[-1] == str(good)
-    # a manifest that names another step's tag is not believed either
-    ckpt_factory.edit_manifest(good, deepspeed_tag="global_step5")
-    assert protocol.inspect(good, 4).status is protocol.Status.CORRUPT
+def test_rotation_never_deletes_the_only_full_checkpoint_under_save_only_model(tmp_path: Path) -> None:
+    # save_only_model, save_total_limit=1: resumed from the JIT checkpoint-6 (the only full one), this run wrote
+    # the model-only checkpoint-8. Model-only counted as resumable, so rotation deleted checkpoint-6: after a
+    # SIGKILL nothing was left to resume from.
+    full = ckpt_factory.checkpoint(tmp_path, 6, created=1_700_000_000.0, contents="full")
+    model_only = ckpt_factory.checkpoint(tmp_path, 8, created=1_700_000_100.0, model_only=True,
+                                         contents="model_only")
+    checkpoints, _ = protocol.scan(tmp_path)
+    assert protocol.rotation_victims(checkpoints, 1, keep=[model_only]) == []
+    assert protocol.find_resumable(tmp_path).checkpoint.path == full  # type: ignore[union-attr]

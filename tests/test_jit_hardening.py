@@ -148,17 +148,18 @@ def test_signal_at_the_last_step_finishes_normally(tmp_path: Path) -> None:
 def test_rotation_keeps_the_checkpoint_just_written_and_resume_picks_it(tmp_path: Path, copy_run,
                                                                         jit_zero2_run: Path) -> None:
     """Item 2: checkpoint-6 of an earlier run is there; resume from checkpoint-3 (a rollback) with
-    save_total_limit=1 and stop at 5: checkpoint-5 survives rotation and is what resume=True picks next."""
+    save_total_limit=1 and SIGTERM at the end of step 4: a round read at that boundary (blocking during the
+    resumed run's warm-up) stops there; checkpoint-4 survives rotation and is what resume=True picks next."""
     out = copy_run(jit_zero2_run)
     args = ["--max-steps", "10", "--save-total-limit", "1", "--kill-wait", "0", "--signal-self-at-step", "4",
             "--resume-from", str(out / "checkpoint-3")]
     assert run_to_end(out, args) == [0, 0]
     record = stop_record.read(out)
-    assert record is not None and record["state"] == "jit_stop" and record["step"] == 5, record
-    assert (out / "checkpoint-5").is_dir(), _dirs(out)
+    assert record is not None and record["state"] == "jit_stop" and record["step"] == 4, record
+    assert (out / "checkpoint-4").is_dir(), _dirs(out)
     resolution = protocol.find_resumable(out)
-    assert resolution.checkpoint is not None and resolution.checkpoint.step == 5, resolution
-    assert _manifest(out / "checkpoint-5")["run_id"] == _manifest(jit_zero2_run / "checkpoint-3")["run_id"]
+    assert resolution.checkpoint is not None and resolution.checkpoint.step == 4, resolution
+    assert _manifest(out / "checkpoint-4")["run_id"] == _manifest(jit_zero2_run / "checkpoint-3")["run_id"]
 
 
 def test_plain_ddp_save_only_model_jit_save_resumes_exactly(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from slurm_jit.launch import script, task
+from slurm_jit.train import dist_env
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "golden"
@@ -80,11 +82,106 @@ def test_plan_names_grace_terms_signal_policy_and_resume_point() -> None:
     (["--output-dir", "o", "--time", "30", "--signal-lead", "60", "--function", "nocolon"], "HINT"),
     (["--config", "/nonexistent.toml"], "cannot read config"),
     (["--bogus"], "HINT"),
+    # Hostile input found by attacking the launcher (each accepted, silently changed or a traceback before):
+    ([*BASE, "--nodes", "0", *CMD], "--nodes 0: must be a whole number, 1 or more"),  # was taken for 1
+    ([*BASE, "--ntasks-per-node", "0", *CMD], "--ntasks-per-node 0: must be"),  # was taken for 1
+    ([*BASE, "--max-requeues", "-1", *CMD], "--max-requeues -1: must be a whole number, 0 or more"),
+    ([*BASE, "--retry-on-failure", "-1", *CMD], "--retry-on-failure -1: must be"),
+    ([*BASE, "--job-name", "", *CMD], "--job-name is empty"),
+    (["--output-dir", OUT, "--time", "30", "--signal-lead", "60", "--python", "", *CMD], "--python is empty"),
+    ([*BASE, "--", ""], "the training command's program is empty"),
+    ([*BASE, "--function", ":"], "--function ':': not module:function"),
+    ([*BASE, "--function", "os:"], "not module:function"),
+    ([*BASE, "--function", "slurm_jit_no_such_module:main"], "no module slurm_jit_no_such_module"),
+    ([*BASE, "--function", "slurm_jit.demo_train:no_such_function"], "defines no no_such_function"),
+    # sbatch's command line wins over #SBATCH lines: these would silently replace what the plan says.
+    ([*BASE, "--sbatch-arg=--signal=USR1@5", *CMD], "sets --signal, which submit.py writes itself"),
+    ([*BASE, "--sbatch-arg=--time=5", *CMD], "sets --time"),
+    ([*BASE, "--sbatch-arg=-t5", *CMD], "sets --time"),
+    ([*BASE, "--sbatch-arg=--no-requeue", *CMD], "sets --no-requeue"),
 ])
 def test_bad_input_is_one_line_with_a_hint(args: list[str], message: str, tmp_path: Path) -> None:
     proc = submit(*args, cwd=tmp_path)
     assert proc.returncode == 2, proc
     assert message in proc.stderr and "HINT" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    ('nodes = "two"', "nodes = 'two' is not an integer"),
+    ("nodes = true", "nodes = True is not an integer"),
+    ("output_dir = 5", "output-dir = 5 is not a string"),  # was a TypeError traceback
+    ('quarantine = "no"', "quarantine = 'no' is not true or false"),  # was bool("no"): quarantine on
+    ('sbatch_arg = "--exclusive"', "sbatch-arg = '--exclusive' is not a list of strings"),  # was split in letters
+    ('command = "python train.py"', "is not a list of strings"),
+])
+def test_config_value_of_the_wrong_type_is_refused(tmp_path: Path, line: str, message: str) -> None:
+    config = tmp_path / "job.toml"
+    config.write_text(line + "\n")
+    proc = submit("--config", str(config), "--time", "30", "--signal-lead", "60", "--output-dir", OUT)
+    assert proc.returncode == 2 and message in proc.stderr and "HINT" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_an_existing_function_entry_passes_the_check() -> None:
+    proc = submit(*BASE, "--function", "slurm_jit.demo_train:main", "--", "--max-steps", "2")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_given_times_are_used_when_an_earlier_submit_left_a_state_folder_without_timing_records(
+    tmp_path: Path,
+) -> None:
+    """A first job that crashed before its first step leaves OUT/slurm-jit/ with the spec and no timing log:
+    the resubmit with --step-time/--save-time was refused with 'no timing log'."""
+    out = tmp_path / "out"
+    (out / "slurm-jit").mkdir(parents=True)
+    (out / "slurm-jit" / script.SPEC_NAME).write_text('{"argv": ["python", "t.py"]}\n')
+    proc = submit("--output-dir", str(out), "--time", "30", "--step-time", "2m", "--save-time", "2m", *CMD)
+    assert proc.returncode == 0 and "#SBATCH --signal=TERM@" in proc.stdout, proc.stderr
+
+
+def test_an_output_dir_that_cannot_be_written_is_one_line_before_sbatch(tmp_path: Path) -> None:
+    """Not a dry run: the state folder is created before sbatch; sysfs refuses mkdir even to root."""
+    out = "/sys/slurm-jit-no-such/out"
+    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "submit.py"), *BASE[2:], "--output-dir", out,
+                           *CMD], capture_output=True, text=True, check=False, timeout=60, cwd=tmp_path,
+                          env={**os.environ, "SLURM_CONF": str(tmp_path / "no-cluster.conf")})  # never submits
+    assert proc.returncode == 2, proc.stderr
+    assert f"cannot write to {out}: " in proc.stderr and "HINT" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_job_sbatch_refuses_is_not_blamed_on_a_down_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """--nodes 10**20 passes our checks; sbatch refuses it: the hint said "is Slurm up?"."""
+    from slurm_jit import slurm
+    from slurm_jit.launch import submit as submit_module
+
+    def runner(argv: list[str], timeout_s: float) -> str:
+        raise slurm.SlurmError(f"{argv[0]} failed (exit 255): sbatch: error: \"{10**20}\" is not a valid node count")
+
+    monkeypatch.setattr(slurm, "runner", runner)
+    with pytest.raises(SystemExit) as exited:
+        submit_module.submit_main(["--output-dir", str(tmp_path / "out"), "--time", "30", "--signal-lead", "60",
+                                   "--nodes", str(10**20), *CMD])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "is not a valid node count" in err
+    assert "HINT: sbatch refused the job" in err and "is Slurm up" not in err
+
+
+def test_a_relative_output_dir_is_made_absolute_where_submit_runs(tmp_path: Path) -> None:
+    """The job may start in another directory (--chdir, a different login node path): the script and the gate
+    must not depend on it. Spaces and quotes in the path stay one shell word."""
+    proc = submit("--output-dir", "runs/it's a \"test\"", "--time", "30", "--signal-lead", "60", *CMD, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out_line = next(line for line in proc.stdout.splitlines() if line.startswith("OUT_DIR="))
+    assert shlex.split(out_line.removeprefix("OUT_DIR=")) == [f"{tmp_path}/runs/it's a \"test\""]
+
+
+def test_an_output_dir_that_is_a_file_is_one_line(tmp_path: Path) -> None:
+    a_file = tmp_path / "out"
+    a_file.write_text("not a directory")
+    proc = submit("--output-dir", str(a_file), "--time", "30", "--signal-lead", "60", *CMD)
+    assert proc.returncode == 2 and "Not a directory. HINT" in proc.stderr and "Traceback" not in proc.stderr
+    assert a_file.read_text() == "not a directory"
 
 
 def test_unknown_config_key_is_refused(tmp_path: Path) -> None:
@@ -190,4 +287,20 @@ def test_generated_scripts_pass_grace_calc_check(name: str) -> None:
     ({"SLURM_STEP_TASKS_PER_NODE": "junk"}, None),
 ])
 def test_local_world_size_from_slurm(env: dict[str, str], expected: int | None) -> None:
-    assert task.local_world_size(dict(env)) == expected
+    assert dist_env.local_world_size(dict(env)) == expected
+
+
+SRUN_TASK_ENV = {"SLURM_PROCID": "3", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1",
+                 "SLURM_STEP_NODELIST": "127.0.0.1", "SLURM_STEP_NUM_NODES": "2", "SLURM_JOB_ID": "9",
+                 "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_NODEID": "1"}
+
+
+def test_srun_python_train_and_the_launcher_task_set_the_same_rank_variables() -> None:
+    """``srun python train.py`` (dist_env.from_slurm, as demo_train calls it) and the launcher's task entry
+    agree, LOCAL_WORLD_SIZE included: else accelerate gives a CPU rank other threads than a local run."""
+    direct, through_task = dict(SRUN_TASK_ENV), dict(SRUN_TASK_ENV)
+    assert dist_env.from_slurm(direct)
+    task.set_rank_env(through_task)
+    assert direct == through_task
+    assert (direct["RANK"], direct["WORLD_SIZE"], direct["LOCAL_RANK"], direct["LOCAL_WORLD_SIZE"]) == \
+        ("3", "4", "1", "2")

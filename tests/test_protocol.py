@@ -51,9 +51,13 @@ def restep(src: Path, dst: Path, step: int) -> Path:
     ``step`` seconds from now: after everything else the test does (the file clock is coarse)."""
     shutil.copytree(src, dst, symlinks=True)
     set_global_step(dst, step)
+    if (dst / "latest").exists():  # the DeepSpeed tag directory of that step, as DeepSpeed names it
+        old_tag = (dst / "latest").read_text().strip()
+        (dst / old_tag).rename(dst / f"global_step{step}")
+        (dst / "latest").write_text(f"global_step{step}")
     written_at = time.time() + step
     if (dst / MANIFEST_NAME).exists():
-        reseal(dst, step=step, created=written_at)
+        reseal(dst, step=step, created=written_at, deepspeed_tag=f"global_step{step}")
     os.utime(dst, (written_at, written_at))
     return dst
 
@@ -212,11 +216,11 @@ def test_find_resumable_passes_over_every_newer_broken_one(jit_zero2_run: Path,
     out = copy_run(jit_zero2_run)
     restep(out / "checkpoint-6", out / "checkpoint-9", 9)
     assert protocol.inspect(out / "checkpoint-9", 9, deep=True).status is Status.COMPLETE
-    (out / "checkpoint-9" / "global_step6" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").unlink()
+    (out / "checkpoint-9" / "global_step9" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").unlink()
     (out / "checkpoint-6" / SENTINEL_NAME).write_text("interrupted")
     res = protocol.find_resumable(out)
     assert [(c.step, c.status, c.reason) for c in res.passed_over] == [
-        (9, Status.CORRUPT, "global_step6/zero_pp_rank_0_mp_rank_00_optim_states.pt is missing"),
+        (9, Status.CORRUPT, "global_step9/zero_pp_rank_0_mp_rank_00_optim_states.pt is missing"),
         (6, Status.INCOMPLETE, f"{SENTINEL_NAME} present: the save did not finish")]
     assert res.checkpoint is not None and res.checkpoint.path == out / "checkpoint-3"
 
@@ -241,8 +245,8 @@ PLAIN_BREAKS: list[tuple[str, Break, Status, str]] = [
      "no manifest; global_step6: no model states file"),
     ("no-latest", delete("latest"), Status.INCOMPLETE,
      "no manifest; DeepSpeed tag directory without a readable 'latest' file"),
-    ("latest-names-missing-tag", write("latest", b"global_step99"), Status.INCOMPLETE,
-     "no manifest; 'latest' names global_step99, which is not a directory here"),
+    ("latest-names-missing-tag", write("latest", b"global_step99"), Status.CORRUPT,
+     "'latest' names DeepSpeed tag global_step99, not global_step6 of this checkpoint"),
     ("latest-names-dotdot-path", write("latest", b"../checkpoint-3/global_step3\n"), Status.INCOMPLETE,
      re.escape("no manifest; 'latest' names an invalid tag '../checkpoint-3/global_step3'")),
     ("latest-is-dotdot", write("latest", b".."), Status.INCOMPLETE,
@@ -250,7 +254,7 @@ PLAIN_BREAKS: list[tuple[str, Break, Status, str]] = [
     ("tag-dir-symlinked-outside", tag_dir_symlinked_outside, Status.INCOMPLETE,
      "no manifest; 'latest' names global_step6, which is not a directory here"),
     ("rng-state-symlink", symlink_to_checkpoint_3("rng_state_1.pth"), Status.INCOMPLETE,
-     "no manifest; rng_state_1.pth is a symlink: not trusted"),
+     "no manifest; rng_state_1.pth: a symlink, not a regular file: not trusted"),
     ("truncated-rng-state", truncate("rng_state_1.pth"), Status.INCOMPLETE,
      re.escape("no manifest; rng_state_1.pth: not a whole torch zip archive (truncated?)") + ".*"),
     ("truncated-optimizer-shard", truncate(OPTIM_1), Status.INCOMPLETE,
@@ -314,7 +318,7 @@ JIT_BREAKS: list[tuple[str, Break, Status, str]] = [
     ("listed-file-grown", write("latest", b"global_step6\n\n"), Status.CORRUPT,
      "latest has 14 bytes, manifest says 12"),
     ("listed-file-is-symlink", symlink_to_checkpoint_3("latest"), Status.CORRUPT,
-     re.escape("latest is not a regular file (symlink?)")),
+     re.escape("latest is a symlink, not a regular file")),
     ("trainer-state-garbage", then_reseal(write("trainer_state.json", b"\x00\x93garbage{")), Status.CORRUPT,
      "trainer_state.json unreadable: .*"),
     ("trainer-state-missing", then_reseal(delete("trainer_state.json")), Status.CORRUPT,
@@ -326,7 +330,7 @@ JIT_BREAKS: list[tuple[str, Break, Status, str]] = [
     ("manifest-not-ours", write(MANIFEST_NAME, b'{"format": "other"}'), Status.CORRUPT,
      "manifest is not a slurm-jit manifest"),
     ("manifest-future-version", edit_manifest(lambda m: m.update(version=99)), Status.CORRUPT,
-     re.escape("manifest version 99 not supported (want 1)")),
+     re.escape("manifest version 99 not supported (want one of (1, 2))")),
     ("manifest-without-files", edit_manifest(lambda m: m.pop("files")), Status.CORRUPT,
      "manifest lacks files or step"),
     ("manifest-step-mismatch", edit_manifest(lambda m: m.update(step=3)), Status.CORRUPT,

@@ -71,17 +71,28 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="seconds an on_train_end callback sleeps after a stop (slow user cleanup)")
     p.add_argument("--fail-at-step", type=int, default=0, help="the first train() raises at this step")
     p.add_argument("--train-again", action="store_true", help="after a failed train(), call train() again")
+    p.add_argument("--ds-optimizer", choices=("AdamW",), default=None,
+                   help='an "optimizer" section in the DeepSpeed config (default: none, the Trainer\'s AdamW)')
+    p.add_argument("--offload", action="store_true", help="ZeRO-Offload: optimizer on CPU (DeepSpeedCPUAdam)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--clip", type=float, default=1.0, help='max_grad_norm (DeepSpeed "gradient_clipping": "auto")')
+    p.add_argument("--vocab", type=int, default=VOCAB)
+    p.add_argument("--heads", type=int, default=2)
+    p.add_argument("--kv-heads", type=int, default=2, help="Llama only")
+    p.add_argument("--dump-state-at", default="",
+                   help="comma-separated steps: write the complete training state of each rank to "
+                        "OUT/exact-state/step-N/ (compare two runs with python -m slurm_jit.exactness)")
     return p.parse_args(argv)
 
 
 class _Tokens:
     """Deterministic random token sequences (a torch Dataset without importing torch at module level)."""
 
-    def __init__(self, n: int, seed: int) -> None:
+    def __init__(self, n: int, seed: int, vocab: int = VOCAB) -> None:
         import torch
 
         gen = torch.Generator().manual_seed(seed)
-        self.data = torch.randint(0, VOCAB, (n, SEQ_LEN), generator=gen)
+        self.data = torch.randint(0, vocab, (n, SEQ_LEN), generator=gen)
 
     def __len__(self) -> int:
         return len(self.data)
@@ -90,27 +101,40 @@ class _Tokens:
         return {"input_ids": self.data[i], "labels": self.data[i]}
 
 
-def build_model(kind: str, width: int, layers: int, dropout: float = 0.0) -> Any:
+def build_model(kind: str, width: int, layers: int, dropout: float = 0.0, vocab: int = VOCAB, heads: int = 2,
+                kv_heads: int = 2) -> Any:
     import transformers
 
     if kind == "gpt2":
-        cfg: Any = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ_LEN * 2, n_embd=width, n_layer=layers,
-                                           n_head=2, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+        cfg: Any = transformers.GPT2Config(vocab_size=vocab, n_positions=SEQ_LEN * 2, n_embd=width, n_layer=layers,
+                                           n_head=heads, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
         return transformers.GPT2LMHeadModel(cfg)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=width, intermediate_size=width * 2,
-                                   num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=2,
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=width, intermediate_size=width * 2,
+                                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                                    max_position_embeddings=SEQ_LEN * 2, attention_dropout=dropout)
     return transformers.LlamaForCausalLM(cfg)
 
 
-def deepspeed_config(zero_stage: int) -> dict[str, Any]:
-    return {
+# The optimizer section as a user writes it: Trainer fills each "auto" from TrainingArguments.
+_DS_OPTIMIZER_PARAMS = {
+    "AdamW": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+}
+
+
+def deepspeed_config(zero_stage: int, optimizer: str | None = None, offload: bool = False) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": zero_stage}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
         "gradient_clipping": "auto",
         "zero_allow_untested_optimizer": True,
-        "zero_optimization": {"stage": zero_stage},
+        "zero_optimization": zero,
     }
+    if optimizer:
+        config["optimizer"] = {"type": optimizer, "params": dict(_DS_OPTIMIZER_PARAMS[optimizer])}
+    return config
 
 
 def _callbacks(args: argparse.Namespace, rank: int) -> list[Any]:
@@ -138,7 +162,28 @@ def _callbacks(args: argparse.Namespace, rank: int) -> list[Any]:
             if args.eval_sleep:
                 time.sleep(args.eval_sleep)
 
-    return [LossLog(), Sleep(), *_test_callbacks(args, rank)]
+    callbacks = [LossLog(), Sleep(), *_test_callbacks(args, rank)]
+    if args.dump_state_at:
+        callbacks.append(_state_dump_callback(args, rank))
+    return callbacks
+
+
+def _state_dump_callback(args: argparse.Namespace, rank: int) -> Any:
+    import transformers
+
+    from slurm_jit import exactness
+
+    steps = {int(s) for s in args.dump_state_at.split(",") if s}
+    state_dir = os.path.join(args.output_dir, "exact-state")
+
+    class DumpState(transformers.TrainerCallback):
+        trainer: Any = None  # set once the trainer exists
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step in steps:
+                exactness.dump(self.trainer, state_dir, state.global_step, rank)
+
+    return DumpState()
 
 
 def _test_callbacks(opts: argparse.Namespace, rank: int) -> list[Any]:
@@ -205,7 +250,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         per_device_train_batch_size=args.batch_size,
         per_device_eval_batch_size=args.batch_size,
         gradient_accumulation_steps=args.grad_accum,
-        learning_rate=1e-3,
+        learning_rate=args.lr,
+        max_grad_norm=args.clip,
         logging_steps=1,
         save_strategy="steps" if args.save_steps else "no",
         save_steps=args.save_steps or 500,
@@ -214,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         eval_steps=args.eval_steps or None,
         dataloader_num_workers=args.workers,
         use_cpu=True,
-        deepspeed=deepspeed_config(args.zero_stage) if args.zero_stage else None,
+        deepspeed=deepspeed_config(args.zero_stage, args.ds_optimizer, args.offload) if args.zero_stage else None,
         report_to=[],
         seed=args.seed,
         disable_tqdm=True,
@@ -223,10 +269,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         save_only_model=args.save_only_model,
         save_on_each_node=args.save_on_each_node,
     )
-    model = build_model(args.model, args.width, args.layers, args.dropout)
+    model = build_model(args.model, args.width, args.layers, args.dropout, args.vocab, args.heads, args.kv_heads)
     common: dict[str, Any] = dict(
-        model=model, args=targs, train_dataset=_Tokens(args.samples, args.seed),
-        eval_dataset=_Tokens(args.eval_samples, args.seed + 1) if args.eval_steps else None,
+        model=model, args=targs, train_dataset=_Tokens(args.samples, args.seed, args.vocab),
+        eval_dataset=_Tokens(args.eval_samples, args.seed + 1, args.vocab) if args.eval_steps else None,
         callbacks=_callbacks(args, rank),
     )
     from slurm_jit.train.refusals import JitRefusal
@@ -258,6 +304,9 @@ def _train(args: argparse.Namespace, common: dict[str, Any]) -> None:
         trainer: Any = JitTrainer(**common, jit_config=config)
     else:
         trainer = transformers.Trainer(**common)
+    for callback in common["callbacks"]:
+        if hasattr(callback, "trainer"):  # the state dump reads the DeepSpeed engine through the trainer
+            callback.trainer = trainer
     if args.own_handler:
         _install_own_handler(args.output_dir, int(os.environ.get("RANK", "0")))
     resume = args.resume_from or (True if args.resume else None)

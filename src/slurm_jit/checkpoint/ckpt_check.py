@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TextIO
 
 from slurm_jit.checkpoint import protocol
 
@@ -21,20 +22,23 @@ EXIT_NONE_RESUMABLE = 1
 EXIT_USAGE = 2
 EXIT_NO_CHECKPOINT = 3
 UNKNOWN = "-"  # a size or age that could not be read
+RUN_ID_SHOWN_CHARS = 8  # enough to tell runs apart in the table; --json has the whole id
 
 EPILOG = f"""\
 exit status:
   {EXIT_RESUMABLE}  a resumable checkpoint exists; the last line of output is its path
   {EXIT_NONE_RESUMABLE}  checkpoints exist but none is resumable (last line empty)
   {EXIT_NO_CHECKPOINT}  no checkpoint at all: a fresh start (last line empty)
-  {EXIT_USAGE}  usage or I/O error (missing directory, not a directory, permission denied)
+  {EXIT_USAGE}  usage or I/O error (missing directory, not a directory, permission denied), or ckpt-check's
+     own failure: never a verdict
 
-statuses:
-  complete    manifest present and verified (sizes; checksums too with --deep)
+statuses (newest written first; only complete and unverified are resumable):
+  complete    manifest verified (sizes; checksums too with --deep) and everything a resume needs is there
   unverified  no manifest (plain Trainer) but structurally whole; resumable unless --strict
-  incomplete  sentinel {protocol.SENTINEL_NAME} present, or required files missing
-  model-only  manifest verified, but a save_only_model save: no optimizer/scheduler/RNG state; never resumed
-  corrupt     manifest present but a file is missing, resized, or (--deep) has the wrong checksum
+  model-only  whole model weights without optimizer/RNG state (save_only_model): never resumed
+  incomplete  sentinel {protocol.SENTINEL_NAME} present, or files a resume needs missing
+  corrupt     a file is missing, resized, not a regular file, (--deep) has the wrong checksum, or the
+              manifest, trainer_state.json and DeepSpeed tag disagree on the step
 """
 
 
@@ -106,17 +110,27 @@ def _deep_progress(out_dir: str) -> tuple[Callable[[int], None] | None, Callable
     return bar.update, bar.close
 
 
+def printable(text: str, stream: TextIO | None = None) -> str:
+    """``text`` safe to write to ``stream`` (default stdout) whatever its encoding and error handler: control
+    characters and lone surrogates (undecodable file names) escaped as in a Python literal, and so is every
+    character the stream's encoding cannot represent."""
+    escaped = "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
+    encoding = getattr(stream or sys.stdout, "encoding", None) or "ascii"
+    return escaped.encode(encoding, "backslashreplace").decode(encoding, "replace")
+
+
 def _table(resolution: protocol.Resolution, now: float) -> list[str]:
-    header = f"{'step':>8}  {'status':<10}  {'kind':<8}  {'size':>10}  {'age':>6}  reason"
+    header = f"{'step':>8}  {'status':<10}  {'kind':<8}  {'size':>10}  {'age':>6}  {'run':<8}  reason"
     lines = [header]
     for ckpt in resolution.checkpoints:
         reason = ckpt.reason or "ok"
         if resolution.checkpoint is not None and ckpt.path == resolution.checkpoint.path:
             reason += "  <- resume"
-        lines.append(
-            f"{ckpt.step:>8}  {ckpt.status.value:<10}  {ckpt.kind or '-':<8}  "
-            f"{_human_bytes(ckpt.size_bytes):>10}  {_human_age(ckpt.written_at, now):>6}  {reason}"
-        )
+        run = (ckpt.run_id or UNKNOWN)[:RUN_ID_SHOWN_CHARS]
+        lines.append(printable(
+            f"{ckpt.step:>8}  {ckpt.status.value:<10}  {ckpt.kind or UNKNOWN:<8}  "
+            f"{_human_bytes(ckpt.size_bytes):>10}  {_human_age(ckpt.written_at, now):>6}  {run:<8}  {reason}"
+        ))
     return lines
 
 
@@ -138,18 +152,25 @@ def run(argv: Sequence[str] | None = None) -> int:
     code = _exit_code(resolution)
     resume = str(resolution.checkpoint.path) if resolution.checkpoint else ""
     if args.json:
-        print(json.dumps(_as_json(args.out_dir, resolution, moved, code, resume), indent=1))
+        print(json.dumps(_as_json(args.out_dir, resolution, moved, code, resume), indent=1))  # ASCII-only
         return code
     for note in resolution.ignored:
-        print(f"ckpt-check: ignored {note}", file=sys.stderr)
+        print(printable(f"ckpt-check: ignored {note}", sys.stderr), file=sys.stderr)
     if resolution.checkpoints:
         print("\n".join(_table(resolution, time.time())))
     else:
-        print(f"no checkpoint-<step> directory in {args.out_dir}: a fresh start")
+        print(printable(f"no checkpoint-<step> directory in {args.out_dir}: a fresh start"))
     for src, dst in moved:
-        print(f"quarantined {src} -> {dst}", file=sys.stderr)
-    print(resume)
+        print(printable(f"quarantined {src} -> {dst}", sys.stderr), file=sys.stderr)
+    _print_path(resume)
     return code
+
+
+def _print_path(path: str) -> None:
+    """The resume path as the file system spells it (bytes), whatever the output encoding, as the last line."""
+    sys.stdout.flush()
+    sys.stdout.buffer.write(os.fsencode(path) + b"\n")
+    sys.stdout.buffer.flush()
 
 
 def _as_json(out_dir: str, resolution: protocol.Resolution, moved: list[tuple[Path, Path]], code: int,
@@ -160,6 +181,7 @@ def _as_json(out_dir: str, resolution: protocol.Resolution, moved: list[tuple[Pa
         "resume_from": resume or None,
         "checkpoints": [
             {"path": str(c.path), "step": c.step, "status": c.status.value, "kind": c.kind,
+             "world_size": c.world_size,
              "size_bytes": c.size_bytes, "mtime": c.mtime, "written_at": c.written_at or None,
              "run_id": c.run_id, "reason": c.reason,
              "resumable": resolution.checkpoint is not None and c.path == resolution.checkpoint.path}
@@ -171,16 +193,28 @@ def _as_json(out_dir: str, resolution: protocol.Resolution, moved: list[tuple[Pa
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    """Exit 0/1/3 with a verdict; 2 with one line on standard error when there is none (never a traceback)."""
     try:
         code = run(argv)
     except UsageError as exc:
-        print(f"ckpt-check: {exc}", file=sys.stderr)
+        _fail(f"ckpt-check: {exc}")
         code = EXIT_USAGE
     except OSError as exc:
         hint = "HINT: check the path and that you may read it"
-        print(f"ckpt-check: {exc.filename or ''}: {exc.strerror or exc}. {hint}", file=sys.stderr)
+        _fail(f"ckpt-check: {exc.filename or ''}: {exc.strerror or exc}. {hint}")
+        code = EXIT_USAGE
+    except Exception as exc:  # noqa: BLE001 - a crash must never read as a verdict (exit 1 = "none resumable")
+        _fail(f"ckpt-check: internal error, no verdict: {type(exc).__name__}: {exc}. "
+              "HINT: do not resubmit on this result; report it with the directory listing")
         code = EXIT_USAGE
     sys.exit(code)
+
+
+def _fail(message: str) -> None:
+    try:
+        print(printable(message, sys.stderr), file=sys.stderr)
+    except Exception:  # noqa: BLE001 - stderr itself unusable: the exit status still says "no verdict"
+        pass
 
 
 if __name__ == "__main__":

@@ -11,14 +11,18 @@ tag directory, e.g. ``global_step10/``, inside when DeepSpeed is on). Writing on
    a temporary file, fsync, atomic rename and an fsync of the directory.
 4. Rank 0 removes the sentinel and fsyncs the directory.
 
-Reading one gives a :class:`Status`:
+Reading one gives a :class:`Status` (only ``complete`` and ``unverified`` are resumable):
 
-- ``complete``: no sentinel, manifest present and verified (sizes; checksums too with ``deep``).
-- ``incomplete``: sentinel present, or neither a manifest nor the files a resume needs.
-- ``corrupt``: a manifest whose listed file is missing, has the wrong size or (deep) checksum, or escapes the
-  directory; ``trainer_state.json`` unparseable or its ``global_step`` not the directory's step.
-- ``unverified``: no manifest (written by a plain ``Trainer``) but structurally whole: see
-  :mod:`slurm_jit.checkpoint.structure`.
+- ``complete``: no sentinel, manifest verified (sizes; checksums too with ``deep``; see
+  :mod:`slurm_jit.checkpoint.manifest`) and structurally whole (:mod:`slurm_jit.checkpoint.structure`).
+- ``unverified``: no manifest (written by a plain ``Trainer``) but structurally whole.
+- ``model-only``: whole weights and no optimizer/RNG state at all (``save_only_model``): never resumed.
+- ``incomplete``: sentinel present, or files a resume needs missing (with or without a manifest).
+- ``corrupt``: a listed file missing, resized, not a regular file, (deep) with the wrong checksum, or escaping the
+  directory; manifest, ``trainer_state.json`` and the DeepSpeed tag disagreeing on the step.
+
+"Newest" is the checkpoint written last (:attr:`CheckpointInfo.written_at`), not the highest step: resume and
+rotation (:func:`rotation_victims`) both go by it.
 
 Nothing is ever unpickled to check it: checkpoint files are untrusted input (see :mod:`slurm_jit.checkpoint.formats`).
 """
@@ -37,24 +41,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import xxhash
-
-from slurm_jit.checkpoint import structure
+from slurm_jit.checkpoint import formats, structure
+from slurm_jit.checkpoint import manifest as manifest_mod
+from slurm_jit.checkpoint.manifest import (  # the manifest's names, used by the trainer and the tests through here
+    CONTENTS,
+    CONTENTS_FULL,
+    CONTENTS_MODEL_ONLY,
+    FORMAT_VERSION,
+    HASH_NAME,
+    MANIFEST_FORMAT,
+    MANIFEST_NAME,
+    TRAINER_STATE_NAME,
+    hash_file,
+)
 
 SENTINEL_NAME = "checkpoint-is-incomplete.txt"  # transformers' own name (trainer_jit_checkpoint.py)
-MANIFEST_NAME = "slurm-jit-manifest.json"
-MANIFEST_FORMAT = "slurm-jit-checkpoint"
-FORMAT_VERSION = 1
-HASH_NAME = "xxh3_128"
-HASH_CHUNK_BYTES = 8 * 1024 * 1024
-CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")  # the same pattern as transformers.trainer_utils
+MAX_STEP_DIGITS = 18  # 10**18 steps is beyond any run; int() refuses over 4300 digits (CPython's str limit)
+# transformers.trainer_utils uses ^checkpoint-(\d+)$, whose $ also matches before a final newline and whose \d
+# matches any Unicode digit; ours is used with fullmatch and ASCII digits only
+CHECKPOINT_RE = re.compile(r"checkpoint-([0-9]+)", re.ASCII)
 QUARANTINE_SUFFIX = ".incomplete"
-QUARANTINED_RE = re.compile(r"^checkpoint-\d+\.incomplete(\.\d+)?$")
+QUARANTINED_RE = re.compile(r"checkpoint-[0-9]+\.incomplete(\.[0-9]+)?", re.ASCII)
 SAVE_KINDS = ("jit", "periodic", "final")
-TRAINER_STATE_NAME = "trainer_state.json"
-MODEL_ONLY_CONTENTS = "model_only"  # the manifest's "contents" of a save_only_model save (else "full")
 DELETING_PREFIX = ".slurm-jit-deleting-"  # a checkpoint being deleted: out of every checkpoint-* pattern first
-MAX_EPOCH_S = 2**33  # year 2242: a manifest's "created" beyond it is not a time (clocks differ, not by centuries)
 
 
 class Status(str, enum.Enum):
@@ -79,6 +88,7 @@ class CheckpointInfo:
     mtime: float = 0.0  # the directory's own mtime (0.0: unknown)
     written_at: float = 0.0  # the verified manifest's ``created``, else ``mtime``: what "newest" means
     run_id: str | None = None  # the writing run's lineage id, from a verified manifest
+    world_size: int | None = None  # the number of ranks that wrote it, from a verified manifest
 
     def resumable(self, strict: bool = False) -> bool:
         return self.status is Status.COMPLETE or (self.status is Status.UNVERIFIED and not strict)
@@ -106,20 +116,22 @@ class ProtocolError(RuntimeError):
 # ---------------------------------------------------------------- reading
 
 
-def hash_file(path: str | os.PathLike[str], progress: Callable[[int], None] | None = None) -> str:
-    """xxh3-128 hex digest of a file, read in chunks."""
-    digest = xxhash.xxh3_128()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(HASH_CHUNK_BYTES):
-            digest.update(chunk)
-            if progress is not None:
-                progress(len(chunk))
-    return digest.hexdigest()
+def _raise(exc: OSError) -> None:
+    raise exc
+
+
+def _present(path: Path) -> bool:
+    """Whether ``path`` exists (a link is not followed); raises OSError when that cannot be told (EACCES)."""
+    try:
+        os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    return True
 
 
 def _tree_size(directory: Path) -> int:
     total = 0
-    for root, _dirs, files in os.walk(directory):  # os.walk does not follow symlinked directories
+    for root, _dirs, files in os.walk(directory, onerror=_raise):  # os.walk does not follow symlinked dirs
         for name in files:
             try:
                 st = os.lstat(os.path.join(root, name))
@@ -130,87 +142,14 @@ def _tree_size(directory: Path) -> int:
     return total
 
 
-def _safe_member(ckpt_dir: Path, rel: object) -> Path | None:
-    """The path of a manifest entry, or None when it could escape the checkpoint directory."""
-    if not isinstance(rel, str) or not rel or "\\" in rel or "\0" in rel:
-        return None
-    parts = Path(rel).parts
-    if Path(rel).is_absolute() or any(p in ("..", ".", "") for p in parts):
-        return None
-    return ckpt_dir / rel
-
-
 def _check_trainer_state(ckpt_dir: Path, step: int) -> str | None:
-    path = ckpt_dir / TRAINER_STATE_NAME
     try:
-        with open(path, encoding="utf-8") as handle:
-            state = json.load(handle)
+        state = formats.load_json(ckpt_dir / TRAINER_STATE_NAME)
     except (OSError, ValueError, RecursionError) as exc:
         return f"{TRAINER_STATE_NAME} unreadable: {type(exc).__name__}: {exc}"
-    if not isinstance(state, dict) or state.get("global_step") != step:
-        found = state.get("global_step") if isinstance(state, dict) else None
+    found = state.get("global_step") if isinstance(state, dict) else None
+    if not manifest_mod.plain_int(found) or found != step:
         return f"{TRAINER_STATE_NAME} global_step {found!r} != directory step {step}"
-    return None
-
-
-def _tag_problem(ckpt_dir: Path, step: int, manifest_tag: object) -> str | None:
-    """Why the DeepSpeed engine state is not of the directory's step (``latest`` or the manifest's tag), or None.
-
-    transformers' enable_jit_checkpoint saves step S+1's engine as checkpoint-S when the signal lands in
-    on_pre_optimizer_step; resuming it is refused by the trainer, so it must never be the one picked."""
-    tags = [manifest_tag] if isinstance(manifest_tag, str) else []
-    latest = ckpt_dir / structure.DS_LATEST
-    if structure.regular_file(latest) and os.lstat(latest).st_size <= structure.LATEST_MAX_BYTES:
-        tags.append(latest.read_text(encoding="utf-8", errors="replace").strip())
-    want = f"global_step{step}"
-    for tag in tags:
-        if tag != want:
-            return (f"DeepSpeed tag {tag!r} is not {want}: the engine state is of another step (transformers' "
-                    "enable_jit_checkpoint writes step S+1's as checkpoint-S)")
-    return None
-
-
-def read_manifest(ckpt_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
-    """(manifest, None) or (None, why it cannot be used)."""
-    try:
-        with open(ckpt_dir / MANIFEST_NAME, encoding="utf-8") as handle:
-            manifest = json.load(handle)
-    except (OSError, ValueError, RecursionError) as exc:
-        return None, f"manifest unreadable: {type(exc).__name__}: {exc}"
-    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
-        return None, "manifest is not a slurm-jit manifest"
-    if manifest.get("version") != FORMAT_VERSION:
-        return None, f"manifest version {manifest.get('version')!r} not supported (want {FORMAT_VERSION})"
-    if not isinstance(manifest.get("files"), dict) or not isinstance(manifest.get("step"), int):
-        return None, "manifest lacks files or step"
-    if TRAINER_STATE_NAME not in manifest["files"]:
-        return None, f"manifest does not list {TRAINER_STATE_NAME}"
-    return manifest, None
-
-
-def _verify_manifest(
-    ckpt_dir: Path, step: int, manifest: dict[str, Any], deep: bool, progress: Callable[[int], None] | None
-) -> str | None:
-    if manifest["step"] != step:
-        return f"manifest step {manifest['step']} != directory step {step}"
-    for rel, entry in sorted(manifest["files"].items()):
-        path = _safe_member(ckpt_dir, rel)
-        if path is None:
-            return f"manifest path {rel!r} escapes the checkpoint"
-        if not isinstance(entry, dict) or not isinstance(entry.get("size"), int):
-            return f"manifest entry for {rel} is malformed"
-        try:
-            st = os.lstat(path)
-        except OSError:
-            return f"{rel} is missing"
-        if not stat.S_ISREG(st.st_mode):
-            return f"{rel} is not a regular file (symlink?)"
-        if os.path.realpath(path) != os.path.join(os.path.realpath(ckpt_dir), *Path(rel).parts):
-            return f"{rel} is reached through a symlink: not trusted"
-        if st.st_size != entry["size"]:
-            return f"{rel} has {st.st_size} bytes, manifest says {entry['size']}"
-        if deep and hash_file(path, progress) != entry.get(HASH_NAME):
-            return f"{rel} checksum mismatch"
     return None
 
 
@@ -220,10 +159,18 @@ def inspect(
     deep: bool = False,
     progress: Callable[[int], None] | None = None,
 ) -> CheckpointInfo:
-    """The status of one ``checkpoint-<step>`` directory; a check that fails in an unforeseen way is ``corrupt``."""
+    """The status of one ``checkpoint-<step>`` directory; a check that fails in an unforeseen way is ``corrupt``.
+
+    Raises OSError only for I/O errors (permission denied, a vanished directory); a file that must not be read
+    (FIFO, socket, device, symlink, over a size cap) gives a status and a reason.
+    """
     path = Path(ckpt_dir)
     try:
         return _inspect(path, step, deep, progress)
+    except formats.UntrustedFile as exc:
+        mtime = _dir_mtime(path)
+        return CheckpointInfo(path=path, step=step, status=Status.CORRUPT, reason=f"untrusted file: {exc}",
+                              size_bytes=_tree_size_or_none(path), mtime=mtime, written_at=mtime)
     except OSError:
         raise
     except Exception as exc:  # noqa: BLE001 - untrusted input must give a verdict, never crash the gate
@@ -248,61 +195,59 @@ def _tree_size_or_none(path: Path) -> int | None:
         return None
 
 
-def _created(manifest: dict[str, Any]) -> float | None:
-    """The manifest's ``created`` time when it is a plausible epoch time, else None."""
-    created = manifest.get("created")
-    if isinstance(created, bool) or not isinstance(created, int | float) or not 0 < created < MAX_EPOCH_S:
-        return None
-    return float(created)
-
-
 def _inspect(path: Path, step: int, deep: bool, progress: Callable[[int], None] | None) -> CheckpointInfo:
     mtime = _dir_mtime(path)
 
     def info(status: Status, reason: str, manifest: dict[str, Any] | None = None) -> CheckpointInfo:
-        kind = run_id = None
+        kind = run_id = world = None
         written_at = mtime
         if manifest is not None:
             kind = manifest.get("kind") if isinstance(manifest.get("kind"), str) else None
         if manifest is not None and status in WHOLE_STATUSES:  # only a verified manifest is believed
             run_id = manifest.get("run_id") if isinstance(manifest.get("run_id"), str) else None
-            written_at = _created(manifest) or mtime
+            world = manifest.get("world_size")
+            written_at = manifest_mod.created(manifest) or mtime
         return CheckpointInfo(path=path, step=step, status=status, reason=reason, kind=kind,
                               size_bytes=_tree_size_or_none(path), mtime=mtime, written_at=written_at,
-                              run_id=run_id)
+                              run_id=run_id, world_size=world)
 
-    if path.is_symlink():
+    if not stat.S_ISDIR(os.lstat(path).st_mode):
         return info(Status.CORRUPT, "the checkpoint directory is a symlink: not trusted")
-    if (path / SENTINEL_NAME).exists() or (path / SENTINEL_NAME).is_symlink():
+    if _present(path / SENTINEL_NAME):
         return info(Status.INCOMPLETE, f"{SENTINEL_NAME} present: the save did not finish")
-    if (path / MANIFEST_NAME).exists() or (path / MANIFEST_NAME).is_symlink():
-        manifest, why = read_manifest(path)
+    if _present(path / MANIFEST_NAME):
+        manifest, why = manifest_mod.read(path)
         if manifest is None:
             return info(Status.CORRUPT, why or "manifest unusable")
-        why = (_verify_manifest(path, step, manifest, deep, progress) or _check_trainer_state(path, step)
-               or _tag_problem(path, step, manifest.get("deepspeed_tag")))
+        why = (manifest_mod.verify(path, step, manifest, deep, progress) or _check_trainer_state(path, step)
+               or structure.tag_mismatch(path, step))
         if why:
             return info(Status.CORRUPT, why, manifest)
-        if manifest.get("contents") == MODEL_ONLY_CONTENTS:
-            return info(Status.MODEL_ONLY, "holds the model only (save_only_model): no optimizer, scheduler or "
-                        "RNG state to resume from", manifest)
-        return info(Status.COMPLETE, "", manifest)
-    return _inspect_unmanifested(path, step, info)
-
-
-def _inspect_unmanifested(path: Path, step: int, info: Callable[..., CheckpointInfo]) -> CheckpointInfo:
-    if not (path / TRAINER_STATE_NAME).exists():
+        return _structural(path, step, manifest, info)
+    if not _present(path / TRAINER_STATE_NAME):
         return info(Status.INCOMPLETE, f"no manifest and no {TRAINER_STATE_NAME}")
-    why = _check_trainer_state(path, step)
+    why = _check_trainer_state(path, step) or structure.tag_mismatch(path, step)
     if why:
         return info(Status.CORRUPT, why)
-    missing = structure.check(path)
-    if missing:
+    return _structural(path, step, None, info)
+
+
+def _structural(path: Path, step: int, manifest: dict[str, Any] | None,
+                info: Callable[..., CheckpointInfo]) -> CheckpointInfo:
+    """The verdict on a checkpoint whose manifest (if any) and trainer state are fine: can it be resumed?"""
+    recorded_world = manifest.get("world_size") if manifest is not None else None
+    missing = structure.check(path, recorded_world)
+    if missing is None:
+        if manifest is None:
+            return info(Status.UNVERIFIED, "no manifest (plain Trainer save); structure whole")
+        return info(Status.COMPLETE, "", manifest)
+    if structure.model_only(path):
+        declared = manifest is not None and manifest.get("contents") == CONTENTS_MODEL_ONLY
+        why = "save_only_model checkpoint" if declared else f"weights only ({missing})"
+        return info(Status.MODEL_ONLY, f"{why}: model weights whole, no optimizer/RNG state to resume", manifest)
+    if manifest is None:
         return info(Status.INCOMPLETE, f"no manifest; {missing}")
-    why = _tag_problem(path, step, None)
-    if why:
-        return info(Status.CORRUPT, why)
-    return info(Status.UNVERIFIED, "no manifest (plain Trainer save); structure whole")
+    return info(Status.INCOMPLETE, f"manifest verified but {missing}: cannot be resumed", manifest)
 
 
 def scan(out_dir: str | os.PathLike[str], deep: bool = False,
@@ -312,9 +257,12 @@ def scan(out_dir: str | os.PathLike[str], deep: bool = False,
     found: list[CheckpointInfo] = []
     ignored: list[str] = []
     for name in sorted(os.listdir(root)):
-        match = CHECKPOINT_RE.match(name)
+        match = CHECKPOINT_RE.fullmatch(name)
+        if match is not None and len(match.group(1)) > MAX_STEP_DIGITS:
+            ignored.append(f"checkpoint-<{len(match.group(1))} digits>: step out of range")
+            continue
         if match is None:
-            if name.startswith("checkpoint-") and not QUARANTINED_RE.match(name):
+            if name.startswith("checkpoint-") and not QUARANTINED_RE.fullmatch(name):
                 ignored.append(f"{name}: not checkpoint-<step>")
             continue
         entry = root / name
@@ -333,7 +281,7 @@ def find_resumable(out_dir: str | os.PathLike[str], strict: bool = False, deep: 
 
     Raises OSError when ``out_dir`` cannot be listed; a missing ``out_dir`` means a fresh start.
     """
-    if not os.path.lexists(out_dir):
+    if not _present(Path(out_dir)):  # EACCES on the way is an error, not a fresh start
         return Resolution(checkpoint=None, passed_over=[], checkpoints=[])
     checkpoints, ignored = scan(out_dir, deep=deep, progress=progress)
     passed_over: list[CheckpointInfo] = []
@@ -425,8 +373,8 @@ def fsync_tree(directory: str | os.PathLike[str]) -> None:
     for root, _dirs, files in os.walk(directory):
         for name in files:
             path = os.path.join(root, name)
-            if not os.path.islink(path):
-                with open(path, "rb") as handle:
+            if stat.S_ISREG(os.lstat(path).st_mode):  # a FIFO would block the open, a symlink leads elsewhere
+                with formats.open_regular(path) as handle:
                     os.fsync(handle.fileno())
         fsync_dir(root)
 
@@ -463,7 +411,11 @@ def file_entries(ckpt_dir: str | os.PathLike[str], rels: Iterable[str]) -> dict[
     entries = {}
     for rel in rels:
         path = root / rel
-        entries[rel] = {"size": os.lstat(path).st_size, HASH_NAME: hash_file(path)}
+        try:
+            entries[rel] = {"size": os.lstat(path).st_size, HASH_NAME: hash_file(path)}
+        except formats.UntrustedFile as exc:
+            raise ProtocolError(f"{path}: {exc}. HINT: only regular files belong in a checkpoint; remove it (a "
+                                "callback's on_save?) and save again") from None
     return entries
 
 
@@ -476,11 +428,19 @@ def write_manifest(
     zero_stage: int | None,
     deepspeed_tag: str | None,
     files: dict[str, dict[str, Any]],
+    contents: str = CONTENTS_FULL,
+    run_id: str | None = None,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Step 3 and 4: write the manifest atomically, then remove the sentinel. Global rank 0 only."""
+    """Step 3 and 4: write the manifest atomically, then remove the sentinel. Global rank 0 only.
+
+    ``contents``: "full" (everything an exact resume needs) or "model_only" (a save_only_model save: never
+    resumed); ``run_id``: the training run's lineage id, shown by ckpt-check.
+    """
     if kind not in SAVE_KINDS:
         raise ProtocolError(f"unknown save kind {kind!r}; expected one of {SAVE_KINDS}")
+    if contents not in CONTENTS:
+        raise ProtocolError(f"unknown contents {contents!r}; expected one of {CONTENTS}")
     root = Path(ckpt_dir)
     if not (root / SENTINEL_NAME).exists():
         raise ProtocolError(f"{root}: no sentinel; write_sentinel() must run before the checkpoint is written")
@@ -492,6 +452,8 @@ def write_manifest(
         "world_size": world_size,
         "zero_stage": zero_stage,
         "deepspeed_tag": deepspeed_tag,
+        "contents": contents,
+        "run_id": run_id,
         "hash": HASH_NAME,
         "created": time.time(),
         "total_bytes": sum(entry["size"] for entry in files.values()),

@@ -269,7 +269,7 @@ def newest_checkpoint_bytes(output_dir: str | os.PathLike[str]) -> tuple[int, st
 
     found = protocol.find_resumable(output_dir, strict=False)
     ckpt = getattr(found, "checkpoint", None)
-    if ckpt is None:
+    if ckpt is None or ckpt.size_bytes is None:  # size unknown: no estimate from it
         return None
     status = getattr(ckpt.status, "value", ckpt.status)
     return int(ckpt.size_bytes), f"newest resumable checkpoint {ckpt.path}, step {ckpt.step}, {status}"

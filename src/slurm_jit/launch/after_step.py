@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -48,7 +50,8 @@ def _job_facts(job_id: str) -> dict[str, Any]:
     try:
         job = slurm.show_job(job_id)
     except slurm.SlurmError as exc:
-        print(f"slurm-jit: cannot read the job's state ({exc}); not requeueing", file=sys.stderr)
+        print(f"slurm-jit: cannot read the job's state ({exc}); not requeueing. HINT: once slurmctld answers, "
+              f"check with: python launch/submit.py status {job_id}", file=sys.stderr)
         return {"job_state": "UNKNOWN"}
     limit_s, run_s = slurm.seconds(job.get("TimeLimit", "")), slurm.seconds(job.get("RunTime", ""))
     return {"job_state": slurm.job_state(job),
@@ -56,9 +59,20 @@ def _job_facts(job_id: str) -> dict[str, Any]:
             "time_left_s": None if limit_s is None or run_s is None else float(limit_s - run_s)}
 
 
+def restart_count_of(env: Mapping[str, str]) -> int:
+    """SLURM_RESTART_COUNT (unset on the first run: 0); ValueError when it is not a count."""
+    value = env.get("SLURM_RESTART_COUNT", "").strip()
+    if not value:
+        return 0
+    if not value.isdigit():
+        raise ValueError(f"SLURM_RESTART_COUNT={value!r} is not a count; not requeueing (the requeue limit could "
+                         "not hold). HINT: do not set it yourself: Slurm does, from the second run on")
+    return int(value)
+
+
 def gather(args: argparse.Namespace, env: Mapping[str, str]) -> policy.Facts:
     job_id = env["SLURM_JOB_ID"]
-    restart_count = _int(env.get("SLURM_RESTART_COUNT") or 0)
+    restart_count = restart_count_of(env)
     try:
         checked = gate.check(args.out_dir, quarantine=args.quarantine)
         resumable, point = checked.resume_point is not None, checked.resume_point
@@ -71,22 +85,57 @@ def gather(args: argparse.Namespace, env: Mapping[str, str]) -> policy.Facts:
         resumable=resumable, resume_point=point, signal_lead_s=_int(lead) if lead.isdigit() else None,
         restart_count=restart_count, max_requeues=args.max_requeues,
         failure_retries=progress.failure_retries(saved, job_id), retry_on_failure=args.retry_on_failure,
-        previous_step=progress.previous_step(saved), srun_exit=args.srun_exit,
+        previous_step=progress.previous_step(saved, job_id), srun_exit=args.srun_exit,
     )
 
 
 def _remember(out_dir: str, job_id: str, facts: policy.Facts, decision: policy.Decision) -> None:
+    trouble = progress.problem(out_dir)
+    if trouble:  # keep what was there (nothing saved is lost), then start a new record
+        print(f"slurm-jit: warning: {trouble}; kept as {progress.keep_copy(out_dir)}, starting a new one. "
+              "HINT: the crash-loop check had no previous step this time; --max-requeues still holds",
+              file=sys.stderr, flush=True)
     saved = progress.read(out_dir)
-    stored, listed = saved.get("failure_retries"), saved.get("history")
+    stored, listed = saved.get("failure_retries"), progress.history(saved)
     retries: dict[str, int] = dict(stored) if isinstance(stored, dict) else {}
     if decision.failure_retry:
         retries = {**retries, job_id: progress.failure_retries(saved, job_id) + 1}
-    last_step = facts.record_step if facts.record_state == "jit_stop" else progress.previous_step(saved)
-    history: list[object] = list(listed) if isinstance(listed, list) else []
-    history = [*history, {"job_id": job_id, "restart": facts.restart_count, "cause": decision.cause,
+    last_step = facts.record_step if facts.record_state == "jit_stop" else progress.previous_step(saved, job_id)
+    history: list[object] = [*listed, {"job_id": job_id, "restart": facts.restart_count, "cause": decision.cause,
                           "step": facts.record_step, "requeue": decision.requeue, "reason": decision.reason}]
     progress.write(out_dir, {"job_id": job_id, "last_step": last_step, "failure_retries": retries,
                              "history": history[-50:]})
+
+
+def _on_term(signum: int, frame: object) -> None:
+    global _job_ending
+    _job_ending = True
+
+
+_job_ending = False  # set by SIGTERM: --signal (no B:) never reaches the batch shell; scancel or the end does
+
+
+def _requeue(job_id: str) -> int:
+    """``scontrol requeue``, unless the job was cancelled (or is ending) since the policy read its state: Slurm
+    accepts a requeue of a cancelled job, so a user's scancel during this helper must win."""
+    state = "UNKNOWN"
+    if not _job_ending:
+        try:
+            state = slurm.job_state(slurm.show_job(job_id))
+        except slurm.SlurmError as exc:
+            state = f"unknown ({exc})"
+    if _job_ending or state not in policy.ACTIVE_STATES:
+        why = "this helper got SIGTERM (scancel or the job's end)" if _job_ending else f"the job is now {state}"
+        print(f"slurm-jit: requeue withdrawn: {why}; never requeued after a cancel. HINT: to go on, resubmit "
+              "(the checkpoint is kept)", flush=True)
+        return 1
+    try:
+        slurm.requeue(job_id)  # ends this batch shell: say everything before it
+    except slurm.SlurmError as exc:
+        print(f"slurm-jit: requeue failed: {exc}. HINT: requeue it by hand (scontrol requeue {job_id}) or "
+              "resubmit; the checkpoint is kept", flush=True)
+        return 1
+    return 0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -101,8 +150,19 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
+    global _job_ending
     args = _parser().parse_args(argv)
-    env = os.environ if env is None else env
+    _job_ending = False
+    if threading.current_thread() is not threading.main_thread():
+        return _decide_and_act(args, os.environ if env is None else env)
+    previous = signal.signal(signal.SIGTERM, _on_term)
+    try:
+        return _decide_and_act(args, os.environ if env is None else env)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _decide_and_act(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     if not env.get("SLURM_JOB_ID"):
         print("slurm-jit after_step: SLURM_JOB_ID is not set. HINT: run it inside the batch script, after srun",
               file=sys.stderr)
@@ -116,12 +176,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     _remember(args.out_dir, env["SLURM_JOB_ID"], facts, decision)
     print(decision.line(facts), flush=True)
     if decision.requeue:
-        try:
-            slurm.requeue(env["SLURM_JOB_ID"])  # ends this batch shell: say everything before it
-        except slurm.SlurmError as exc:
-            print(f"slurm-jit: requeue failed: {exc}", flush=True)
-            return 1
-        return 0
+        return _requeue(env["SLURM_JOB_ID"])
     if decision.cause == policy.CAUSE_FINISHED:
         return 0
     return args.srun_exit or 1

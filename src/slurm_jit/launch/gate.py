@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from slurm_jit.checkpoint import protocol
+from slurm_jit.checkpoint.ckpt_check import printable
 
 EXIT_OK = 0
 EXIT_REFUSED = 1
@@ -31,7 +32,8 @@ class GateResult:
 def check(out_dir: str | os.PathLike[str], quarantine: bool = False) -> GateResult:
     """Run the gate; raises OSError when ``out_dir`` cannot be read."""
     resolution = protocol.find_resumable(out_dir)
-    newer = [f"checkpoint-{c.step} {c.status.value} ({c.reason})" for c in resolution.passed_over]
+    # reasons may quote undecodable file names: escaped, so that printing the message can never fail
+    newer = [f"checkpoint-{c.step} {c.status.value} ({printable(c.reason)})" for c in resolution.passed_over]
     if resolution.checkpoint is None and resolution.checkpoints and not quarantine:
         return GateResult(ok=False, resume_point=None, message=(
             f"ckpt-check gate: no resumable checkpoint in {out_dir}, only {'; '.join(newer)}. HINT: inspect with "

@@ -29,6 +29,32 @@ def read(output_dir: str | os.PathLike[str]) -> dict[str, Any]:
     return record if isinstance(record, dict) else {}
 
 
+def problem(output_dir: str | os.PathLike[str]) -> str | None:
+    """Why an existing progress record cannot be used (not JSON, not an object); None when fine or absent."""
+    try:
+        with open(path(output_dir), encoding="utf-8") as handle:
+            record = json.load(handle)
+    except FileNotFoundError:
+        return None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return f"{path(output_dir)} is unreadable ({exc})"
+    return None if isinstance(record, dict) else f"{path(output_dir)} holds no JSON object"
+
+
+def keep_copy(output_dir: str | os.PathLike[str]) -> Path:
+    """Copy an unusable progress record aside (``launch-progress.json.unreadable``) before it is replaced."""
+    source = path(output_dir)
+    target = source.with_name(source.name + ".unreadable")
+    target.write_bytes(source.read_bytes())
+    return target
+
+
+def history(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The decisions recorded so far, skipping entries that are not objects."""
+    listed = record.get("history")
+    return [entry for entry in listed if isinstance(entry, dict)] if isinstance(listed, list) else []
+
+
 def write(output_dir: str | os.PathLike[str], record: dict[str, Any]) -> None:
     """Atomically replace the progress record (temporary file, fsync, rename)."""
     target = path(output_dir)
@@ -48,7 +74,8 @@ def failure_retries(record: dict[str, Any], job_id: str) -> int:
     return value if isinstance(value, int) else 0
 
 
-def previous_step(record: dict[str, Any]) -> int | None:
-    """The global step at the previous stop (any job writing to this directory)."""
+def previous_step(record: dict[str, Any], job_id: str) -> int | None:
+    """The global step at this job's previous JIT stop; None on its first (a new job into the same directory,
+    e.g. one that starts over, is not held to an older job's step)."""
     value = record.get("last_step")
-    return value if isinstance(value, int) else None
+    return value if isinstance(value, int) and str(record.get("job_id")) == job_id else None

@@ -7,6 +7,7 @@ import os
 import shlex
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from slurm_jit import slurm, timing
 from slurm_jit.grace import calc as grace
@@ -58,9 +59,12 @@ def _grace_line(out_dir: str) -> str:
 
 def report(out_dir: str, job_id: str | None) -> list[str]:
     saved = progress.read(out_dir)
-    job_id = job_id or saved.get("job_id")
+    job_id = job_id or (str(saved["job_id"]) if str(saved.get("job_id", "")).isdigit() else None)
     lines = [f"output:   {out_dir}", *_job_lines(job_id)]
-    history = saved.get("history") or []
+    trouble = progress.problem(out_dir)
+    if trouble:
+        lines.append(f"warning:  {trouble}: the launcher's history is ignored")
+    history = progress.history(saved)
     if history:
         last = history[-1]
         verdict = "requeued" if last.get("requeue") else "not requeued"
@@ -77,14 +81,20 @@ def report(out_dir: str, job_id: str | None) -> list[str]:
     return lines
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_ERROR, f"{self.prog}: error: {message}. HINT: status OUT_DIR or status JOBID\n")
+
+
 def status_main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python launch/submit.py status")
+    parser = _Parser(prog="python launch/submit.py status")
     parser.add_argument("target", help="the output directory, or a job id")
     args = parser.parse_args(argv)
     job_id = None
     out_dir: str | None = args.target
     try:
-        if args.target.isdigit():
+        if args.target.isdigit() and not os.path.isdir(args.target):
+            slurm.show_job(args.target)  # an unknown job id fails here, with Slurm's own words
             job_id, out_dir = args.target, out_dir_of_job(args.target)
             if out_dir is None:
                 print(f"status: cannot tell the output directory of job {job_id} from its script (no literal "
@@ -92,6 +102,10 @@ def status_main(argv: Sequence[str]) -> int:
                 return EXIT_ERROR
     except slurm.SlurmError as exc:
         print(f"status: {exc}. HINT: give the output directory instead", file=sys.stderr)
+        return EXIT_ERROR
+    if not os.path.isdir(str(out_dir)):
+        print(f"status: no directory {out_dir}. HINT: the --output-dir given to submit.py, or a job id",
+              file=sys.stderr)
         return EXIT_ERROR
     print("\n".join(report(str(out_dir), job_id)))
     return EXIT_OK

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -24,7 +25,7 @@ from slurm_jit import slurm, timing
 from slurm_jit.grace import cli as grace_cli
 from slurm_jit.grace.calc import GraceError, GraceResult, Term, compute_grace
 from slurm_jit.grace.sbatch_script import ScriptError, parse_time_limit
-from slurm_jit.launch import gate, script
+from slurm_jit.launch import entry, gate, script
 from slurm_jit.launch.status import status_main
 
 PROG = "python launch/submit.py"
@@ -35,6 +36,36 @@ CONFIG_KEYS = ("output-dir", "nodes", "ntasks-per-node", "cpus-per-task", "mem",
                "account", "qos", "time", "job-name", "max-requeues", "retry-on-failure", "sbatch-arg",
                "signal-lead", "step-time", "save-time", "eval-time", "kill-wait", "margin", "quarantine",
                "python", "function", "command")
+
+
+# The TOML type of each config key (a wrong type is refused: TOML "no" is a string, and bool("no") is True).
+_STR, _INT, _BOOL, _STR_LIST, _STR_OR_NUMBER = "a string", "an integer", "true or false", "a list of strings", \
+    "a string or a number"
+CONFIG_TYPES = {"output-dir": _STR, "nodes": _INT, "ntasks-per-node": _INT, "cpus-per-task": _INT,
+                "mem": _STR, "gpus-per-node": _STR_OR_NUMBER, "partition": _STR, "account": _STR, "qos": _STR,
+                "time": _STR_OR_NUMBER, "job-name": _STR, "max-requeues": _INT, "retry-on-failure": _INT,
+                "sbatch-arg": _STR_LIST, "signal-lead": _INT, "step-time": _STR_OR_NUMBER,
+                "save-time": _STR_OR_NUMBER, "eval-time": _STR_OR_NUMBER, "kill-wait": _STR_OR_NUMBER,
+                "margin": _STR_OR_NUMBER, "quarantine": _BOOL, "python": _STR, "function": _STR,
+                "command": _STR_LIST}
+# sbatch options submit.py writes itself: an --sbatch-arg setting one would silently override it (sbatch's command
+# line wins over #SBATCH lines), e.g. a --signal without the JIT lead. Long names, and their one-letter forms.
+OWNED_SBATCH_OPTIONS = {"nodes": "N", "ntasks-per-node": "", "ntasks": "n", "cpus-per-task": "c", "mem": "",
+                        "gpus-per-node": "", "partition": "p", "account": "A", "qos": "q", "time": "t",
+                        "job-name": "J", "signal": "", "requeue": "", "no-requeue": "", "open-mode": "",
+                        "output": "o", "parsable": "", "wrap": ""}
+
+
+def _type_ok(value: object, kind: str) -> bool:
+    if kind == _BOOL:
+        return isinstance(value, bool)
+    if kind == _INT:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == _STR:
+        return isinstance(value, str)
+    if kind == _STR_LIST:
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
+    return isinstance(value, (str, int, float)) and not isinstance(value, bool)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -92,6 +123,10 @@ def _load_config(path: str) -> dict[str, Any]:
     unknown = sorted(set(config) - set(CONFIG_KEYS))
     if unknown:
         _fail(f"config {path}: unknown key(s) {', '.join(unknown)}. HINT: use {', '.join(CONFIG_KEYS)}")
+    for key, value in config.items():
+        if not _type_ok(value, CONFIG_TYPES[key]):
+            _fail(f"config {path}: {key} = {value!r} is not {CONFIG_TYPES[key]}. HINT: e.g. nodes = 2, "
+                  'time = "4:00:00", quarantine = true, command = ["python", "train.py"]')
     return config
 
 
@@ -106,14 +141,22 @@ def _merged(args: argparse.Namespace) -> argparse.Namespace:
         attr = key.replace("-", "_")
         if key == "command":
             if not args.command:
-                if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-                    _fail("config: command must be a list of strings. HINT: command = [\"python\", \"train.py\"]")
                 args.command = list(value)
         elif key == "sbatch-arg":
             args.sbatch_arg = list(value) + list(args.sbatch_arg or [])
         elif getattr(args, attr, None) is None:
             setattr(args, attr, value)
     return args
+
+
+def _has_timing_log(output_dir: str) -> bool:
+    """A timing log with records (a slurm-jit/ folder from an earlier submit may hold none yet)."""
+    if not Path(output_dir, timing.TIMING_DIR).is_dir():
+        return False
+    try:
+        return bool(timing.read_records(output_dir))
+    except ValueError:
+        return False
 
 
 def _grace(args: argparse.Namespace, world_size: int) -> GraceResult:
@@ -124,7 +167,7 @@ def _grace(args: argparse.Namespace, world_size: int) -> GraceResult:
             raise GraceError(f"--signal-lead {lead}: must be 1 or more. HINT: e.g. --signal-lead 300")
         return GraceResult(terms=(Term(name="given", seconds=lead, source="--signal-lead"),), needed_s=lead,
                            lead_s=lead)
-    has_log = Path(args.output_dir, timing.TIMING_DIR).is_dir() and bool(timing.read_records(args.output_dir))
+    has_log = _has_timing_log(args.output_dir)
     sizing = argparse.Namespace(
         from_dir=args.output_dir if has_log else None, step_time=args.step_time, save_time=args.save_time,
         eval_time=args.eval_time, no_eval=args.eval_time is None, kill_wait=args.kill_wait, margin=args.margin,
@@ -137,6 +180,28 @@ def _grace(args: argparse.Namespace, world_size: int) -> GraceResult:
     return compute_grace(inputs)
 
 
+def _count(value: object, option: str, *, default: int, minimum: int) -> int:
+    """An integer option (0 is not "unset": --nodes 0 is refused, not taken for 1)."""
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{option} {value}: must be a whole number, {minimum} or more. HINT: e.g. {option} "
+                         f"{max(minimum, 1)}")
+    return value
+
+
+def _check_sbatch_args(extra: Sequence[str]) -> None:
+    """Refuse --sbatch-arg options that would override what submit.py writes (see OWNED_SBATCH_OPTIONS)."""
+    for arg in extra:
+        name = arg.removeprefix("--").split("=")[0] if arg.startswith("--") else None
+        letter = arg[1:2] if arg.startswith("-") and not arg.startswith("--") else None
+        owned = next((long for long, short in OWNED_SBATCH_OPTIONS.items()
+                      if name == long or (letter and letter == short)), None)
+        if owned is not None:
+            raise ValueError(f"--sbatch-arg={arg} sets --{owned}, which submit.py writes itself (sbatch's command "
+                             f"line would override it). HINT: use submit.py's own option for it")
+
+
 def build_job(args: argparse.Namespace) -> tuple[script.JobSpec, GraceResult]:
     if not args.output_dir:
         raise ValueError("no --output-dir. HINT: the directory the training writes its checkpoints to")
@@ -144,39 +209,52 @@ def build_job(args: argparse.Namespace) -> tuple[script.JobSpec, GraceResult]:
         raise ValueError("no --time. HINT: the job's time limit, e.g. --time 4:00:00 (minutes alone work too)")
     limit_s = parse_time_limit(str(args.time))
     args.output_dir = os.path.abspath(args.output_dir)
-    args.nodes = int(args.nodes or 1)
-    world_size = args.nodes * int(args.ntasks_per_node or 1)
+    args.nodes = _count(args.nodes, "--nodes", default=1, minimum=1)
+    args.ntasks_per_node = _count(args.ntasks_per_node, "--ntasks-per-node", default=1, minimum=1)
+    args.max_requeues = _count(args.max_requeues, "--max-requeues", default=DEFAULT_MAX_REQUEUES, minimum=0)
+    args.retry_on_failure = _count(args.retry_on_failure, "--retry-on-failure", default=0, minimum=0)
+    for option, value in (("--job-name", args.job_name), ("--python", args.python)):
+        if value is not None and not str(value).strip():
+            raise ValueError(f"{option} is empty. HINT: leave it out for the default")
+    _check_sbatch_args(args.sbatch_arg or [])
+    world_size = args.nodes * args.ntasks_per_node
     result = _grace(args, world_size)
     if limit_s is not None and result.lead_s >= limit_s:
         raise ValueError(f"--signal lead {result.lead_s} s is not shorter than --time {args.time} ({limit_s} s). "
                          f"HINT: a longer --time, or a faster step/save")
     job = script.JobSpec(
-        output_dir=args.output_dir, nodes=args.nodes, ntasks_per_node=int(args.ntasks_per_node or 1),
+        output_dir=args.output_dir, nodes=args.nodes, ntasks_per_node=args.ntasks_per_node,
         cpus_per_task=args.cpus_per_task, mem=args.mem, gpus_per_node=args.gpus_per_node,
         partition=args.partition, account=args.account, qos=args.qos, time=str(args.time),
         job_name=args.job_name or "slurm-jit", signal_lead_s=result.lead_s,
-        max_requeues=DEFAULT_MAX_REQUEUES if args.max_requeues is None else int(args.max_requeues),
-        retry_on_failure=int(args.retry_on_failure or 0), quarantine=bool(args.quarantine),
+        max_requeues=args.max_requeues, retry_on_failure=args.retry_on_failure, quarantine=bool(args.quarantine),
         python=args.python or sys.executable, extra_sbatch=tuple(args.sbatch_arg or ()),
     )
     return job, result
 
 
+def _is_this_python(python: str | None) -> bool:
+    """Whether the job's interpreter is this one (then its module path is ours to search)."""
+    found = shutil.which(python) if python else sys.executable
+    return found is not None and os.path.abspath(found) == os.path.abspath(sys.executable)  # a venv: not realpath
+
+
 def training_spec(args: argparse.Namespace) -> dict[str, Any]:
     if args.function:
-        if ":" not in args.function:
-            raise ValueError(f"--function {args.function!r}. HINT: module:function, e.g. mypkg.train:main")
+        entry.check_function(args.function, here=_is_this_python(args.python))
         return {"function": args.function, "args": list(args.command)}
     if not args.command:
         raise ValueError("no training command. HINT: put it after --, e.g. -- python train.py --lr 3e-4")
+    if not args.command[0].strip():
+        raise ValueError("the training command's program is empty. HINT: e.g. -- python train.py")
     return {"argv": list(args.command)}
 
 
-def plan_lines(job: script.JobSpec, result: GraceResult, entry: Mapping[str, Any],
+def plan_lines(job: script.JobSpec, result: GraceResult, spec: Mapping[str, Any],
                checked: gate.GateResult) -> list[str]:
     terms = " + ".join(f"{t.name} {t.seconds:g} s ({t.source})" for t in result.terms)
-    what = (f"{entry['function']}({' '.join(entry['args'])})" if "function" in entry
-            else " ".join(json.dumps(a) if not a.isprintable() or " " in a else a for a in entry["argv"]))
+    what = (f"{spec['function']}({' '.join(spec['args'])})" if "function" in spec
+            else " ".join(json.dumps(a) if not a.isprintable() or " " in a else a for a in spec["argv"]))
     requeue = (f"after a JIT stop, requeue the same job (scontrol requeue) up to {job.max_requeues} times, only "
                "while it is running (never after scancel), the checkpoint passes ckpt-check and the step advanced; "
                f"after a crash: {job.retry_on_failure} retries")
@@ -192,10 +270,10 @@ def plan_lines(job: script.JobSpec, result: GraceResult, entry: Mapping[str, Any
     ]
 
 
-def _submit(job: script.JobSpec, entry: Mapping[str, Any]) -> str:
+def _submit(job: script.JobSpec, spec: Mapping[str, Any]) -> str:
     state_dir = Path(job.output_dir, timing.TIMING_DIR)
     state_dir.mkdir(parents=True, exist_ok=True)
-    Path(job.spec_path).write_text(json.dumps(entry, indent=1) + "\n", encoding="utf-8")
+    Path(job.spec_path).write_text(json.dumps(spec, indent=1) + "\n", encoding="utf-8")
     script_path = state_dir / "submit.sbatch"
     script_path.write_text(script.render(job), encoding="utf-8")
     log_path = str(Path(job.output_dir, "slurm-%j.out"))
@@ -203,27 +281,41 @@ def _submit(job: script.JobSpec, entry: Mapping[str, Any]) -> str:
     return out.strip().split(";")[0]
 
 
+# What sbatch (or the gateway) says when no controller answers, as opposed to refusing the job's options.
+NO_CONTROLLER = ("not found on PATH", "Unable to contact slurm controller", "did not answer within",
+                 "Could not establish a configuration source", "Invalid user for SlurmUser")
+
+
+def _sbatch_hint(message: str) -> str:
+    if any(words in message for words in NO_CONTROLLER):
+        return "is Slurm up (tools/local-slurm up)? Try --dry-run to see the script"
+    return "sbatch refused the job: fix the option its message names; --dry-run shows the script"
+
+
 def submit_main(argv: Sequence[str]) -> int:
     args = _merged(_parser().parse_args(argv))
     try:
         job, result = build_job(args)
-        entry = training_spec(args)
+        spec = training_spec(args)
         checked = gate.check(job.output_dir, quarantine=False)
     except (ValueError, GraceError, ScriptError) as exc:
         _fail(str(exc))
     except OSError as exc:
         _fail(f"cannot read {args.output_dir}: {exc.strerror or exc}. HINT: check the path and permissions")
     if not checked.ok and not job.quarantine:
-        print("\n".join(plan_lines(job, result, entry, checked)), file=sys.stderr)
+        print("\n".join(plan_lines(job, result, spec, checked)), file=sys.stderr)
         _fail(checked.message, EXIT_REFUSED)
-    print("\n".join(plan_lines(job, result, entry, checked)), file=sys.stderr if args.dry_run else sys.stdout)
+    print("\n".join(plan_lines(job, result, spec, checked)), file=sys.stderr if args.dry_run else sys.stdout)
     if args.dry_run:
         sys.stdout.write(script.render(job))
         return EXIT_OK
     try:
-        job_id = _submit(job, entry)
+        job_id = _submit(job, spec)
+    except OSError as exc:
+        _fail(f"cannot write to {job.output_dir}: {exc.strerror or exc}. HINT: an output directory you can write "
+              "to, on storage every node sees")
     except slurm.SlurmError as exc:
-        _fail(f"{exc}. HINT: is Slurm up (tools/local-slurm up)? Try --dry-run to see the script")
+        _fail(f"{exc}. HINT: {_sbatch_hint(str(exc))}")
     print(f"submitted job {job_id}; log {job.output_dir}/slurm-{job_id}.out; "
           f"status: {PROG} status {job.output_dir}", flush=True)
     return EXIT_OK

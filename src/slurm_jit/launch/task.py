@@ -9,7 +9,8 @@ arguments with spaces, quotes, ``$()`` or ``;`` reach the training process uncha
   set to ``[module, *args]``.
 
 The raw sbatch scripts use the second form, ``srun python -m slurm_jit.launch.task -- python train.py ...``.
-Before any of them, RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT are set from Slurm's variables.
+Before any of them, RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT are set from
+Slurm's variables (:func:`slurm_jit.train.dist_env.from_slurm`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import re
 import sys
 from collections.abc import MutableMapping, Sequence
 from typing import Any
@@ -27,26 +27,9 @@ from slurm_jit.train import dist_env
 EXIT_BAD_SPEC = 2
 
 
-def local_world_size(env: MutableMapping[str, str]) -> int | None:
-    """Ranks on this node, from ``SLURM_STEP_TASKS_PER_NODE`` (``2(x3)``, ``3,2``) and ``SLURM_NODEID``."""
-    counts: list[int] = []
-    for part in env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", "")).split(","):
-        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
-        if match is None:
-            return None
-        counts += [int(match.group(1))] * int(match.group(2) or 1)
-    node = int(env.get("SLURM_NODEID", "0") or 0)
-    return counts[node] if node < len(counts) else None
-
-
 def set_rank_env(env: MutableMapping[str, str] | None = None) -> None:
-    """torch.distributed's variables from Slurm's, and LOCAL_WORLD_SIZE: without it accelerate takes each CPU
-    rank for the only one on its node and gives it every core's threads (other sums, other losses)."""
-    env = os.environ if env is None else env
-    dist_env.from_slurm(env)
-    local = local_world_size(env)
-    if local is not None and "SLURM_PROCID" in env:
-        env.setdefault("LOCAL_WORLD_SIZE", str(local))
+    """torch.distributed's variables, LOCAL_WORLD_SIZE included, from Slurm's (:func:`dist_env.from_slurm`)."""
+    dist_env.from_slurm(os.environ if env is None else env)
 
 
 def load(spec_path: str) -> dict[str, Any]:

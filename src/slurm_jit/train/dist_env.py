@@ -2,7 +2,11 @@
 
 torchrun and the ``deepspeed`` launcher SIGKILL their workers 30 s after forwarding SIGTERM (pytorch#119856), which
 can cut a JIT checkpoint short; this project starts one srun task per rank instead, and each task derives
-RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT from the SLURM_* variables.
+RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the SLURM_* variables, whether
+it starts through ``python -m slurm_jit.launch.task`` or as ``srun python train.py`` (one place, so both agree).
+
+LOCAL_WORLD_SIZE matters on CPU: without it accelerate takes each rank for the only one on its node and gives it
+every core's threads, so the sums (and the losses' last bits) differ from a local run's.
 
 MASTER_ADDR is the address of the first node of the step, where rank 0 runs (block distribution, Slurm's default)
 and listens: its name resolved here, or, when the name does not resolve or resolves to loopback in a job that
@@ -34,6 +38,18 @@ def first_host(nodelist: str) -> str:
     return match.group(1) + (match.group(2) or "")
 
 
+def local_world_size(env: Mapping[str, str]) -> int | None:
+    """Ranks on this node, from ``SLURM_STEP_TASKS_PER_NODE`` (``2(x3)``, ``3,2``) and ``SLURM_NODEID``."""
+    counts: list[int] = []
+    for part in env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", "")).split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if match is None:
+            return None
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    node = int(env.get("SLURM_NODEID", "0") or 0)
+    return counts[node] if node < len(counts) else None
+
+
 def from_slurm(env: MutableMapping[str, str] | None = None) -> bool:
     """Fill the torch.distributed variables from Slurm's when running as an srun task; True if it did."""
     env = os.environ if env is None else env
@@ -42,6 +58,9 @@ def from_slurm(env: MutableMapping[str, str] | None = None) -> bool:
     env["RANK"] = env["SLURM_PROCID"]
     env["WORLD_SIZE"] = env.get("SLURM_NTASKS", env.get("SLURM_STEP_NUM_TASKS", "1"))
     env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+    local = local_world_size(env)
+    if local is not None:
+        env.setdefault("LOCAL_WORLD_SIZE", str(local))
     if "MASTER_ADDR" not in env:
         env["MASTER_ADDR"] = master_addr(env)
     job_id = int(env.get("SLURM_JOB_ID", "0") or 0)

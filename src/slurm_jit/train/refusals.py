@@ -12,6 +12,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from slurm_jit.checkpoint import manifest as manifest_file
 from slurm_jit.checkpoint import protocol
 
 LATEST_TAG_MAX_BYTES = 256  # DeepSpeed's `latest` holds one tag such as "global_step1234"
@@ -78,10 +79,10 @@ def resume_refusal(ckpt_dir: str | os.PathLike[str], *, world_size: int) -> str 
     if not path.is_dir():
         return (f"{path}: no such checkpoint directory. HINT: pass an existing checkpoint-<step> directory, or "
                 "resume_from_checkpoint=True to resume from the newest resumable one in output_dir")
-    match = protocol.CHECKPOINT_RE.match(path.name)
+    match = protocol.CHECKPOINT_RE.fullmatch(path.name)
     manifest = None
     if (path / protocol.MANIFEST_NAME).is_file():
-        manifest, _ = protocol.read_manifest(path)
+        manifest, _ = manifest_file.read(path)
     if manifest is not None:
         written_by = manifest.get("world_size")
         if isinstance(written_by, int) and written_by != world_size:

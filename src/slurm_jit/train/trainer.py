@@ -26,12 +26,10 @@ from __future__ import annotations
 import logging
 import math
 import os
-import random
 import re
 import signal
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,11 +37,12 @@ from typing import Any
 import transformers
 from transformers.trainer_utils import TrainOutput
 
+from slurm_jit.checkpoint import manifest as manifest_file
 from slurm_jit.checkpoint import protocol
 from slurm_jit.grace.calc import AGREE_BLOCKING, SLURM_SIGNAL_LEAD_MAX_S
 from slurm_jit.signal_names import parse_signal
 from slurm_jit.timing import WARMUP_STEPS, TimingLog
-from slurm_jit.train import runtime_grace, stop_record
+from slurm_jit.train import exact_resume, runtime_grace, stop_record
 from slurm_jit.train.agreement import SIDE_GROUP_TIMEOUT_S, Decision, StopAgreement
 from slurm_jit.train.refusals import JitRefusal, refused_settings, resume_refusal
 from slurm_jit.train.signals import IgnoreSignalsInWorker, SignalLatch, StartWorkersMasked
@@ -107,24 +106,6 @@ def _check_seconds(name: str, value: object, allow_zero: bool) -> None:
     if not (0 <= number <= MAX_CONFIG_S and (allow_zero or number > 0)):  # NaN fails every comparison
         bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{name}={value!r}. HINT: a number of seconds {bound} and <= {MAX_CONFIG_S}, e.g. 3")
-
-
-def _rng_snapshot() -> Callable[[], None]:
-    """The global RNG states upstream saves in a checkpoint (python, numpy, torch, CUDA); returns their restore."""
-    import numpy as np
-    import torch
-
-    py_state, np_state, cpu_state = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
-    cuda_states = torch.cuda.random.get_rng_state_all() if torch.cuda.is_available() else None
-
-    def restore() -> None:
-        random.setstate(py_state)
-        np.random.set_state(np_state)
-        torch.random.set_rng_state(cpu_state)
-        if cuda_states is not None:
-            torch.cuda.random.set_rng_state_all(cuda_states)
-
-    return restore
 
 
 def _signal_name(signum: int | None) -> str | None:
@@ -352,7 +333,7 @@ class JitTrainer(transformers.Trainer):
         refusal = resume_refusal(path, world_size=int(self.args.world_size))
         manifest = None
         if not refusal and (Path(path) / protocol.MANIFEST_NAME).is_file():
-            manifest, _ = protocol.read_manifest(Path(path))
+            manifest, _ = manifest_file.read(Path(path))
         carried: dict[str, Any] = {}
         if manifest is not None:
             if isinstance(manifest.get("run_id"), str):
@@ -477,13 +458,9 @@ class JitTrainer(transformers.Trainer):
         if run is None or not run.in_loop:
             return super()._evaluate(trial, ignore_keys_for_eval, skip_scheduler=skip_scheduler)
         t0 = time.monotonic()
-        restore_rng = _rng_snapshot()
         try:
             metrics = super()._evaluate(trial, ignore_keys_for_eval, skip_scheduler=skip_scheduler)
         except _EvalAborted:
-            # The evaluation drew from the RNG (its DataLoader's base seed) before it was aborted; the checkpoint
-            # must hold the state from before it, as after a skipped one, or the owed one on resume draws twice.
-            restore_rng()
             run.eval_aborted = run.eval_owed = True
             self.control.should_save = False  # the JIT save takes the place of this step's periodic one
             metrics = {}
@@ -536,6 +513,20 @@ class JitTrainer(transformers.Trainer):
                 and self._take(self._agreement.poll(*self._wish()))):
             raise _EvalAborted
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+
+    # ------------------------------------------------------------ exact resume
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        # Trainer calls this right after DeepSpeed's load_checkpoint and before the first resumed step.
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None and self.is_deepspeed_enabled:
+            exact_resume.restore(self.model_wrapped)
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        # A JIT stop aborts or postpones the evaluation due at its step, which the uninterrupted run does in place:
+        # evaluations must not move training's random streams (each eval DataLoader iterator draws a seed there).
+        with exact_resume.rng_untouched():
+            return dict(super().evaluate(*args, **kwargs))
 
     # ------------------------------------------------------------ the end of training
 
@@ -670,9 +661,10 @@ class JitTrainer(transformers.Trainer):
         tag = latest.read_text().strip() if latest.is_file() else None
         engine: Any = self.model_wrapped
         zero_stage = engine.zero_optimization_stage() if self.is_deepspeed_enabled else None
+        fields = dict(fields)
         protocol.write_manifest(
             ckpt, step=step, kind=kind, world_size=int(self.args.world_size), zero_stage=zero_stage,
-            deepspeed_tag=tag, files=files,
+            deepspeed_tag=tag, files=files, contents=fields.pop("contents"), run_id=fields.pop("run_id"),
             extra={"bytes_weights_duplicate": duplicate, "bytes_needed_for_resume": total - duplicate, **fields},
         )
         logger.warning("slurm_jit: %s checkpoint-%d: %d bytes written, %d needed for resume, %d over (model "

@@ -1,0 +1,126 @@
+"""The manifest ``slurm-jit-manifest.json``: its fields, reading it (bounded, regular file only) and verifying the
+files it lists against the directory. What the verdict is, given a verified manifest, is :mod:`protocol`'s."""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from slurm_jit.checkpoint import formats, structure
+
+MANIFEST_NAME = "slurm-jit-manifest.json"
+MANIFEST_FORMAT = "slurm-jit-checkpoint"
+FORMAT_VERSION = 2  # 2 added "contents" and "run_id"; version 1 manifests are read as contents "full"
+READABLE_VERSIONS = (1, 2)
+MANIFEST_MAX_BYTES = 256 * 1024 * 1024  # ~100 bytes per file: millions of files, far beyond any real checkpoint
+CONTENTS_FULL = "full"  # everything an exact resume needs
+CONTENTS_MODEL_ONLY = "model_only"  # a save_only_model save: weights for inference, never resumed
+CONTENTS = (CONTENTS_FULL, CONTENTS_MODEL_ONLY)
+HASH_NAME = "xxh3_128"
+HASH_CHUNK_BYTES = 8 * 1024 * 1024
+MAX_EPOCH_S = 2**33  # year 2242: a manifest's "created" beyond it is not a time (clocks differ, not by centuries)
+TRAINER_STATE_NAME = "trainer_state.json"
+
+
+def hash_file(path: str | os.PathLike[str], progress: Callable[[int], None] | None = None) -> str:
+    """xxh3-128 hex digest of a regular file, read in chunks (a FIFO, device or symlink: UntrustedFile)."""
+    digest = xxhash.xxh3_128()
+    with formats.open_regular(path) as handle:
+        while chunk := handle.read(HASH_CHUNK_BYTES):
+            digest.update(chunk)
+            if progress is not None:
+                progress(len(chunk))
+    return digest.hexdigest()
+
+
+def plain_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _safe_member(ckpt_dir: Path, rel: object) -> Path | None:
+    """The path of a manifest entry, or None when it could escape the checkpoint directory or is no file name."""
+    if not isinstance(rel, str) or not rel or "\\" in rel or "\0" in rel:
+        return None
+    try:
+        os.fsencode(rel)  # a lone surrogate outside surrogateescape's range names no file
+    except UnicodeError:
+        return None
+    parts = Path(rel).parts
+    if Path(rel).is_absolute() or any(p in ("..", ".", "") for p in parts):
+        return None
+    return ckpt_dir / rel
+
+
+def read(ckpt_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(manifest, None) or (None, why it cannot be used). Reads at most MANIFEST_MAX_BYTES of a regular file."""
+    try:
+        manifest = formats.load_json(ckpt_dir / MANIFEST_NAME, MANIFEST_MAX_BYTES)
+    except (OSError, ValueError, RecursionError) as exc:
+        return None, f"manifest unreadable: {type(exc).__name__}: {exc}"
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+        return None, "manifest is not a slurm-jit manifest"
+    if manifest.get("version") not in READABLE_VERSIONS or not plain_int(manifest.get("version")):
+        return None, f"manifest version {manifest.get('version')!r} not supported (want one of {READABLE_VERSIONS})"
+    if not isinstance(manifest.get("files"), dict) or not plain_int(manifest.get("step")):
+        return None, "manifest lacks files or step"
+    if TRAINER_STATE_NAME not in manifest["files"]:
+        return None, f"manifest does not list {TRAINER_STATE_NAME}"
+    if manifest.get("contents", CONTENTS_FULL) not in CONTENTS:
+        return None, f"manifest contents {manifest.get('contents')!r} unknown (want one of {CONTENTS})"
+    return manifest, None
+
+
+def verify(
+    ckpt_dir: Path, step: int, manifest: dict[str, Any], deep: bool, progress: Callable[[int], None] | None
+) -> str | None:
+    if manifest["step"] != step:
+        return f"manifest step {manifest['step']} != directory step {step}"
+    tag = manifest.get("deepspeed_tag")
+    if tag is not None and tag != f"{structure.DS_TAG_PREFIX}{step}":
+        return f"manifest DeepSpeed tag {tag!r} is not {structure.DS_TAG_PREFIX}{step} of this checkpoint"
+    world = manifest.get("world_size")
+    if world is not None and not (plain_int(world) and 1 <= world <= structure.MAX_WORLD_SIZE):
+        return f"manifest world_size {world!r} is not between 1 and {structure.MAX_WORLD_SIZE}"
+    real_root = os.path.realpath(ckpt_dir)
+    for rel, entry in sorted(manifest["files"].items()):
+        why = _verify_entry(ckpt_dir, real_root, rel, entry, deep, progress)
+        if why:
+            return why
+    return None
+
+
+def _verify_entry(ckpt_dir: Path, real_root: str, rel: str, entry: object, deep: bool,
+                  progress: Callable[[int], None] | None) -> str | None:
+    path = _safe_member(ckpt_dir, rel)
+    if path is None:
+        return f"manifest path {rel!r} escapes the checkpoint"
+    if not isinstance(entry, dict) or not plain_int(entry.get("size")):
+        return f"manifest entry for {rel} is malformed"
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return f"{rel} is missing"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{rel} is {formats.file_kind(st.st_mode)}, not a regular file"
+    if os.path.realpath(path) != os.path.join(real_root, *Path(rel).parts):
+        return f"{rel} is reached through a symlink: not trusted"
+    if st.st_size != entry["size"]:
+        return f"{rel} has {st.st_size} bytes, manifest says {entry['size']}"
+    if deep and hash_file(path, progress) != entry.get(HASH_NAME):
+        return f"{rel} checksum mismatch"
+    return None
+
+
+def created(manifest: dict[str, Any]) -> float | None:
+    """The manifest's ``created`` time when it is a plausible epoch time, else None."""
+    created = manifest.get("created")
+    if isinstance(created, bool) or not isinstance(created, int | float) or not 0 < created < MAX_EPOCH_S:
+        return None
+    return float(created)
+
+

@@ -1,0 +1,176 @@
+"""Exact resume: a JIT-stopped and resumed run is bitwise the run that never stopped, losses and final state.
+
+Real DeepSpeed on 2 CPU ranks, real SIGTERMs. Each configuration has one uninterrupted reference run (a module
+fixture) that dumps its complete state at the last step (``demo_train --dump-state-at``); the stopped and resumed
+run dumps the same, and ``slurm_jit.exactness`` compares the two tensor by tensor: module weights, ZeRO fp32
+master partitions, Adam moments, step counters, LR scheduler, RNGs, and a probe of DeepSpeed's CPU Adam kernel
+(its hidden beta products). Without ``train/exact_resume.py`` the DeepSpeed-optimizer configurations drift
+(measured: 4 of the Llama's 30 resumed losses differ by an ulp, and its final weights), and without the
+RNG-neutral evaluation the GPT-2 run (dropout, evaluation at the stop step) does.
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from jit_helpers import assert_jit_stop, assert_same_losses, losses, run_and_signal, run_to_end
+
+from slurm_jit import exactness
+
+# The issue's tiny Llama: vocab 96, hidden 64, intermediate 128, 2 layers, 4 heads, 2 kv heads, lr 3e-3, batch 2.
+LLAMA = ["--model", "llama", "--vocab", "96", "--width", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2",
+         "--lr", "3e-3", "--batch-size", "2"]
+RUN = ["--step-sleep", "0.03", "--kill-wait", "1"]
+MAX_STEPS = 40
+CONFIGS = {
+    # DeepSpeed's AdamW section (FusedAdam's CPU kernel), gradient accumulation, DataLoader workers, evaluations:
+    # the configuration that drifts without the fix.
+    "llama-zero2-ds-adamw": [*LLAMA, "--zero-stage", "2", "--ds-optimizer", "AdamW", "--grad-accum", "2",
+                             "--workers", "2", "--eval-steps", "10"],
+    # The demo's GPT-2 (dropout) with the Trainer's torch AdamW, no accumulation, no workers, an evaluation at
+    # every step: the JIT stop aborts or postpones the one due at its step, which must not shift the dropout RNG.
+    "gpt2-zero2-trainer-adamw": ["--zero-stage", "2", "--eval-steps", "1", "--eval-samples", "4"],
+    # ZeRO-Offload: DeepSpeedCPUAdam, one kernel per optimizer instance; no evaluation.
+    "gpt2-zero2-offload": ["--zero-stage", "2", "--ds-optimizer", "AdamW", "--offload"],
+    # ZeRO-3 with the DeepSpeed AdamW section, accumulation, workers and evaluations.
+    "llama-zero3-ds-adamw": [*LLAMA, "--zero-stage", "3", "--ds-optimizer", "AdamW", "--grad-accum", "2",
+                             "--workers", "2", "--eval-steps", "10"],
+}
+SIGNAL_AFTER_STEPS = 13
+
+
+def _args(name: str) -> list[str]:
+    return [*RUN, *CONFIGS[name], "--max-steps", str(MAX_STEPS), "--dump-state-at", str(MAX_STEPS)]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One uninterrupted run per configuration, started on first use."""
+    class Lazy(dict[str, Path]):
+        def __missing__(self, name: str) -> Path:
+            out = tmp_path_factory.mktemp(f"ref-{name}") / "out"
+            codes = run_to_end(out, _args(name))
+            assert codes == [0, 0], (out.parent / f"logs-{out.name}" / "rank0.log").read_text()[-3000:]
+            self[name] = out
+            return out
+
+    return Lazy()
+
+
+def _stop_resume(out: Path, name: str) -> str:
+    """JIT stop by SIGTERM to both ranks, then resume to the end; returns the resumed ranks' logs."""
+    result = run_and_signal(out, _args(name), [(0, 0.0), (1, 0.1)], after_steps=SIGNAL_AFTER_STEPS)
+    ckpt = assert_jit_stop(out, result)
+    assert SIGNAL_AFTER_STEPS <= int(ckpt.name.split("-")[1]) < MAX_STEPS
+    assert run_to_end(out, [*_args(name), "--resume"]) == [0, 0]
+    logs = out.parent / f"logs-{out.name}"
+    return (logs / "rank0.log").read_text() + (logs / "rank1.log").read_text()
+
+
+@pytest.mark.deepspeed
+@pytest.mark.parametrize("name", ["llama-zero2-ds-adamw", "gpt2-zero2-trainer-adamw", "gpt2-zero2-offload"])
+def test_zero2_jit_resume_is_bitwise_the_uninterrupted_run(tmp_path: Path, reference: dict[str, Path],
+                                                           name: str) -> None:
+    out = tmp_path / "out"
+    log = _stop_resume(out, name)
+    assert_same_losses(losses(out), losses(reference[name]))
+    result = exactness.compare(reference[name], out)
+    assert result.equal, exactness.report(result)
+    assert result.entries > 100  # the dump holds the whole state: weights, partitions, moments, kernel probe
+    replayed = "FusedAdam(cpu, AdamW) replayed" if "llama" in name else "DeepSpeedCPUAdam#0 replayed"
+    expected = "no optimizer kernel with hidden state" if "trainer" in name else replayed
+    assert log.count("slurm_jit: exact resume: " + expected) == 2, log[-3000:]
+
+
+@pytest.mark.deepspeed
+def test_zero3_jit_resume_is_bitwise_on_two_ranks(tmp_path: Path, reference: dict[str, Path]) -> None:
+    """ZeRO-3 reduce-scatters gradients in buckets: with 2 ranks each sum has two terms, which float addition
+    adds the same either way, so the resumed run is bitwise here. With more ranks the collective's summation
+    order decides the last bits (README: the bound)."""
+    out = tmp_path / "out"
+    _stop_resume(out, "llama-zero3-ds-adamw")
+    assert_same_losses(losses(out), losses(reference["llama-zero3-ds-adamw"]))
+    result = exactness.compare(reference["llama-zero3-ds-adamw"], out)
+    assert result.equal, exactness.report(result)
+
+
+@pytest.mark.deepspeed  # builds DeepSpeed's cpu_adam op on first use (~2 min on a fresh 2-core machine)
+def test_cpu_adam_kernel_replay_restores_hidden_beta_products() -> None:
+    """DeepSpeedCPUAdam itself: a fresh kernel loaded with the optimizer state at step 29 updates differently
+    from the kernel that took those 29 steps (its float32 beta products), until replayed."""
+    import torch
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    from slurm_jit.train import exact_resume
+
+    steps, gen = 29, torch.Generator().manual_seed(0)
+    grads = [torch.randn(1000, generator=gen) for _ in range(steps + 1)]
+    first = torch.nn.Parameter(torch.randn(1000, generator=gen))
+    running = DeepSpeedCPUAdam([first], lr=3e-3)
+    for grad in grads[:steps]:
+        first.grad = grad.clone()
+        running.step()
+
+    def resumed(replay: bool) -> torch.Tensor:
+        param = torch.nn.Parameter(first.detach().clone())
+        fresh = DeepSpeedCPUAdam([param], lr=3e-3)
+        fresh.load_state_dict(copy.deepcopy(running.state_dict()))  # else it shares the moment tensors
+        if replay:
+            exact_resume.restore(SimpleNamespace(optimizer=fresh))
+        param.grad = grads[steps].clone()
+        fresh.step()
+        return param.detach()
+
+    drifted, replayed = resumed(replay=False), resumed(replay=True)
+    first.grad = grads[steps].clone()
+    running.step()
+    assert not torch.equal(drifted, first.detach())  # the upstream cause, as a fact
+    assert torch.equal(replayed, first.detach())
+
+
+def test_evaluation_leaves_the_rngs_untouched(tmp_path: Path) -> None:
+    """A JIT stop aborts or postpones the evaluation due at its step; evaluations must not move the RNGs that
+    dropout draws from afterwards (the eval DataLoader iterator draws its base seed from torch's)."""
+    import random
+
+    import numpy as np
+    import torch
+    import transformers
+
+    from slurm_jit import demo_train
+    from slurm_jit.train.trainer import JitTrainer
+
+    targs = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[],
+                                           per_device_eval_batch_size=2, disable_tqdm=True)
+    trainer = JitTrainer(model=demo_train.build_model("gpt2", 16, 1), args=targs,
+                         eval_dataset=demo_train._Tokens(4, seed=1))
+    before = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
+    assert "eval_loss" in trainer.evaluate()
+    assert torch.equal(torch.get_rng_state(), before[0])
+    assert (np.random.get_state()[1] == before[1]).all() and random.getstate() == before[2]
+
+
+def test_exactness_cli_bad_inputs(tmp_path: Path) -> None:
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "slurm_jit.exactness", *args], capture_output=True, text=True,
+                              check=False, timeout=120)
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for args in ([str(tmp_path / "nope"), str(empty)], [str(empty), str(empty)]):
+        done = cli(*args)
+        assert done.returncode == 2 and "HINT:" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    pickled = tmp_path / "ckpt" / "global_step1"
+    pickled.mkdir(parents=True)
+    import torch
+
+    torch.save({"scaler": SimpleNamespace(cur_scale=1.0)}, pickled / "optim_states.pt")
+    done = cli(str(pickled.parent), str(pickled.parent))
+    assert done.returncode == 2 and "--unpickle" in done.stderr, done.stderr
+    done = cli(str(pickled.parent), str(pickled.parent), "--unpickle")
+    assert done.returncode == 0 and done.stdout.startswith("bitwise equal"), done.stdout + done.stderr
