@@ -11,11 +11,10 @@ from pathlib import Path
 
 import jit_helpers
 import pytest
-from jit_helpers import flip_middle_byte, losses, run_logged, run_to_end
+from jit_helpers import losses, run_logged, run_to_end
+from multinode_helpers import USE_LINE, local_slurm
 
 from slurm_jit import slurm
-
-__all__ = ["ensure_cluster", "flip_middle_byte"]  # flip_middle_byte: jit_helpers' (kept importable from here)
 
 LOCAL_SLURM = Path(__file__).resolve().parents[1] / "tools" / "local-slurm"
 CLUSTER_UP_TIMEOUT_S = 300  # a fresh CI machine apt-installs slurm-wlm and munge first; then up waits <= 60 s
@@ -140,3 +139,33 @@ def jobs() -> Iterator[list[str]]:
             slurm.cancel(job_id)
         except slurm.SlurmError:
             pass  # already gone
+
+
+@pytest.fixture(scope="module")
+def two_nodes() -> Iterator[Path]:
+    """``tools/local-slurm up --nodes 2`` (idempotent); the gateway talks to it until the module ends.
+
+    Skips when it cannot come up (not root, no network namespaces), fails instead under ``CI``."""
+    try:
+        proc = local_slurm("up", "--nodes", "2")
+        message = (proc.stderr or proc.stdout).strip()
+        confs = [line.removeprefix(USE_LINE) for line in proc.stdout.splitlines() if line.startswith(USE_LINE)]
+        up = proc.returncode == 0 and len(confs) == 1
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        message, up = str(exc), False
+    if not up:
+        message = f"two-node local Slurm cluster not up: {message}"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SLURM_CONF", confs[0])
+        assert slurm.available(), f"{confs[0]}: no controller answers"
+        yield Path(confs[0])
+
+
+@pytest.fixture
+def two_node_jobs(two_nodes: Path, jobs: list[str]) -> list[str]:
+    """Job ids to scancel on the two-node cluster after the test: conftest's ``jobs``, set up after (so torn
+    down before) ``two_nodes``, whose SLURM_CONF is then still in force."""
+    return jobs

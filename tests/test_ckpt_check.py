@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from ckpt_factory import write_evil_pt
-from conftest import flip_middle_byte
+from jit_helpers import flip_middle_byte
 from transformers.trainer_utils import get_last_checkpoint
 
 from slurm_jit.checkpoint import protocol

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_grace_cli import EXAMPLE_SIZING, EXPECTED, SBATCH, TINY_SIZING, grace_calc
+from grace_helpers import EXAMPLE_SIZING, EXPECTED, SBATCH, TINY_SIZING, grace_calc
 
 from slurm_jit import slurm
 

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 from jit_helpers import ckpt_check, losses, run_to_end
-from test_multinode import two_node_jobs, two_nodes  # noqa: F401 (fixtures: the cluster, its job cleanup)
 
 from slurm_jit import slurm
 from slurm_jit.train import stop_record
@@ -64,7 +63,7 @@ def _ended(job_id: str) -> dict[str, str] | None:
 
 @pytest.mark.timeout(3 * JOB_DEADLINE_S)
 def test_two_nodes_through_submit_time_limit_jit_requeue_resume_finish(
-    tmp_path: Path, two_node_jobs: list[str]  # noqa: F811
+    tmp_path: Path, two_node_jobs: list[str]
 ) -> None:
     out = tmp_path / "out dir"  # a space: the path reaches sbatch, the gate and the ranks as data
     train = ["--model", "gpt2", "--zero-stage", "2", "--max-steps", str(MAX_STEPS), "--save-steps", "150"]

@@ -2,37 +2,30 @@
 own names and addresses (node2 in its own network namespace), one rank per node talking over those addresses,
 and a DeepSpeed JIT stop and resume across them. Plus unit tests of how each rank finds MASTER_ADDR.
 
-The two-node cluster is a second instance beside the single-node one: these tests point the Slurm gateway at
-its config for the module's duration and cancel their own jobs there (the ``jobs`` fixture cancels through the
-default config). 2.4 min measured on 2 cores under load ~13: the all-reduce job 13 s, the two DeepSpeed jobs
-(start, JIT stop; resume, finish) 87 s, the cluster's down and up 16 s (~5 s to start it on first use).
+The two-node cluster is a second instance beside the single-node one: the ``two_nodes`` fixture (conftest)
+points the Slurm gateway at its config for the module's duration, and ``two_node_jobs`` cancels this module's jobs
+there. 2.4 min measured on 2 cores under load ~13: the all-reduce job 13 s, the two DeepSpeed jobs (start, JIT
+stop; resume, finish) 87 s, the cluster's down and up 16 s (~5 s to start it on first use).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 from jit_helpers import ckpt_check, losses
+from multinode_helpers import CALLER_ENV, UP_TIMEOUT_S, local_slurm
 
 from slurm_jit import slurm
 from slurm_jit.checkpoint import protocol
 from slurm_jit.train import dist_env, stop_record
 
-LOCAL_SLURM = Path(__file__).resolve().parents[1] / "tools" / "local-slurm"
-UP_TIMEOUT_S = 300  # a fresh CI machine may apt-install first; then up waits <= 60 s for the nodes
-USE_LINE = "local-slurm: use it with: export SLURM_CONF="
-# Settings of one instance, which the two-node one must not inherit from the caller's environment.
-INSTANCE_VARS = ("SLURM_CONF", "SLURM_JIT_LOCAL_STATE")
-CALLER_ENV = dict(os.environ)  # as the session started, before the module points SLURM_CONF at two nodes
-TWO_NODE_ENV = {k: v for k, v in CALLER_ENV.items() if k not in INSTANCE_VARS}
 NETNS = "slurm-jit-node2"  # tools/local-slurm's names for node2's network namespace and node1's veth end
 HOST_VETH = "sjl-node1"
 NODES = ("node1", "node2")  # tools/local-slurm names them so
@@ -108,45 +101,6 @@ def test_master_addr_falls_back_to_the_name_when_slurm_cannot_say(monkeypatch: p
 # --- the real two-node cluster ---------------------------------------------------------------------------
 
 
-def local_slurm(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """tools/local-slurm ARGS, by default with the two-node cluster's own settings."""
-    return subprocess.run([str(LOCAL_SLURM), *args], capture_output=True, text=True, timeout=UP_TIMEOUT_S,
-                          check=False, env=TWO_NODE_ENV if env is None else env)
-
-
-@pytest.fixture(scope="module")
-def two_nodes() -> Iterator[Path]:
-    """``tools/local-slurm up --nodes 2`` (idempotent); the gateway talks to it until the module ends.
-
-    Skips when it cannot come up (not root, no network namespaces), fails instead under ``CI``."""
-    try:
-        proc = local_slurm("up", "--nodes", "2")
-        message = (proc.stderr or proc.stdout).strip()
-        confs = [line.removeprefix(USE_LINE) for line in proc.stdout.splitlines() if line.startswith(USE_LINE)]
-        up = proc.returncode == 0 and len(confs) == 1
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        message, up = str(exc), False
-    if not up:
-        message = f"two-node local Slurm cluster not up: {message}"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("SLURM_CONF", confs[0])
-        assert slurm.available(), f"{confs[0]}: no controller answers"
-        yield Path(confs[0])
-
-
-@pytest.fixture
-def two_node_jobs(two_nodes: Path) -> Iterator[list[str]]:
-    """Job ids to scancel on the two-node cluster after the test, whatever happens."""
-    ids: list[str] = []
-    yield ids
-    for job_id in ids:
-        try:
-            slurm.cancel(job_id)
-        except slurm.SlurmError:
-            pass  # already gone
 
 
 def wait_job(job_id: str, done: set[str], timeout_s: float, log: Path) -> dict[str, str]:

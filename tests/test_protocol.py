@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import flip_middle_byte
+from jit_helpers import flip_middle_byte
 
 from slurm_jit.checkpoint import protocol
 from slurm_jit.checkpoint.protocol import MANIFEST_NAME, SENTINEL_NAME, Status

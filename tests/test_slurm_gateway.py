@@ -9,7 +9,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from conftest import ensure_cluster
 
 from slurm_jit import slurm
 
@@ -165,14 +164,14 @@ def test_missing_command_says_how_to_fix(monkeypatch: pytest.MonkeyPatch, tmp_pa
 
 
 @pytest.mark.slurm
+@pytest.mark.usefixtures("slurm_cluster")
 def test_available_with_the_local_cluster_up() -> None:
-    ensure_cluster()
     assert slurm.available() is True
 
 
 @pytest.mark.slurm
+@pytest.mark.usefixtures("slurm_cluster")
 def test_failed_command_raises_with_slurms_message() -> None:
-    ensure_cluster()
     expected = r"scontrol show job 999999999 failed \(exit 1\): .*Invalid job id"
     with pytest.raises(slurm.SlurmError, match=expected):
         slurm.show_job("999999999")

@@ -293,11 +293,15 @@ def _train(args: argparse.Namespace, common: dict[str, Any]) -> None:
     import transformers
 
     if args.trainer == "jit":
+        from slurm_jit.train.refusals import JitRefusal
         from slurm_jit.train.trainer import JitConfig, JitTrainer
 
-        trainer: Any = JitTrainer(**common, jit_config=JitConfig(
-            kill_wait_s=args.kill_wait, ignore_signals_in_workers=not args.workers_take_signals,
-            signals=tuple(args.signals.split(","))))
+        try:
+            config = JitConfig(kill_wait_s=args.kill_wait, ignore_signals_in_workers=not args.workers_take_signals,
+                               signals=tuple(args.signals.split(",")))
+        except ValueError as exc:  # one line with its HINT, as every refusal
+            raise JitRefusal(f"JitConfig: {exc}") from None
+        trainer: Any = JitTrainer(**common, jit_config=config)
     else:
         trainer = transformers.Trainer(**common)
     for callback in common["callbacks"]:

@@ -36,6 +36,7 @@ import enum
 import json
 import os
 import re
+import shutil
 import stat
 import time
 from collections.abc import Callable, Collection, Iterable
@@ -66,6 +67,7 @@ SHOWN_VALUE_CHARS = 40  # of a value from a checkpoint file, in a reason
 QUARANTINE_SUFFIX = ".incomplete"
 QUARANTINED_RE = re.compile(r"checkpoint-[0-9]+\.incomplete(\.[0-9]+)?", re.ASCII)
 SAVE_KINDS = ("jit", "periodic", "final")
+DELETING_PREFIX = ".slurm-jit-deleting-"  # a checkpoint being deleted: out of every checkpoint-* pattern first
 
 
 class Status(str, enum.Enum):
@@ -354,10 +356,34 @@ def quarantine_path(ckpt_dir: Path) -> Path:
     return target
 
 
+def delete_checkpoint(ckpt_dir: Path) -> None:
+    """Delete a checkpoint so that no instant of it can be taken for a resume point: first an atomic rename out of
+    the ``checkpoint-*`` names (durable), then the removal. Deleting in place could leave, after a kill, the files
+    without the manifest: a whole-looking ``unverified`` checkpoint whose directory mtime (the removal's) makes it
+    the newest."""
+    doomed = ckpt_dir.with_name(f"{DELETING_PREFIX}{ckpt_dir.name}.{time.time_ns()}")
+    try:
+        os.rename(ckpt_dir, doomed)
+    except FileNotFoundError:
+        return  # already gone
+    fsync_dir(ckpt_dir.parent)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def remove_deletion_leftovers(out_dir: Path) -> None:
+    """Finish deletions that a kill interrupted (directories renamed by :func:`delete_checkpoint`)."""
+    for leftover in out_dir.glob(f"{DELETING_PREFIX}*"):
+        if leftover.is_dir() and not leftover.is_symlink():
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
 def quarantine(resolution: Resolution) -> list[tuple[Path, Path]]:
-    """Rename every non-resumable directory newer than the resume point; never deletes anything."""
+    """Rename every non-resumable directory newer than the resume point; never deletes anything. A model-only
+    checkpoint is whole (just not a resume point): it stays where it is."""
     moved: list[tuple[Path, Path]] = []
     for ckpt in resolution.passed_over:
+        if ckpt.status is Status.MODEL_ONLY:
+            continue
         target = quarantine_path(ckpt.path)
         try:
             os.rename(ckpt.path, target)

@@ -62,9 +62,23 @@ def _read_latest_tag(ckpt_dir: Path) -> str | None:
         os.close(fd)
 
 
+def _broken(path: Path, match: re.Match[str] | None) -> str | None:
+    """Why the protocol calls this checkpoint incomplete or corrupt, or None (an explicit path is checked too)."""
+    if match is None:  # not named checkpoint-<step>: the step is unknown; the sentinel still says "unfinished"
+        sentinel = path / protocol.SENTINEL_NAME
+        return f"{protocol.SENTINEL_NAME} present" if sentinel.exists() or sentinel.is_symlink() else None
+    info = protocol.inspect(path, int(match.group(1)))
+    if info.status in (protocol.Status.INCOMPLETE, protocol.Status.CORRUPT):
+        return f"{info.status.value} ({info.reason})"
+    return None
+
+
 def resume_refusal(ckpt_dir: str | os.PathLike[str], *, world_size: int) -> str | None:
     """Why this checkpoint cannot be resumed exactly by a run of ``world_size`` ranks, or None."""
     path = Path(ckpt_dir)
+    if not path.is_dir():
+        return (f"{path}: no such checkpoint directory. HINT: pass an existing checkpoint-<step> directory, or "
+                "resume_from_checkpoint=True to resume from the newest resumable one in output_dir")
     match = protocol.CHECKPOINT_RE.fullmatch(path.name)
     manifest = None
     if (path / protocol.MANIFEST_NAME).is_file():
@@ -85,4 +99,8 @@ def resume_refusal(ckpt_dir: str | os.PathLike[str], *, world_size: int) -> str 
                 "another step (transformers' enable_jit_checkpoint saves step S+1's engine as checkpoint-S), "
                 "and every later JIT save would be refused. HINT: resume from an earlier checkpoint whose tag "
                 "matches its step (ckpt-check OUT_DIR), or move this one aside")
+    broken = _broken(path, match)
+    if broken:
+        return (f"{path}: {broken}: resuming it would load a partial or damaged state. HINT: resume from the "
+                "checkpoint ckpt-check OUT_DIR names, or resume_from_checkpoint=True")
     return None

@@ -37,7 +37,8 @@ class SignalLatch:
 
     def install(self) -> None:
         for signum in self.signums:
-            self._previous[signum] = signal.signal(signum, self._handler)
+            if signum not in self._previous:  # a signal named twice must not record this latch as "previous"
+                self._previous[signum] = signal.signal(signum, self._handler)
 
     def restore(self, keep_ignoring: bool = False) -> None:
         """Put the previous handlers back; or, with ``keep_ignoring``, ignore the signals from now on."""

@@ -33,6 +33,9 @@ EXIT_BY_STATE = {"finished": EXIT_FINISHED, "jit_stop": EXIT_REQUEUE, "running":
                  "failed": EXIT_CRASHED}
 
 
+PATH_FIELDS = ("checkpoint", "resumed_from")  # written absolute: a relative output_dir is relative to one cwd
+
+
 def path(output_dir: str | os.PathLike[str]) -> Path:
     return Path(output_dir) / TIMING_DIR / STOP_RECORD_NAME
 
@@ -43,6 +46,9 @@ def write(output_dir: str | os.PathLike[str], state: str, **fields: Any) -> None
         raise ValueError(f"unknown stop state {state!r}")
     target = path(output_dir)
     target.parent.mkdir(parents=True, exist_ok=True)
+    for key in PATH_FIELDS:  # read later from another working directory (a requeued job, a script)
+        if isinstance(fields.get(key), str):
+            fields[key] = os.path.abspath(fields[key])
     record = {"state": state, "time": time.time(), "job_id": os.environ.get("SLURM_JOB_ID"),
               "restart_count": os.environ.get("SLURM_RESTART_COUNT"), **fields}
     tmp = target.with_suffix(".tmp")

@@ -27,7 +27,6 @@ import logging
 import math
 import os
 import re
-import shutil
 import signal
 import time
 import uuid
@@ -40,7 +39,7 @@ from transformers.trainer_utils import TrainOutput
 
 from slurm_jit.checkpoint import manifest as manifest_file
 from slurm_jit.checkpoint import protocol
-from slurm_jit.grace.calc import AGREE_BLOCKING
+from slurm_jit.grace.calc import AGREE_BLOCKING, SLURM_SIGNAL_LEAD_MAX_S
 from slurm_jit.signal_names import parse_signal
 from slurm_jit.timing import WARMUP_STEPS, TimingLog
 from slurm_jit.train import exact_resume, runtime_grace, stop_record
@@ -52,6 +51,18 @@ logger = logging.getLogger(__name__)
 
 FAULT_SAVE_SLEEP_ENV = "SLURM_JIT_FAULT_SAVE_SLEEP_S"  # fault injection: seconds to stall inside every save
 LINEAGE_ID_CHARS = 12  # hex digits of a training lineage id (the manifest's run_id)
+# A JitConfig duration above Slurm's largest signal lead can never be waited out before the kill (and a huge one
+# overflows time.sleep on the stop path).
+MAX_CONFIG_S = SLURM_SIGNAL_LEAD_MAX_S
+# Signals that cannot request a stop: uncatchable, sent for other reasons (SIGCHLD at every DataLoader worker's
+# exit), or faults (a handler that only sets a flag returns to the faulting instruction).
+UNFIT_STOP_SIGNALS = {
+    signal.SIGKILL: "cannot be caught", signal.SIGSTOP: "cannot be caught",
+    signal.SIGCHLD: "is sent whenever a child process (a DataLoader worker) exits",
+    signal.SIGCONT: "is sent on every resume of a stopped process", signal.SIGURG: "is not a stop request",
+    signal.SIGWINCH: "is not a stop request", signal.SIGSEGV: "is a fault", signal.SIGBUS: "is a fault",
+    signal.SIGILL: "is a fault", signal.SIGFPE: "is a fault",
+}
 DEFAULT_KILL_WAIT_S = 3.0  # transformers' kill_wait: a SIGKILL this soon after SIGTERM makes a save pointless
 # Files that hold the model weights again beside the fp32 master copy in the optimizer shards: what a JIT save
 # writes over the minimum a resume needs (the DeepSpeed format requires its model-states file).
@@ -72,13 +83,29 @@ class JitConfig:
     side_group_timeout_s: float = SIDE_GROUP_TIMEOUT_S  # timeout of the gloo side group's collectives
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.kill_wait_s) and self.kill_wait_s >= 0):
-            raise ValueError(f"kill_wait_s={self.kill_wait_s!r}. HINT: a number of seconds >= 0, e.g. 3")
+        for name in ("kill_wait_s", "side_group_timeout_s"):
+            _check_seconds(name, getattr(self, name), allow_zero=name == "kill_wait_s")
+        if isinstance(self.signals, str) or not isinstance(self.signals, tuple | list):
+            raise ValueError(f"signals={self.signals!r} is not a tuple of names. HINT: signals=('TERM',)")
         if not self.signals:
             raise ValueError("signals is empty. HINT: signals=('TERM',)")
+        seen: set[signal.Signals] = set()
         for name in self.signals:
-            if parse_signal(name) in (signal.SIGKILL, signal.SIGSTOP):
-                raise ValueError(f"{name} cannot be caught. HINT: use TERM or USR1")
+            signum = parse_signal(name)
+            if signum in UNFIT_STOP_SIGNALS:
+                raise ValueError(f"signals: {name!r} {UNFIT_STOP_SIGNALS[signum]}. HINT: use TERM or USR1")
+            if signum in seen:
+                raise ValueError(f"signals={tuple(self.signals)!r} names {signum.name} twice. HINT: list each "
+                                 "signal once, e.g. ('TERM', 'USR1')")
+            seen.add(signum)
+
+
+def _check_seconds(name: str, value: object, allow_zero: bool) -> None:
+    """A JitConfig duration: a finite number of seconds, >= 0 (or > 0), at most MAX_CONFIG_S."""
+    number = float(value) if isinstance(value, int | float) and not isinstance(value, bool) else math.nan
+    if not (0 <= number <= MAX_CONFIG_S and (allow_zero or number > 0)):  # NaN fails every comparison
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name}={value!r}. HINT: a number of seconds {bound} and <= {MAX_CONFIG_S}, e.g. 3")
 
 
 def _signal_name(signum: int | None) -> str | None:
@@ -86,7 +113,8 @@ def _signal_name(signum: int | None) -> str | None:
 
 
 class _StopBeforeFirstStep(Exception):
-    """Raised from on_train_begin when a stop was agreed before the first step."""
+    """Raised when a stop was agreed before this run's first step: in on_train_begin, or during an evaluation
+    that runs before it (the one owed on resume, eval_on_start)."""
 
 
 class _EvalAborted(Exception):
@@ -436,6 +464,14 @@ class JitTrainer(transformers.Trainer):
             run.eval_aborted = run.eval_owed = True
             self.control.should_save = False  # the JIT save takes the place of this step's periodic one
             metrics = {}
+            if run.steps_done == 0:
+                # No step trained yet: the state is the checkpoint resumed from, which still owes this
+                # evaluation (a new checkpoint one step on would owe it at the wrong step, and lose this one).
+                run.stopped = True
+                logger.warning("slurm_jit: evaluation at step %d aborted before this run's first step: exiting "
+                               "without a new checkpoint (%s still owes it)", self.state.global_step,
+                               run.resumed_from or "a fresh start")
+                raise _StopBeforeFirstStep from None
             logger.warning("slurm_jit: evaluation aborted at step %d for a JIT checkpoint", self.state.global_step)
         else:
             self._take(self._agreement.agree_now(*self._wish()))
@@ -648,10 +684,11 @@ class JitTrainer(transformers.Trainer):
         run = self._jit_run
         if run is not None and run.resumed_from and run.saved_step < 0:
             keep.add(Path(run.resumed_from).resolve())
+        protocol.remove_deletion_leftovers(run_dir)
         checkpoints, _ = protocol.scan(run_dir)
         for ckpt in protocol.rotation_victims(checkpoints, limit, keep):
             logger.info("slurm_jit: deleting %s (save_total_limit=%d)", ckpt.path, limit)
-            shutil.rmtree(ckpt.path, ignore_errors=True)
+            protocol.delete_checkpoint(ckpt.path)
 
     # ------------------------------------------------------------ grace
 
