@@ -28,8 +28,8 @@ pytestmark = [pytest.mark.slurm, pytest.mark.deepspeed]
 ROOT = Path(__file__).resolve().parents[1]
 SUBMIT = ROOT / "launch" / "submit.py"
 SIGNAL_LEAD_S = 60  # --time=3: the warning comes 60-120 s in (sbatch(1): up to 60 s early), after the start
-MAX_STEPS = 400  # at >= 0.3 s a step the first run cannot finish before the latest warning (120 s)
-STEP_SLEEP_S = 0.3
+MAX_STEPS = 400  # at >= 0.4 s a step the first run cannot finish before the latest warning (120 s) plus margin
+STEP_SLEEP_S = 0.4
 RESUMED_TIME_LIMIT_MIN = 8  # the requeued run gets time to finish: the loop is under test, not a second warning
 JOB_DEADLINE_S = 420  # a hang detector for each phase
 POLL_S = 1.0

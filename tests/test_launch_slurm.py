@@ -57,12 +57,29 @@ def _until(what: str, check, out: Path, job_id: str, timeout_s: float = JOB_DEAD
             return value
         time.sleep(1)
     raise AssertionError(f"job {job_id}: {what} not within {timeout_s} s; "
-                         f"{slurm.show_job(job_id).get('JobState')}\n{_log(out, job_id)[-3000:]}")
+                         f"{_state(job_id)}\n{_log(out, job_id)[-3000:]}")
+
+
+def _state(job_id: str) -> str:
+    try:
+        return slurm.show_job(job_id).get("JobState", "?")
+    except slurm.SlurmError as exc:  # ended more than MinJobAge ago: the record is gone, the log is what is left
+        return str(exc)
 
 
 def _ended(job_id: str) -> dict[str, str] | None:
     job = slurm.show_job(job_id)
     return job if slurm.job_state(job) in ENDED else None
+
+
+def _requeued(job_id: str, out: Path) -> bool:
+    """True once the job has restarted; an end without a restart fails at once (its record is purged later)."""
+    job = slurm.show_job(job_id)
+    if job.get("Restarts", "0") != "0":
+        return True
+    assert slurm.job_state(job) not in ENDED, f"job {job_id} ended {job['JobState']} without a requeue\n" \
+                                              f"{_log(out, job_id)[-3000:]}"
+    return False
 
 
 def _steps_at_least(out: Path, n: int) -> bool:
@@ -104,11 +121,13 @@ def _final_losses(out: Path) -> list[tuple[int, float]]:
 
 def test_time_limit_signal_jit_requeue_resume_finish_through_submit(tmp_path: Path, jobs: list[str]) -> None:
     out = tmp_path / "out"
-    train = ("--max-steps", "400", "--save-steps", "150", "--step-sleep", "0.2")
+    # 400 steps of >= 0.4 s: the first run cannot finish before the latest warning, 120 s in (at 0.2 s a step it
+    # did on an idle CI machine: finished at 90 s, no requeue, and the record was purged while the test waited).
+    train = ("--max-steps", "400", "--save-steps", "150", "--step-sleep", "0.4")
     job_id = _submit(out, jobs, "--max-requeues", "3", "--job-name", "time limit; $(x)", train=train)
     assert slurm.run(["squeue", "-h", "-j", job_id, "-o", "%j"]).strip() == "time limit; $(x)"  # as argv
     reference = _reference(tmp_path, ["--max-steps", "400", "--save-steps", "150"])
-    _until("the requeue", lambda: slurm.show_job(job_id).get("Restarts", "0") != "0", out, job_id)
+    _until("the requeue", lambda: _requeued(job_id, out), out, job_id)
     # The requeued run gets the time to finish (the loop itself is what is under test, not a second warning).
     slurm.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=8"])
     job = _until("the end", lambda: _ended(job_id), out, job_id)
@@ -219,7 +238,7 @@ def test_raw_sbatch_preempted_through_urgent_is_requeued_and_finishes(tmp_path: 
     urgent = slurm.run(["sbatch", "--parsable", "--partition=urgent", "--ntasks=2", "--cpus-per-task=1",
                         "--time=1", f"--output={tmp_path}/urgent-%j.out", "--wrap=sleep 5"]).strip()
     jobs.append(urgent)
-    _until("the requeue", lambda: slurm.show_job(job_id).get("Restarts", "0") != "0", out, job_id)
+    _until("the requeue", lambda: _requeued(job_id, out), out, job_id)
     job = _until("the end", lambda: _ended(job_id), out, job_id)
     log = _log(out, job_id)
     decisions = _decisions(log)
