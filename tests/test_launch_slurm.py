@@ -50,11 +50,15 @@ def _log(out: Path, job_id: str) -> str:
 
 
 def _until(what: str, check, out: Path, job_id: str, timeout_s: float = JOB_DEADLINE_S):  # type: ignore[no-untyped-def]
+    """Poll ``check`` until it is truthy; a job that ended first fails at once, with its log (a record is purged
+    MinJobAge after the end, so waiting on would only hide why)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = check()
         if value:
             return value
+        state = _state(job_id)
+        assert state not in ENDED and not state.startswith("PURGED"), f"job {job_id} ended {state} before {what}\n{_log(out, job_id)[-3000:]}"
         time.sleep(1)
     raise AssertionError(f"job {job_id}: {what} not within {timeout_s} s; "
                          f"{_state(job_id)}\n{_log(out, job_id)[-3000:]}")
@@ -62,9 +66,9 @@ def _until(what: str, check, out: Path, job_id: str, timeout_s: float = JOB_DEAD
 
 def _state(job_id: str) -> str:
     try:
-        return slurm.show_job(job_id).get("JobState", "?")
+        return slurm.job_state(slurm.show_job(job_id))
     except slurm.SlurmError as exc:  # ended more than MinJobAge ago: the record is gone, the log is what is left
-        return str(exc)
+        return f"PURGED ({exc})"
 
 
 def _ended(job_id: str) -> dict[str, str] | None:
@@ -72,14 +76,8 @@ def _ended(job_id: str) -> dict[str, str] | None:
     return job if slurm.job_state(job) in ENDED else None
 
 
-def _requeued(job_id: str, out: Path) -> bool:
-    """True once the job has restarted; an end without a restart fails at once (its record is purged later)."""
-    job = slurm.show_job(job_id)
-    if job.get("Restarts", "0") != "0":
-        return True
-    assert slurm.job_state(job) not in ENDED, f"job {job_id} ended {job['JobState']} without a requeue\n" \
-                                              f"{_log(out, job_id)[-3000:]}"
-    return False
+def _requeued(job_id: str) -> bool:
+    return slurm.show_job(job_id).get("Restarts", "0") != "0"
 
 
 def _steps_at_least(out: Path, n: int) -> bool:
@@ -127,7 +125,7 @@ def test_time_limit_signal_jit_requeue_resume_finish_through_submit(tmp_path: Pa
     job_id = _submit(out, jobs, "--max-requeues", "3", "--job-name", "time limit; $(x)", train=train)
     assert slurm.run(["squeue", "-h", "-j", job_id, "-o", "%j"]).strip() == "time limit; $(x)"  # as argv
     reference = _reference(tmp_path, ["--max-steps", "400", "--save-steps", "150"])
-    _until("the requeue", lambda: _requeued(job_id, out), out, job_id)
+    _until("the requeue", lambda: _requeued(job_id), out, job_id)
     # The requeued run gets the time to finish (the loop itself is what is under test, not a second warning).
     slurm.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=8"])
     job = _until("the end", lambda: _ended(job_id), out, job_id)
@@ -238,7 +236,7 @@ def test_raw_sbatch_preempted_through_urgent_is_requeued_and_finishes(tmp_path: 
     urgent = slurm.run(["sbatch", "--parsable", "--partition=urgent", "--ntasks=2", "--cpus-per-task=1",
                         "--time=1", f"--output={tmp_path}/urgent-%j.out", "--wrap=sleep 5"]).strip()
     jobs.append(urgent)
-    _until("the requeue", lambda: _requeued(job_id, out), out, job_id)
+    _until("the requeue", lambda: _requeued(job_id), out, job_id)
     job = _until("the end", lambda: _ended(job_id), out, job_id)
     log = _log(out, job_id)
     decisions = _decisions(log)
