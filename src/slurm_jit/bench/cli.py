@@ -142,8 +142,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     work = Path(args.work_dir) if args.work_dir else out / "work"
     if work.exists():
         shutil.rmtree(work)
+    work.mkdir(parents=True)
     meta: dict[str, Any] = {
-            "profile_flag": profile.flag, "machine": report.machine(), "load_start": report.load_average(),
+            "profile_flag": profile.flag, "machine": report.machine(work), "load_start": report.load_average(),
             "started_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "model": {"width": profile.model.width, "layers": profile.model.layers,
                       "params": profile.model.params()}}

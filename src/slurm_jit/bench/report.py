@@ -15,15 +15,29 @@ BAR_WIDTH = 50  # characters of the longest bar in a text chart
 HIST_BINS = 12
 
 
-def machine() -> dict[str, Any]:
-    """What the numbers depend on: cores, memory, load while it ran (filled in by the caller at the end)."""
-    mem_kib = 0
+def _disk(path: Path) -> str:
+    """The filesystem the runs write to: device, type, size."""
+    import psutil
+
+    path = path.resolve()
+    best = max((p for p in psutil.disk_partitions(all=True) if path.is_relative_to(p.mountpoint)),
+               key=lambda p: len(p.mountpoint), default=None)
+    usage = psutil.disk_usage(str(path))
+    where = f"{best.device} ({best.fstype}) on {best.mountpoint}" if best else "unknown device"
+    return f"{where}, {usage.total / 2**30:.0f} GiB, {usage.free / 2**30:.0f} GiB free"
+
+
+def machine(work: Path) -> dict[str, Any]:
+    """What the numbers depend on: cores, memory, the disk (the load is taken at the start and the end)."""
+    mem_kib, cpu = 0, platform.machine()
     with open("/proc/meminfo", encoding="ascii") as f:
         for line in f:
             if line.startswith("MemTotal:"):
                 mem_kib = int(line.split()[1])
-    return {"nproc": os.cpu_count(), "ram_gib": round(mem_kib / 2**20, 1), "cpu": platform.processor() or
-            platform.machine(), "kernel": platform.release(), "python": platform.python_version()}
+    with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    return {"nproc": os.cpu_count(), "ram_gib": round(mem_kib / 2**20, 1), "cpu": cpu,
+            "kernel": platform.release(), "python": platform.python_version(), "disk": _disk(work)}
 
 
 def load_average() -> list[float]:

@@ -26,6 +26,13 @@ def predicted_s(trial: Trial) -> float:
     return calc.compute_grace(inputs).needed_s
 
 
+def _to_train_returned_s(trial: Trial) -> float | None:
+    """The longest rank's first signal to ``train()`` returning, from the timing log's stop records: where the
+    calculator's sum ends (what follows, the script's and interpreter's exit, it leaves to the margin)."""
+    stops = [r for r in timing.read_records(trial.outcome.out) if r["event"] == "stop"]
+    return max(float(r["dur_s"]) for r in stops) if stops else None
+
+
 def rows(trials: list[Trial]) -> list[Row]:
     ours = [t for t in trials if t.trainer == "ours" and t.completed and t.outcome.signal_to_exit_s is not None]
     compares = (f"grace calculator's prediction (its timed terms from the trial's own timing log) over the "
@@ -33,14 +40,18 @@ def rows(trials: list[Trial]) -> list[Row]:
                 f"(issue: >= {SPEC_TRIALS}; the --full run)")
     if not ours:
         return [failed("signal_exit_prediction_min", "ratio", NEVER_BELOW_TARGET, compares, "no completed trial")]
-    pairs = []
+    pairs: list[tuple[float, float]] = []
+    returned: list[float | None] = []
     for t in ours:
         measured_s = (t.outcome.signal_to_exit_s or 0.0) - t.kill_wait_s
         pairs.append((round(predicted_s(t), 3), round(measured_s, 3)))
+        to_return_s = _to_train_returned_s(t)
+        returned.append(None if to_return_s is None else round(to_return_s - t.kill_wait_s, 3))
     ratios = [p / m for p, m in pairs]
     return [
         measured("signal_exit_prediction_min", min(ratios), "ratio", NEVER_BELOW_TARGET,
-                 compares.replace("over", "(smallest) over", 1), trials=pairs),
+                 compares.replace("over", "(smallest) over", 1), trials=pairs,
+                 signal_to_train_returned_minus_kill_wait_s=returned),
         measured("signal_exit_prediction_max", max(ratios), "ratio", AT_MOST_ABOVE_TARGET,
                  compares.replace("over", "(largest) over", 1)),
     ]
