@@ -13,16 +13,16 @@ AT_MOST_ABOVE_TARGET = "<= 1.25"  # issue 10: and at most 25 % above it
 SPEC_TRIALS = 20  # issue 10: at least 20 trials (the --full run)
 
 
-def predicted_s(trial: Trial) -> float:
+def predicted_s(trial: Trial, margin: calc.Margin | None = None) -> float:
     """Steps to the stop x longest step + save + teardown, from the trial's timing log, as grace-calc sums them
-    (no margin: the margin is what the prediction is allowed to be off by)."""
+    (no margin by default: the margin is what the prediction is allowed to be off by)."""
     summary = timing.load_summary(trial.outcome.out)
     terms = calc.measured_terms(summary)
     if terms.step_s is None or terms.save_s is None:
         raise ValueError(f"no steps or no save in the timing log of {trial.outcome.out}")
     inputs = calc.GraceInputs(step_s=terms.step_s, save_s=terms.save_s, kill_wait_s=0.0,
                               latency_steps=terms.latency_steps, teardown_s=terms.teardown_s or 0.0,
-                              margin=calc.Margin(fraction=0.0, floor_s=0.0))
+                              margin=margin or calc.Margin(fraction=0.0, floor_s=0.0))
     return calc.compute_grace(inputs).needed_s
 
 
@@ -42,6 +42,7 @@ def rows(trials: list[Trial]) -> list[Row]:
         return [failed("signal_exit_prediction_min", "ratio", NEVER_BELOW_TARGET, compares, "no completed trial")]
     pairs: list[tuple[float, float]] = []
     returned: list[float | None] = []
+    with_margin = [round(predicted_s(t, calc.Margin()), 3) for t in ours]  # grace-calc's default margin
     for t in ours:
         measured_s = (t.outcome.signal_to_exit_s or 0.0) - t.kill_wait_s
         pairs.append((round(predicted_s(t), 3), round(measured_s, 3)))
@@ -51,7 +52,7 @@ def rows(trials: list[Trial]) -> list[Row]:
     return [
         measured("signal_exit_prediction_min", min(ratios), "ratio", NEVER_BELOW_TARGET,
                  compares.replace("over", "(smallest) over", 1), trials=pairs,
-                 signal_to_train_returned_minus_kill_wait_s=returned),
+                 signal_to_train_returned_minus_kill_wait_s=returned, predicted_with_default_margin_s=with_margin),
         measured("signal_exit_prediction_max", max(ratios), "ratio", AT_MOST_ABOVE_TARGET,
                  compares.replace("over", "(largest) over", 1)),
     ]
