@@ -77,13 +77,15 @@ def _parser() -> argparse.ArgumentParser:
 def _section(rows: list[Row], name: str, fn: Callable[[], list[Row]]) -> None:
     """Run one section; a section that breaks gives a 'not measured' row instead of ending the run."""
     logger.info("bench: %s", name)
-    started = time.monotonic()
+    started, before = time.monotonic(), len(rows)
     try:
         rows.extend(fn())
     except Exception as exc:  # noqa: BLE001 - reported in the results, and the exit code says so
         logger.exception("bench: %s failed", name)
         rows.append(failed(f"{name}_error", "-", "-", name, f"{type(exc).__name__}: {exc}"))
     logger.info("bench: %s took %.0f s", name, time.monotonic() - started)
+    if rows[before:]:  # as it goes, so that a run cut short still shows what it measured
+        logger.info("bench: %s rows:\n%s", name, report.text_table(rows[before:]))
 
 
 def measure(profile: Profile, work: Path) -> list[Row]:
