@@ -128,6 +128,8 @@ def write(out_dir: Path, rows: list[Row], meta: dict[str, Any]) -> None:
     lines = ["# slurm-jit benchmarks", "",
              f"`tools/bench {meta['profile_flag']}`".replace(" `", "`"), "",
              "Machine: " + ", ".join(f"{k} {v}" for k, v in meta["machine"].items()), "",
+             f"Model of the save, memory, verify and resume rows: GPT-2 width {meta['model']['width']}, "
+             f"{meta['model']['layers']} layers, {meta['model']['params'] / 1e6:.1f} M parameters, fp32, 2 ranks.", "",
              f"Load average (1, 5, 15 min) at the start {meta['load_start']}, at the end {meta['load_end']}; "
              f"ran {meta['wall_s']:.0f} s, {meta['started_utc']}.", "",
              *table(rows), "", *_charts(rows)]
