@@ -74,6 +74,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ds-optimizer", choices=("AdamW",), default=None,
                    help='an "optimizer" section in the DeepSpeed config (default: none, the Trainer\'s AdamW)')
     p.add_argument("--offload", action="store_true", help="ZeRO-Offload: optimizer on CPU (DeepSpeedCPUAdam)")
+    p.add_argument("--jit-save-weights", action="store_true",
+                   help="JitConfig(jit_save_model_weights=True): JIT saves also write model.safetensors (ZeRO-3: "
+                        "the consolidated 16-bit gather)")
+    p.add_argument("--step-times", action="store_true",
+                   help="rank 0 appends each step's end time to OUT/step-times-rank0.jsonl (the benchmarks)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--clip", type=float, default=1.0, help='max_grad_norm (DeepSpeed "gradient_clipping": "auto")')
     p.add_argument("--vocab", type=int, default=VOCAB)
@@ -121,8 +126,11 @@ _DS_OPTIMIZER_PARAMS = {
 }
 
 
-def deepspeed_config(zero_stage: int, optimizer: str | None = None, offload: bool = False) -> dict[str, Any]:
+def deepspeed_config(zero_stage: int, optimizer: str | None = None, offload: bool = False,
+                     gather_16bit: bool = False) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": zero_stage}
+    if gather_16bit:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
     config: dict[str, Any] = {
@@ -162,7 +170,13 @@ def _callbacks(args: argparse.Namespace, rank: int) -> list[Any]:
             if args.eval_sleep:
                 time.sleep(args.eval_sleep)
 
-    callbacks = [LossLog(), Sleep(), *_test_callbacks(args, rank)]
+    class StepTimes(transformers.TrainerCallback):
+        def on_step_end(self, *a: Any, **kw: Any) -> None:
+            if args.step_times and rank == 0:
+                with open(os.path.join(out_dir, "step-times-rank0.jsonl"), "a", encoding="utf-8") as f:
+                    f.write(json.dumps({"time": time.monotonic()}) + "\n")
+
+    callbacks = [LossLog(), Sleep(), StepTimes(), *_test_callbacks(args, rank)]
     if args.dump_state_at:
         callbacks.append(_state_dump_callback(args, rank))
     return callbacks
@@ -260,7 +274,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         eval_steps=args.eval_steps or None,
         dataloader_num_workers=args.workers,
         use_cpu=True,
-        deepspeed=deepspeed_config(args.zero_stage, args.ds_optimizer, args.offload) if args.zero_stage else None,
+        deepspeed=deepspeed_config(args.zero_stage, args.ds_optimizer, args.offload,
+                                   args.jit_save_weights) if args.zero_stage else None,
         report_to=[],
         seed=args.seed,
         disable_tqdm=True,
@@ -298,7 +313,7 @@ def _train(args: argparse.Namespace, common: dict[str, Any]) -> None:
 
         try:
             config = JitConfig(kill_wait_s=args.kill_wait, ignore_signals_in_workers=not args.workers_take_signals,
-                               signals=tuple(args.signals.split(",")))
+                               signals=tuple(args.signals.split(",")), jit_save_model_weights=args.jit_save_weights)
         except ValueError as exc:  # one line with its HINT, as every refusal
             raise JitRefusal(f"JitConfig: {exc}") from None
         trainer: Any = JitTrainer(**common, jit_config=config)

@@ -1,0 +1,63 @@
+"""Row 7: ``ckpt-check`` over 100 real checkpoints (quick mode: manifests and sizes), and ``--deep`` (every
+checksum) against the disk's read limit and against ``sha256sum`` on the same files, page cache dropped first."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from slurm_jit.bench import runs
+from slurm_jit.bench.disk import MB, DiskLimits, drop_page_cache
+from slurm_jit.bench.rows import NO_TARGET, Row, failed, measured
+
+QUICK_TARGET = "< 1.0"  # issue 10: the quick mode over 100 checkpoints under 1 s in all
+DEEP_TARGET = ">= 0.8"  # issue 10: --deep at least 0.8 of the disk's read bandwidth
+CHECK_TIMEOUT_S = 600
+TINY_ARGS = ["--width", "64", "--layers", "2", "--heads", "2"]
+
+
+def _timed(argv: list[str]) -> tuple[float, int]:
+    start_s = time.monotonic()
+    proc = subprocess.run(argv, capture_output=True, check=False, timeout=CHECK_TIMEOUT_S)
+    return time.monotonic() - start_s, proc.returncode
+
+
+def _ckpt_check(out: Path, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "slurm_jit.checkpoint.ckpt_check", str(out), *flags]
+
+
+def quick_row(base: Path, count: int) -> Row:
+    """A real run that saves every step, ``count`` checkpoints kept, then ``ckpt-check`` on its directory."""
+    compares = (f"wall time of `ckpt-check OUT` (a fresh interpreter included) over {count} real JitTrainer "
+                "checkpoints (ZeRO-2, tiny GPT-2)")
+    out = base / "many"
+    outcome = runs.run(out, [*TINY_ARGS, "--max-steps", str(count), "--save-steps", "1"], plan=None)
+    if not outcome.clean:
+        return failed("ckpt_check_quick_s", "s", QUICK_TARGET, compares, f"the run ended {outcome.codes}")
+    elapsed_s, code = _timed(_ckpt_check(out))
+    return measured("ckpt_check_quick_s", elapsed_s, "s", QUICK_TARGET, compares, exit_code=code,
+                    checkpoints=len(list(out.glob("checkpoint-*"))))
+
+
+def deep_rows(out: Path, ckpt: Path, disk: DiskLimits) -> list[Row]:
+    nbytes = runs.tree_bytes(ckpt)
+    compares = f"`ckpt-check --deep` over a {nbytes / MB:.0f} MB JIT checkpoint"
+    dropped = drop_page_cache()
+    cache = "page cache dropped" if dropped else "page cache NOT dropped (not root): reads may be cached"
+    deep_s, code = _timed(_ckpt_check(out, "--deep"))
+    if code != 0:
+        return [failed("ckpt_check_deep_over_disk_read", "ratio", DEEP_TARGET, compares, f"exit code {code}")]
+    drop_page_cache()
+    files = sorted(str(p) for p in ckpt.rglob("*") if p.is_file() and not p.is_symlink())
+    sha_s, _ = _timed(["sha256sum", *files])
+    deep_bps = nbytes / deep_s
+    return [
+        measured("ckpt_check_deep_over_disk_read", deep_bps / disk.read_bps, "ratio", DEEP_TARGET,
+                 f"{compares} ({cache}): bytes / wall time over the disk read limit (row disk_read)",
+                 deep_mb_s=round(deep_bps / MB, 1), disk_read_mb_s=round(disk.read_bps / MB, 1)),
+        measured("ckpt_check_deep_over_sha256sum", deep_s / sha_s, "ratio", NO_TARGET,
+                 f"{compares}: its wall time over `sha256sum` of the same files ({cache})",
+                 deep_s=round(deep_s, 3), sha256sum_s=round(sha_s, 3)),
+    ]

@@ -1,0 +1,171 @@
+"""``tools/bench``: every benchmark row in one run; a table on stdout, results.json and results.md in --out."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from slurm_jit.bench import (
+    ckpt_check_speed,
+    disk,
+    gpu,
+    overhead,
+    report,
+    resume,
+    runs,
+    save,
+    signal_exit,
+    staggered,
+)
+from slurm_jit.bench.rows import Row, failed, skipped
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Profile:
+    """How big and how many: --quick (CI smoke run), the default (~11 min at load 4-5), --full (issue sizes)."""
+
+    flag: str  # "--quick", "" or "--full"
+    model: runs.Model  # the model of the save, memory, verify and resume rows
+    zero3: bool  # run the ZeRO-3 gather on/off pair
+    overhead_steps: int  # steps per run of the agreement-overhead pair (0: not run)
+    overhead_repeats: int  # interleaved plain/jit pairs
+    trials_per_delay: int  # staggered-signal trials per delay and trainer (0: not run)
+    extra_signal_trials: int  # more JitTrainer trials with simultaneous signals, for row 5's count
+    ckpt_count: int  # checkpoints ckpt-check's quick mode reads
+
+
+QUICK = Profile(flag="--quick", model=runs.Model(width=128, layers=2, heads=2), zero3=False, overhead_steps=0,
+                overhead_repeats=0, trials_per_delay=0, extra_signal_trials=0, ckpt_count=10)
+# The issue's reference model (GPT-2 width 512, 8 layers: ~300 MB of resumable state, ~405 MB written).
+DEFAULT = Profile(flag="", model=runs.Model(width=512, layers=8), zero3=True, overhead_steps=150,
+                  overhead_repeats=1, trials_per_delay=2, extra_signal_trials=0, ckpt_count=100)
+# Width 768, 13 layers: 92 M parameters, 1.1 GB (1.03 GiB) of fp32 master weights + Adam moments; 20 signal trials.
+FULL = Profile(flag="--full", model=runs.Model(width=768, layers=13, heads=12), zero3=True, overhead_steps=300,
+               overhead_repeats=2, trials_per_delay=5, extra_signal_trials=4, ckpt_count=100)
+
+# Every row of every profile, in order: a row a profile does not run is reported skipped.
+ROW_NAMES = (
+    "disk_write", "disk_read", "save_bw_over_disk_zero2", "bytes_over_needed_zero2", "save_vs_upstream_plus_sync",
+    "upstream_bytes_over_needed", "save_bw_over_disk_zero3", "bytes_over_needed_zero3", "zero3_gather_on_over_off",
+    "memory_peak_over_steady", "agreement_overhead_median", "agreement_overhead_p99", "signal_exit_prediction_min",
+    "signal_exit_prediction_max", "staggered_ours_completed", "staggered_upstream_completed", "ckpt_check_quick_s",
+    "ckpt_check_deep_over_disk_read", "ckpt_check_deep_over_sha256sum", "resume_over_fresh_start",
+    "resume_load_over_disk_read", *gpu.GPU_ROWS,
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tools/bench", description=__doc__)
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="smoke run (CI): tiny model, few runs, under ~2 min")
+    size.add_argument("--full", action="store_true", help="the issue's sizes: a >= 1 GiB state, 20 signal trials")
+    p.add_argument("--out", default="bench-results", help="results.json and results.md go here")
+    p.add_argument("--work-dir", default=None, help="where the runs write (default: OUT/work, removed after)")
+    p.add_argument("--keep-work", action="store_true", help="keep the runs' output directories")
+    return p
+
+
+def _section(rows: list[Row], name: str, fn: Callable[[], list[Row]]) -> None:
+    """Run one section; a section that breaks gives a 'not measured' row instead of ending the run."""
+    logger.info("bench: %s", name)
+    started, before = time.monotonic(), len(rows)
+    try:
+        rows.extend(fn())
+    except Exception as exc:  # noqa: BLE001 - reported in the results, and the exit code says so
+        logger.exception("bench: %s failed", name)
+        rows.append(failed(f"{name}_error", "-", "-", name, f"{type(exc).__name__}: {exc}"))
+    logger.info("bench: %s took %.0f s", name, time.monotonic() - started)
+    if rows[before:]:  # as it goes, so that a run cut short still shows what it measured
+        logger.info("bench: %s rows:\n%s", name, report.text_table(rows[before:]))
+
+
+def measure(profile: Profile, work: Path) -> list[Row]:
+    rows: list[Row] = []
+    z2: list[save.JitSave] = []
+    limits: list[disk.DiskLimits] = []
+
+    def zero2() -> list[Row]:
+        z2.append(save.run_ours(work / "zero2", profile.model, 2))
+        limits.append(disk.measure(work, z2[0].total_bytes))
+        return [*disk.rows(limits[0], work), save.bandwidth_row("save_bw_over_disk_zero2", z2[0], limits[0], "ZeRO-2"),
+                save.bytes_row("bytes_over_needed_zero2", z2[0], "ZeRO-2"), save.memory_row(z2[0])]
+
+    _section(rows, "save_zero2", zero2)
+    if not z2:
+        return rows
+    ours, limit = z2[0], limits[0]
+    _section(rows, "upstream", lambda: save.upstream_rows(work / "upstream", profile.model, ours))
+    _section(rows, "ckpt_check_deep", lambda: ckpt_check_speed.deep_rows(ours.outcome.out, ours.ckpt, limit))
+    _section(rows, "resume", lambda: resume.rows(ours, profile.model, limit))
+    if profile.zero3:
+        _section(rows, "save_zero3", lambda: save.zero3_rows(work, profile.model, limit))
+    if profile.overhead_steps:
+        _section(rows, "overhead", lambda: overhead.rows(work / "overhead", profile.overhead_steps,
+                                                         profile.overhead_repeats))
+    _section(rows, "signals", lambda: _signal_rows(profile, work, ours))
+    _section(rows, "ckpt_check_quick", lambda: [ckpt_check_speed.quick_row(work / "ckpt-check", profile.ckpt_count)])
+    _section(rows, "gpu", gpu.rows)
+    return rows
+
+
+def _signal_rows(profile: Profile, work: Path, ours: save.JitSave) -> list[Row]:
+    first = staggered.Trial(trainer="ours", delay_s=-1.0, outcome=ours.outcome, completed=True,
+                            kill_wait_s=save.KILL_WAIT_S)  # the save run: simultaneous signals, not a stagger trial
+    trials = [first]
+    if profile.trials_per_delay:
+        trials += staggered.run_trials(work / "staggered", profile.trials_per_delay)
+    if profile.extra_signal_trials:
+        trials += staggered.run_trials(work / "signal-exit", profile.extra_signal_trials, ("ours",), (0.0,))
+    return [*signal_exit.rows(trials), *staggered.rows(trials)]
+
+
+def _complete(rows: list[Row], profile: Profile) -> list[Row]:
+    """Every row of ROW_NAMES in order; one this profile did not run is skipped with the reason."""
+    by_name = {r.name: r for r in rows}
+    why = f"not run by `tools/bench {profile.flag}`".replace(" `", "`") + " (see --help)"
+    ordered = [by_name.pop(n) if n in by_name else skipped(n, "-", "-", "-", why) for n in ROW_NAMES]
+    return ordered + list(by_name.values())  # the errors of broken sections last
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    profile = QUICK if args.quick else FULL if args.full else DEFAULT
+    out = Path(args.out)
+    work = Path(args.work_dir) if args.work_dir else out / "work"
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    meta: dict[str, Any] = {
+            "profile_flag": profile.flag, "machine": report.machine(work), "load_start": report.load_average(),
+            "started_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "model": {"width": profile.model.width, "layers": profile.model.layers,
+                      "params": profile.model.params()}}
+    started = time.monotonic()
+    try:
+        rows = _complete(measure(profile, work), profile)
+    finally:
+        if not args.keep_work:
+            shutil.rmtree(work, ignore_errors=True)
+    meta.update(load_end=report.load_average(), wall_s=time.monotonic() - started)
+    report.write(out, rows, meta)
+    print(report.text_table(rows))
+    print(f"results: {out / 'results.json'}, {out / 'results.md'}")
+    broken = [r.name for r in rows if r.note.startswith("not measured")]
+    if broken:
+        print(f"tools/bench: not measured: {', '.join(broken)}. HINT: see the log above", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
