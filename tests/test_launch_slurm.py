@@ -58,7 +58,8 @@ def _until(what: str, check, out: Path, job_id: str, timeout_s: float = JOB_DEAD
         if value:
             return value
         state = _state(job_id)
-        assert state not in ENDED and not state.startswith("PURGED"), f"job {job_id} ended {state} before {what}\n{_log(out, job_id)[-3000:]}"
+        ended = state in ENDED or state.startswith("PURGED")
+        assert not ended, f"job {job_id} ended {state} before {what}\n{_log(out, job_id)[-3000:]}"
         time.sleep(1)
     raise AssertionError(f"job {job_id}: {what} not within {timeout_s} s; "
                          f"{_state(job_id)}\n{_log(out, job_id)[-3000:]}")
