@@ -1,0 +1,92 @@
+"""What JitTrainer needs from the installed Trainer, checked once at construction; and the few places where a
+JitTrainer behaves differently from a Trainer on purpose (listed in the README's table).
+
+JitTrainer overrides private Trainer methods. A transformers release that renames one, or changes what it is
+called with, would otherwise break at the first stop on a cluster (a checkpoint never written, a resume that
+diverges): instead the construction fails with one line naming the supported range.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+from collections.abc import Iterator
+from importlib import metadata
+from typing import Any
+
+from slurm_jit.train.refusals import JitRefusal
+
+logger = logging.getLogger(__name__)
+
+# The range tested (keep equal to pyproject.toml's dependencies; tests/test_compat_hooks.py checks it).
+SUPPORTED_RANGE = "transformers>=5.24,<6, accelerate>=1.15,<2, deepspeed>=0.19.8,<0.20"
+# Every Trainer method JitTrainer overrides or calls by a private name, with the parameters (after self) that
+# transformers 5.24 gives it, in order. Upstream may add parameters after these, with defaults.
+TRAINER_HOOKS: dict[str, tuple[str, ...]] = {
+    "_get_dataloader": ("dataset", "description", "batch_size", "sampler_fn", "is_training"),
+    "_maybe_log_save_evaluate": ("tr_loss", "grad_norm", "model", "trial", "epoch", "ignore_keys_for_eval",
+                                 "start_time"),
+    "_evaluate": ("trial", "ignore_keys_for_eval", "skip_scheduler"),
+    "_load_rng_state": ("checkpoint",),
+    "_determine_best_metric": ("metrics", "trial"),
+    "_load_optimizer_and_scheduler": ("checkpoint",),
+    "_finalize_training": ("trial", "num_train_samples", "start_time"),
+    "_load_best_model": (),
+    "_finish_current_push": (),
+    "_save_checkpoint": ("model", "trial"),
+    "_get_output_dir": ("trial",),
+}
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def hook_problem(trainer_cls: type, name: str, expected: tuple[str, ...]) -> str | None:
+    """Why ``trainer_cls.name`` cannot be the hook JitTrainer expects, or None when it can."""
+    method = getattr(trainer_cls, name, None)
+    if not callable(method):
+        return f"has no Trainer.{name}()"
+    params = list(inspect.signature(method).parameters.values())[1:]  # without self
+    names = [p.name for p in params]
+    if tuple(names[:len(expected)]) != expected:
+        return f"Trainer.{name}({', '.join(names)}) is not Trainer.{name}({', '.join(expected)}, ...)"
+    extra = [p.name for p in params[len(expected):]
+             if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if extra:
+        return f"Trainer.{name}() requires new parameters {extra}"
+    return None
+
+
+def check_trainer_hooks(trainer_cls: type | None = None) -> None:
+    """Raise JitRefusal (one line) when the installed Trainer lacks a hook JitTrainer relies on."""
+    if trainer_cls is None:
+        import transformers
+
+        trainer_cls = transformers.Trainer
+    for name, expected in TRAINER_HOOKS.items():
+        problem = hook_problem(trainer_cls, name, expected)
+        if problem:
+            raise JitRefusal(f"slurm_jit: transformers {_version('transformers')} {problem}: JitTrainer "
+                             f"supports {SUPPORTED_RANGE}. HINT: pip install 'transformers>=5.24,<6' (tested: "
+                             "5.24.0)")
+
+
+@contextlib.contextmanager
+def eval_on_start_once(args: Any, resuming: bool) -> Iterator[None]:
+    """A resumed run is the continuation of one training, which evaluated at its start already: upstream's
+    ``eval_on_start`` would evaluate again at the resumed step (a point the uninterrupted run never logged,
+    next to the evaluation a stop left owed). Off while a resume runs, back afterwards."""
+    if not (resuming and getattr(args, "eval_on_start", False)):
+        yield
+        return
+    logger.info("slurm_jit: eval_on_start skipped on resume (this training evaluated at its start)")
+    args.eval_on_start = False
+    try:
+        yield
+    finally:
+        args.eval_on_start = True

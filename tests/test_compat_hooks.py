@@ -1,0 +1,94 @@
+"""The Trainer hooks JitTrainer relies on are checked at construction (issue 12): a transformers without one
+fails there with one line naming the supported range, never at the first stop on a cluster."""
+
+from __future__ import annotations
+
+import inspect
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import transformers
+
+from slurm_jit.train import compat
+from slurm_jit.train.refusals import JitRefusal
+from slurm_jit.train.trainer import JitTrainer
+
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+
+
+def _tiny_trainer(tmp_path: Path) -> JitTrainer:
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=32, n_positions=16, n_embd=16,
+                                                                 n_layer=1, n_head=2))
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[])
+    return JitTrainer(model=model, args=args)
+
+
+def test_the_installed_trainer_has_every_hook(tmp_path: Path) -> None:
+    compat.check_trainer_hooks()
+    assert isinstance(_tiny_trainer(tmp_path), JitTrainer)
+
+
+def test_every_private_trainer_method_jittrainer_overrides_is_checked() -> None:
+    overridden = {name for name, value in vars(JitTrainer).items()
+                  if name.startswith("_") and not name.startswith("__") and callable(value)
+                  and hasattr(transformers.Trainer, name)}
+    missing = overridden - set(compat.TRAINER_HOOKS)
+    assert not missing, f"add to compat.TRAINER_HOOKS: {missing}"
+
+
+def test_a_missing_hook_fails_construction_with_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(transformers.Trainer, "_maybe_log_save_evaluate")
+    with pytest.raises(JitRefusal) as err:
+        _tiny_trainer(tmp_path)
+    message = str(err.value)
+    assert "\n" not in message and "HINT:" in message, message
+    assert "has no Trainer._maybe_log_save_evaluate()" in message and compat.SUPPORTED_RANGE in message, message
+
+
+def test_a_changed_signature_fails_construction(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def renamed(self: Any, model: Any, hp_trial: Any) -> None:  # a parameter renamed upstream
+        raise AssertionError("never called: the check refuses first")
+
+    monkeypatch.setattr(transformers.Trainer, "_save_checkpoint", renamed)
+    with pytest.raises(JitRefusal, match=r"Trainer\._save_checkpoint\(model, hp_trial\) is not "):
+        _tiny_trainer(tmp_path)
+
+
+def _upstream_with(*params: inspect.Parameter) -> type:
+    """A stand-in Trainer whose _evaluate has exactly ``params`` after self."""
+    def _evaluate(self: Any, *args: Any, **kwargs: Any) -> None: ...
+
+    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    _evaluate.__signature__ = inspect.Signature([self_param, *params])  # type: ignore[attr-defined]
+    return type("Upstream", (), {"_evaluate": _evaluate})
+
+
+def _param(name: str, default: Any = inspect.Parameter.empty,
+           kind: inspect._ParameterKind = inspect.Parameter.POSITIONAL_OR_KEYWORD) -> inspect.Parameter:
+    return inspect.Parameter(name, kind, default=default)
+
+
+@pytest.mark.parametrize(("params", "ok"), [
+    ((_param("trial"), _param("ignore_keys_for_eval"), _param("skip_scheduler", False)), True),
+    ((_param("trial"), _param("ignore_keys_for_eval"), _param("skip_scheduler", False), _param("new", 1)), True),
+    ((_param("trial"), _param("ignore_keys_for_eval"), _param("skip_scheduler", False),
+      _param("new", kind=inspect.Parameter.KEYWORD_ONLY)), False),  # a new required parameter
+    ((_param("trial"), _param("skip_scheduler", False)), False),  # one gone
+    ((_param("ignore_keys_for_eval"), _param("trial"), _param("skip_scheduler", False)), False),  # reordered
+], ids=["same", "new-optional", "new-required", "gone", "reordered"])
+def test_hook_problem_accepts_only_compatible_signatures(params: tuple[inspect.Parameter, ...], ok: bool) -> None:
+    problem = compat.hook_problem(_upstream_with(*params), "_evaluate", compat.TRAINER_HOOKS["_evaluate"])
+    assert (problem is None) == ok, problem
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="tomllib")
+def test_pyproject_declares_the_supported_range() -> None:
+    import tomllib
+
+    deps = tomllib.loads(PYPROJECT.read_text())["project"]["dependencies"]
+    for requirement in compat.SUPPORTED_RANGE.split(", "):
+        name = re.match(r"[a-z]+", requirement)
+        assert name and requirement.replace(" ", "") in deps, (requirement, deps)
