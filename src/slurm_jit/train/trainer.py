@@ -42,7 +42,7 @@ from slurm_jit.checkpoint import protocol
 from slurm_jit.grace.calc import AGREE_BLOCKING, SLURM_SIGNAL_LEAD_MAX_S
 from slurm_jit.signal_names import parse_signal
 from slurm_jit.timing import WARMUP_STEPS, TimingLog
-from slurm_jit.train import exact_resume, runtime_grace, stop_record
+from slurm_jit.train import compat, exact_resume, runtime_grace, stop_record
 from slurm_jit.train.agreement import SIDE_GROUP_TIMEOUT_S, Decision, StopAgreement
 from slurm_jit.train.refusals import JitRefusal, refused_settings, resume_refusal
 from slurm_jit.train.signals import IgnoreSignalsInWorker, SignalLatch, StartWorkersMasked
@@ -181,6 +181,7 @@ class JitTrainer(transformers.Trainer):
     """
 
     def __init__(self, *args: Any, jit_config: JitConfig | None = None, **kwargs: Any) -> None:
+        compat.check_trainer_hooks()  # a transformers without the hooks below fails here, not at the first stop
         super().__init__(*args, **kwargs)
         self.jit_config = jit_config or JitConfig()
         self._jit_signums = tuple(parse_signal(s) for s in self.jit_config.signals)
@@ -193,6 +194,8 @@ class JitTrainer(transformers.Trainer):
         if refusal:
             raise JitRefusal(f"slurm_jit: {refusal}")
         self.add_callback(_JitCallback(self))
+        compat.shut_down_workers_at_exit(self)  # persistent workers ignore SIGTERM: exit must not wait on them
+        compat.quiet_progress_bars(self)  # a Slurm job log gets one line per logging step, not tqdm redraws
         # Upstream calls on_save after _save_checkpoint returns, i.e. after our manifest; ours runs the callbacks
         # inside the save, before the manifest, so that what they write is in it.
         self._upstream_on_save = self.callback_handler.on_save
@@ -254,8 +257,9 @@ class JitTrainer(transformers.Trainer):
             if self._is_rank0:
                 stop_record.write(out_dir, "running", step=None, resumed_from=resume)
             try:
-                output = super().train(resume_from_checkpoint=resume, trial=trial,
-                                       ignore_keys_for_eval=ignore_keys_for_eval)
+                with compat.eval_on_start_once(self.args, resuming=resume is not None):
+                    output = super().train(resume_from_checkpoint=resume, trial=trial,
+                                           ignore_keys_for_eval=ignore_keys_for_eval)
             except _StopBeforeFirstStep:
                 output = TrainOutput(self.state.global_step, 0.0, {})
             self.jit_stopped = run.stopped
@@ -273,6 +277,7 @@ class JitTrainer(transformers.Trainer):
             # one, nor a gloo group for the interpreter's exit. After a failure no barrier (a peer may be gone).
             self._close_agreement(clean)
             run.in_loop = False
+            compat.shut_down_persistent_workers(self)
             # After a JIT stop the process is on its way out: a late signal (another node's copy, or Slurm's
             # second SIGTERM at the time limit) must not kill it mid-exit, so the stop signals stay ignored.
             # Otherwise the original handlers come back.
@@ -667,9 +672,9 @@ class JitTrainer(transformers.Trainer):
             deepspeed_tag=tag, files=files, contents=fields.pop("contents"), run_id=fields.pop("run_id"),
             extra={"bytes_weights_duplicate": duplicate, "bytes_needed_for_resume": total - duplicate, **fields},
         )
-        logger.warning("slurm_jit: %s checkpoint-%d: %d bytes written, %d needed for resume, %d over (model "
-                       "weights again beside the fp32 master copy in the optimizer shards)",
-                       kind, step, total, total - duplicate, duplicate)
+        logger.info("slurm_jit: %s checkpoint-%d: %d bytes written, %d needed for resume, %d over (model "
+                    "weights again beside the fp32 master copy in the optimizer shards)",
+                    kind, step, total, total - duplicate, duplicate)
         return total
 
     def _rotate_checkpoints_safely(self, run_dir: Path, just_written: Path) -> None:
