@@ -8,9 +8,13 @@ diverges): instead the construction fails with one line naming the supported ran
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import inspect
 import logging
+import os
+import sys
+import weakref
 from collections.abc import Iterator
 from importlib import metadata
 from typing import Any
@@ -18,6 +22,8 @@ from typing import Any
 from slurm_jit.train.refusals import JitRefusal
 
 logger = logging.getLogger(__name__)
+
+PROGRESS_BARS_ENV = "SLURM_JIT_PROGRESS_BARS"  # "1": tqdm bars even when stderr is a file (a Slurm job log)
 
 # The range tested (keep equal to pyproject.toml's dependencies; tests/test_compat_hooks.py checks it).
 SUPPORTED_RANGE = "transformers>=5.24,<6, accelerate>=1.15,<2, deepspeed>=0.19.8,<0.20"
@@ -90,3 +96,52 @@ def eval_on_start_once(args: Any, resuming: bool) -> Iterator[None]:
         yield
     finally:
         args.eval_on_start = True
+
+
+def _loaders(trainer: Any) -> list[Any]:
+    handler = getattr(trainer, "callback_handler", None)
+    loaders = [getattr(handler, "train_dataloader", None), getattr(handler, "eval_dataloader", None),
+               *getattr(trainer, "_eval_dataloaders", {}).values()]
+    return [getattr(loader, "base_dataloader", loader) for loader in loaders if loader is not None]
+
+
+def shut_down_persistent_workers(trainer: Any) -> None:
+    """Stop the DataLoader workers that ``dataloader_persistent_workers`` keeps alive after train()/evaluate().
+
+    The Trainer keeps its loaders (and their worker iterators) until the interpreter exits. There torch's own
+    shutdown is a no-op and multiprocessing stops daemonic children with SIGTERM, which JitTrainer's workers
+    ignore (``ignore_signals_in_workers``): the process would wait for them forever. torch's orderly shutdown
+    (a sentinel on each worker's queue) needs no signal. A later iteration starts new workers.
+    """
+    for loader in _loaders(trainer):
+        iterator = getattr(loader, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+            loader._iterator = None
+
+
+def shut_down_workers_at_exit(trainer: Any) -> None:
+    """At interpreter exit, before multiprocessing's own exit hook (registered earlier, so run later)."""
+    ref = weakref.ref(trainer)
+
+    def shut_down() -> None:
+        alive = ref()
+        if alive is not None:
+            shut_down_persistent_workers(alive)
+
+    atexit.register(shut_down)
+
+
+def quiet_progress_bars(trainer: Any) -> None:
+    """Where stderr is not a terminal (a Slurm job log), one printed line per logging step instead of tqdm bars:
+    every redraw of a bar is kept in a file (tens of MB per job). Set SLURM_JIT_PROGRESS_BARS=1 to keep them."""
+    if os.environ.get(PROGRESS_BARS_ENV) == "1" or sys.stderr.isatty():
+        return
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+    from transformers.utils import logging as hf_logging
+
+    if trainer.pop_callback(ProgressCallback) is not None:
+        trainer.add_callback(PrinterCallback)
+        hf_logging.disable_progress_bar()  # the bars of save_pretrained ("Writing model shards") and downloads
+        logger.info("slurm_jit: stderr is not a terminal: one line per logging step, no progress bars "
+                    "(%s=1 keeps them)", PROGRESS_BARS_ENV)
