@@ -61,12 +61,12 @@ ROWS = [
         program=[str(EXAMPLES / "grpo_style.py"), "--steps-per-generation", "3"],
         args=["--workers", "2", "--targ", "dataloader_persistent_workers=true",
               "--targ", "dataloader_prefetch_factor=2", "--save-steps", "4", "--save-only-model",
-              "--targ", 'logging_strategy="steps"'],
+              "--targ", 'logging_strategy="steps"', "--targ", 'report_to=["tensorboard"]'],
         deterministic="the repeat sampler is seeded per epoch; the slice comes from the restored global_step",
         resume_by_path=True,
         features=["get_train_dataloader() override, batch x steps_per_generation", "dataloader_num_workers",
                   "dataloader_persistent_workers", "dataloader_prefetch_factor", "save_only_model",
-                  "logging_strategy", "resume_from_checkpoint=PATH"]),
+                  "logging_strategy", "report_to=tensorboard", "resume_from_checkpoint=PATH"]),
     Row(name="loss_func+metrics+group_by_length",
         program=None,
         args=["--loss-func", "--metrics", "--eval-steps", "4", "--targ", "eval_accumulation_steps=2",
@@ -86,6 +86,17 @@ ROWS = [
 def _evals(out: Path) -> list[dict[str, float]]:
     path = out / "evals-rank0.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+
+
+def _tensorboard_losses(out: Path) -> list[tuple[int, float]]:
+    """The train/loss points of the run's one TensorBoard run directory (a requeue must not start another)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dirs = sorted(p for p in (out / "runs").iterdir() if p.is_dir())
+    assert len(run_dirs) == 1, f"TensorBoard runs: {[p.name for p in run_dirs]}"
+    events = EventAccumulator(str(run_dirs[0]))
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars("train/loss")]
 
 
 def _final_state(out: Path) -> dict[str, object] | None:
@@ -127,6 +138,8 @@ def test_stop_resume_matches_the_uninterrupted_run(row: Row, tmp_path: Path) -> 
     expected_state = _final_state(reference_out)
     if expected_state is not None:
         assert _final_state(out) == expected_state
+    if any("tensorboard" in arg for arg in row.args):  # one run, each step once, the uninterrupted run's values
+        assert _tensorboard_losses(out) == _tensorboard_losses(reference_out)
     record = stop_record.read(out)
     assert record is not None and record["state"] == "finished", record
     check = ckpt_check(out)

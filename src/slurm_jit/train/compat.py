@@ -10,19 +10,24 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import inspect
+import json
 import logging
 import os
 import sys
 import weakref
 from collections.abc import Iterator
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
+from slurm_jit.timing import TIMING_DIR
 from slurm_jit.train.refusals import JitRefusal
 
 logger = logging.getLogger(__name__)
 
+TENSORBOARD_RECORD = "tensorboard.json"  # the TensorBoard run directory a resumed job continues
 PROGRESS_BARS_ENV = "SLURM_JIT_PROGRESS_BARS"  # "1": tqdm bars even when stderr is a file (a Slurm job log)
 
 # The range tested (keep equal to pyproject.toml's dependencies; tests/test_compat_hooks.py checks it).
@@ -145,3 +150,37 @@ def quiet_progress_bars(trainer: Any) -> None:
         hf_logging.disable_progress_bar()  # the bars of save_pretrained ("Writing model shards") and downloads
         logger.info("slurm_jit: stderr is not a terminal: one line per logging step, no progress bars "
                     "(%s=1 keeps them)", PROGRESS_BARS_ENV)
+
+
+def _step_of(checkpoint: str) -> int | None:
+    name = os.path.basename(os.path.normpath(checkpoint))
+    step = name.removeprefix("checkpoint-")
+    return int(step) if step.isdigit() else None
+
+
+def continue_tensorboard_run(trainer: Any, resume_from: str | None) -> None:
+    """With ``report_to`` TensorBoard, a resumed job writes into the run directory of the training it continues
+    (kept in OUT_DIR/slurm-jit/tensorboard.json), not into a new ``runs/<time>_<host>``; points after the
+    resumed step (redone after a crash) are purged, so no step is shown twice. A fresh start begins a new run."""
+    callback = next((c for c in trainer.callback_handler.callbacks if type(c).__name__ == "TensorBoardCallback"),
+                    None)
+    if (callback is None or callback.tb_writer is not None or callback._SummaryWriter is None
+            or os.environ.get("TENSORBOARD_LOGGING_DIR") or not trainer.is_world_process_zero()):
+        return  # no TensorBoard, a writer the user made, or a directory the user chose
+    record = Path(trainer.args.output_dir) / TIMING_DIR / TENSORBOARD_RECORD
+    log_dir = None
+    if resume_from is not None and record.is_file():
+        log_dir = json.loads(record.read_text(encoding="utf-8")).get("log_dir")
+    if log_dir is None:
+        from transformers.integrations.integration_utils import default_logdir
+
+        log_dir = os.path.join(str(trainer.args.output_dir), default_logdir())
+        record.parent.mkdir(parents=True, exist_ok=True)
+        tmp = record.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"log_dir": log_dir}), encoding="utf-8")
+        os.replace(tmp, record)
+    callback.logging_dir = log_dir
+    step = _step_of(resume_from) if resume_from is not None else None
+    if step is not None:
+        callback._SummaryWriter = functools.partial(callback._SummaryWriter, purge_step=step + 1)
+        logger.info("slurm_jit: TensorBoard run %s continued from step %d", log_dir, step)

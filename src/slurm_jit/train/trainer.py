@@ -252,6 +252,7 @@ class JitTrainer(transformers.Trainer):
         try:
             resume = self._resolve_resume(resume_from_checkpoint)
             run.checkpoint = run.resumed_from = resume
+            compat.continue_tensorboard_run(self, resume)
             run_id = self._agreement.broadcast(uuid.uuid4().hex[:12])  # one id for all ranks of this train()
             run.timing = TimingLog(out_dir, int(self.args.process_index), int(self.args.world_size), run_id)
             if self._is_rank0:
