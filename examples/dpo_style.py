@@ -5,10 +5,10 @@ Each batch's first half is the "chosen" sequences and its second half the "rejec
 Only ``compute_loss`` is overridden: the stop, save and resume hooks stay JitTrainer's. The reference model is
 not trained, not in the checkpoint and rebuilt identically on resume (a copy of the initial weights).
 
-Runs as it is on 2 CPU ranks (tiny GPT-2 from a config; the data, flags and launch are demo_train's)::
+Runs as it is, one process per rank (tiny GPT-2 from a config; the data, flags and launch are demo_train's)::
 
-    python examples/dpo_style.py --output-dir /tmp/dpo --max-steps 20          # as a rank of torchrun/srun
-    python -m pytest tests/test_compat_matrix.py -k dpo                         # how the tests run it
+    srun python examples/dpo_style.py --output-dir OUT --max-steps 20 --resume
+    python -m pytest tests/test_compat_matrix.py -k dpo   # 2 local CPU ranks, stopped and resumed
 """
 
 from __future__ import annotations

@@ -11,10 +11,10 @@ the checkpoint), never from a counter kept on the trainer (which restarts at 0 i
 the wrong slice whenever the stop falls inside a generation). The loader is built through ``_get_dataloader`` so
 that JitTrainer's DataLoader-worker signal masking applies to it.
 
-Runs as it is on 2 CPU ranks (tiny GPT-2 from a config; the data, flags and launch are demo_train's)::
+Runs as it is, one process per rank (tiny GPT-2 from a config; the data, flags and launch are demo_train's)::
 
-    python examples/grpo_style.py --steps-per-generation 3 --output-dir /tmp/grpo --max-steps 20
-    python -m pytest tests/test_compat_matrix.py -k grpo
+    srun python examples/grpo_style.py --steps-per-generation 3 --output-dir OUT --max-steps 20 --resume
+    python -m pytest tests/test_compat_matrix.py -k grpo   # 2 local CPU ranks, stopped and resumed
 """
 
 from __future__ import annotations
