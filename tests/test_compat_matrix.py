@@ -3,8 +3,9 @@
 Every row, on real DeepSpeed ranks (ZeRO-2, 2 CPU ranks, tiny GPT-2 from a config): an uninterrupted run, then
 the same run stopped by SIGTERM (to each rank's process group, as Slurm sends it) after a random step, resumed,
 finished. Checked per row: both ranks exit 0; the stop wrote a JIT checkpoint that ckpt-check calls complete; no
-step is lost or repeated; every step's loss (and every evaluation's) equals the uninterrupted run's, bitwise;
-the finished run leaves a resumable checkpoint. Rows combine features so that the matrix costs 3 runs per row.
+step is lost or repeated; every step's loss (and every evaluation's) equals the uninterrupted run's, bitwise; so do
+the best checkpoint and metric and the weights train() ends with (after load_best_model_at_end, the ones it
+loaded); the finished run leaves a resumable checkpoint. Rows combine features so that the matrix costs 3 runs per row.
 
 Every row here is deterministic, which is why all of them compare bitwise: the data order comes from seeded
 samplers replayed by the resume, dropout and NEFTune noise from the RNG states the checkpoint restores,
@@ -99,17 +100,10 @@ def _tensorboard_losses(out: Path) -> list[tuple[int, float]]:
     return [(e.step, e.value) for e in events.Scalars("train/loss")]
 
 
-def _final_state(out: Path) -> dict[str, object] | None:
-    """The trainer state of the last checkpoint (the best model's path made relative to OUT_DIR); None when the
-    run saved none (the uninterrupted run of a row without periodic saves)."""
-    checkpoints = list(out.glob("checkpoint-*[0-9]"))
-    if not checkpoints:
-        return None
-    latest = max(checkpoints, key=lambda p: int(p.name.split("-")[1]))
-    state = json.loads((latest / "trainer_state.json").read_text())
-    best = state.get("best_model_checkpoint")
-    return {"global_step": state["global_step"], "best_metric": state.get("best_metric"),
-            "best_model_checkpoint": Path(best).name if best else None}
+def _final_state(out: Path) -> dict[str, object]:
+    """What train() ended with (demo_train writes it): step, best checkpoint and metric, and a digest of the
+    weights (after load_best_model_at_end: the ones it loaded)."""
+    return dict(json.loads((out / "final-state.json").read_text()))
 
 
 @pytest.mark.deepspeed
@@ -135,9 +129,7 @@ def test_stop_resume_matches_the_uninterrupted_run(row: Row, tmp_path: Path) -> 
     assert f"resuming from {ckpt} " in resumed.log or row.resume_by_path, resumed.log[-4000:]
     assert_same_losses(losses(out), losses(reference_out))
     assert _evals(out) == _evals(reference_out), "evaluations differ from the uninterrupted run's"
-    expected_state = _final_state(reference_out)
-    if expected_state is not None:
-        assert _final_state(out) == expected_state
+    assert _final_state(out) == _final_state(reference_out)
     if any("tensorboard" in arg for arg in row.args):  # one run, each step once, the uninterrupted run's values
         assert _tensorboard_losses(out) == _tensorboard_losses(reference_out)
     record = stop_record.read(out)

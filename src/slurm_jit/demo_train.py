@@ -340,6 +340,23 @@ def main(argv: Sequence[str] | None = None, trainer_cls: Any = None) -> None:
         dist.destroy_process_group()
 
 
+def _write_final_state(out_dir: str, trainer: Any) -> None:
+    """OUT/final-state.json after train(): the step, the best checkpoint and metric, and a digest of the model's
+    weights (after load_best_model_at_end: the weights it loaded), to compare a resumed run with an
+    uninterrupted one."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, param in sorted(trainer.model.named_parameters()):
+        digest.update(name.encode())
+        digest.update(param.detach().cpu().contiguous().numpy().tobytes())
+    best = trainer.state.best_model_checkpoint
+    state = {"global_step": trainer.state.global_step, "best_metric": trainer.state.best_metric,
+             "best_model_checkpoint": os.path.basename(best) if best else None, "weights_sha256": digest.hexdigest()}
+    with open(os.path.join(out_dir, "final-state.json"), "w", encoding="utf-8") as f:
+        json.dump(state, f)
+
+
 def _train(args: argparse.Namespace, common: dict[str, Any], trainer_cls: Any = None) -> None:
     import transformers
 
@@ -369,6 +386,8 @@ def _train(args: argparse.Namespace, common: dict[str, Any], trainer_cls: Any = 
         print(f"demo_train: train() failed ({exc}); side group closed: {trainer._jit_agreement is None}; "
               "training again", file=sys.stderr)
         trainer.train(resume_from_checkpoint=resume)
+    if int(os.environ.get("RANK", "0")) == 0:
+        _write_final_state(args.output_dir, trainer)
     if args.after_train_sleep:
         print(f"train() returned on rank {os.environ.get('RANK', '0')}", flush=True)
         time.sleep(args.after_train_sleep)
