@@ -164,7 +164,9 @@ def continue_tensorboard_run(trainer: Any, resume_from: str | None) -> None:
     resumed step (redone after a crash) are purged, so no step is shown twice. A fresh start begins a new run."""
     callback = next((c for c in trainer.callback_handler.callbacks if type(c).__name__ == "TensorBoardCallback"),
                     None)
-    if (callback is None or callback.tb_writer is not None or callback._SummaryWriter is None
+    # getattr: these are the callback's own attributes in transformers 5.24; another version goes without
+    if (callback is None or getattr(callback, "tb_writer", None) is not None
+            or getattr(callback, "_SummaryWriter", None) is None
             or os.environ.get("TENSORBOARD_LOGGING_DIR") or not trainer.is_world_process_zero()):
         return  # no TensorBoard, a writer the user made, or a directory the user chose
     record = Path(trainer.args.output_dir) / TIMING_DIR / TENSORBOARD_RECORD
