@@ -28,6 +28,8 @@ from slurm_jit.train.refusals import JitRefusal
 logger = logging.getLogger(__name__)
 
 TENSORBOARD_RECORD = "tensorboard.json"  # the TensorBoard run directory a resumed job continues
+# A record is one short JSON object (~60 bytes): a bigger file is not one we wrote, and is not read whole.
+TENSORBOARD_RECORD_MAX_BYTES = 64 * 1024
 PROGRESS_BARS_ENV = "SLURM_JIT_PROGRESS_BARS"  # "1": tqdm bars even when stderr is a file (a Slurm job log)
 
 # The range tested (keep equal to pyproject.toml's dependencies; tests/test_compat_hooks.py checks it).
@@ -158,6 +160,43 @@ def _step_of(checkpoint: str) -> int | None:
     return int(step) if step.isdigit() else None
 
 
+def _recorded_log_dir(out_dir: Path, record: Path) -> str | None:
+    """The run directory the record names inside ``out_dir``, or None (and one warning line) when it is unusable:
+    corrupt, not ours, or pointing outside ``out_dir`` (what it names is written into, never trusted blindly)."""
+    try:
+        with record.open("rb") as file:
+            raw = file.read(TENSORBOARD_RECORD_MAX_BYTES + 1)
+        if len(raw) > TENSORBOARD_RECORD_MAX_BYTES:
+            raise ValueError(f"over {TENSORBOARD_RECORD_MAX_BYTES} bytes")
+        data = json.loads(raw.decode("utf-8"))
+        name = data.get("log_dir") if isinstance(data, dict) else None
+        if not isinstance(name, str) or not name or os.path.isabs(name) or ".." in Path(name).parts:
+            raise ValueError(f"log_dir {name!r} is not a directory name inside OUT_DIR")
+    except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        logger.warning("slurm_jit: %s unusable (%s): TensorBoard starts a new run directory. HINT: delete the "
+                       "file; to continue a run, set TENSORBOARD_LOGGING_DIR to its directory", record,
+                       str(exc).replace("\n", " "))
+        return None
+    return os.path.join(out_dir, name)
+
+
+def _write_record(out_dir: Path, record: Path) -> str:
+    """A new run directory for this training, kept in the record relative to ``out_dir`` (a moved or copied
+    OUT_DIR continues its own run)."""
+    from transformers.integrations.integration_utils import default_logdir
+
+    name = default_logdir()
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        tmp = record.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"log_dir": name}), encoding="utf-8")
+        os.replace(tmp, record)
+    except OSError as exc:
+        logger.warning("slurm_jit: cannot write %s (%s): a requeued job will start a new TensorBoard run. HINT: "
+                       "make %s a writable directory", record, exc, record.parent)
+    return os.path.join(out_dir, name)
+
+
 def continue_tensorboard_run(trainer: Any, resume_from: str | None) -> None:
     """With ``report_to`` TensorBoard, a resumed job writes into the run directory of the training it continues
     (kept in OUT_DIR/slurm-jit/tensorboard.json), not into a new ``runs/<time>_<host>``; points after the
@@ -169,20 +208,17 @@ def continue_tensorboard_run(trainer: Any, resume_from: str | None) -> None:
             or getattr(callback, "_SummaryWriter", None) is None
             or os.environ.get("TENSORBOARD_LOGGING_DIR") or not trainer.is_world_process_zero()):
         return  # no TensorBoard, a writer the user made, or a directory the user chose
-    record = Path(trainer.args.output_dir) / TIMING_DIR / TENSORBOARD_RECORD
+    out_dir = Path(trainer.args.output_dir)
+    record = out_dir / TIMING_DIR / TENSORBOARD_RECORD
     log_dir = None
-    if resume_from is not None and record.is_file():
-        log_dir = json.loads(record.read_text(encoding="utf-8")).get("log_dir")
+    if resume_from is not None and (record.exists() or record.is_symlink()):
+        log_dir = _recorded_log_dir(out_dir, record)
     if log_dir is None:
-        from transformers.integrations.integration_utils import default_logdir
-
-        log_dir = os.path.join(str(trainer.args.output_dir), default_logdir())
-        record.parent.mkdir(parents=True, exist_ok=True)
-        tmp = record.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"log_dir": log_dir}), encoding="utf-8")
-        os.replace(tmp, record)
+        log_dir = _write_record(out_dir, record)
     callback.logging_dir = log_dir
+    # The writer class as transformers made it: a later train() in this process must not inherit a purge step
+    writer = callback.__dict__.setdefault("_slurm_jit_summary_writer", callback._SummaryWriter)
     step = _step_of(resume_from) if resume_from is not None else None
+    callback._SummaryWriter = writer if step is None else functools.partial(writer, purge_step=step + 1)
     if step is not None:
-        callback._SummaryWriter = functools.partial(callback._SummaryWriter, purge_step=step + 1)
         logger.info("slurm_jit: TensorBoard run %s continued from step %d", log_dir, step)
