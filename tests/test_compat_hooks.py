@@ -92,3 +92,47 @@ def test_pyproject_declares_the_supported_range() -> None:
     for requirement in compat.SUPPORTED_RANGE.split(", "):
         name = re.match(r"[a-z]+", requirement)
         assert name and requirement.replace(" ", "") in deps, (requirement, deps)
+
+
+def test_a_new_optional_parameter_reaches_upstream_through_a_pass_through_hook(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A newer Trainer adds an optional parameter and passes it from its own callers: not refused, and JitTrainer's
+    override hands it on (before: TypeError at the first call, on a cluster)."""
+    seen: list[Any] = []
+
+    def _load_best_model(self: Any, strict: bool = True) -> None:
+        seen.append(strict)
+
+    monkeypatch.setattr(transformers.Trainer, "_load_best_model", _load_best_model)
+    trainer = _tiny_trainer(tmp_path)
+    trainer._load_best_model(strict=False)
+    assert seen == [False]
+
+
+def test_a_new_parameter_jittrainer_cannot_take_fails_construction(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """_save_checkpoint is JitTrainer's own protocol, not a pass-through: a Trainer that would call it with a new
+    argument is refused at construction with one line, not a TypeError at the first checkpoint."""
+    def _save_checkpoint(self: Any, model: Any, trial: Any, metrics: Any = None) -> None: ...
+
+    monkeypatch.setattr(transformers.Trainer, "_save_checkpoint", _save_checkpoint)
+    with pytest.raises(JitRefusal) as err:
+        _tiny_trainer(tmp_path)
+    message = str(err.value)
+    assert "new parameters ['metrics'] that JitTrainer._save_checkpoint() does not take" in message, message
+    assert "\n" not in message and "HINT:" in message, message
+
+
+def test_a_user_subclass_overriding_a_hook_its_own_way_is_not_refused(tmp_path: Path) -> None:
+    class Mine(JitTrainer):
+        def _save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+            super()._save_checkpoint(*args, **kwargs)
+
+        def _evaluate(self, trial: Any, ignore_keys_for_eval: Any, skip_scheduler: bool = False,
+                      extra: int = 0) -> dict[str, float]:
+            return super()._evaluate(trial, ignore_keys_for_eval, skip_scheduler)
+
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=32, n_positions=16, n_embd=16,
+                                                                 n_layer=1, n_head=2))
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[])
+    assert isinstance(Mine(model=model, args=args), Mine)

@@ -75,14 +75,32 @@ def hook_problem(trainer_cls: type, name: str, expected: tuple[str, ...]) -> str
     return None
 
 
-def check_trainer_hooks(trainer_cls: type | None = None) -> None:
-    """Raise JitRefusal (one line) when the installed Trainer lacks a hook JitTrainer relies on."""
+def override_problem(trainer_cls: type, jit_cls: type, name: str, expected: tuple[str, ...]) -> str | None:
+    """Why ``jit_cls``'s own override of ``name`` cannot take what the Trainer may pass it (a parameter added
+    upstream after ``expected``: the Trainer's callers pass it, an override without it fails at the first save)."""
+    override = vars(jit_cls).get(name)
+    if override is None:
+        return None  # called by JitTrainer, not overridden: upstream's optional parameters keep their defaults
+    accepted = inspect.signature(override).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in accepted.values()):
+        return None
+    new = list(inspect.signature(getattr(trainer_cls, name)).parameters)[1 + len(expected):]
+    missing = [p for p in new if p not in accepted]
+    return f"Trainer.{name}() has new parameters {missing} that JitTrainer.{name}() does not take" if missing \
+        else None
+
+
+def check_trainer_hooks(trainer_cls: type | None = None, jit_cls: type | None = None) -> None:
+    """Raise JitRefusal (one line) when the installed Trainer lacks a hook JitTrainer relies on, or passes a hook
+    JitTrainer overrides (``jit_cls``'s own methods; a user's subclass is its author's) a parameter it cannot take."""
     if trainer_cls is None:
         import transformers
 
         trainer_cls = transformers.Trainer
     for name, expected in TRAINER_HOOKS.items():
         problem = hook_problem(trainer_cls, name, expected)
+        if problem is None and jit_cls is not None:
+            problem = override_problem(trainer_cls, jit_cls, name, expected)
         if problem:
             raise JitRefusal(f"slurm_jit: transformers {_version('transformers')} {problem}: JitTrainer "
                              f"supports {SUPPORTED_RANGE}. HINT: pip install 'transformers>=5.24,<6' (tested: "

@@ -181,7 +181,9 @@ class JitTrainer(transformers.Trainer):
     """
 
     def __init__(self, *args: Any, jit_config: JitConfig | None = None, **kwargs: Any) -> None:
-        compat.check_trainer_hooks()  # a transformers without the hooks below fails here, not at the first stop
+        # A transformers without the hooks below, or passing them what they cannot take, fails here, not at the
+        # first stop
+        compat.check_trainer_hooks(jit_cls=JitTrainer)
         super().__init__(*args, **kwargs)
         self.jit_config = jit_config or JitConfig()
         self._jit_signums = tuple(parse_signal(s) for s in self.jit_config.signals)
@@ -459,13 +461,15 @@ class JitTrainer(transformers.Trainer):
                           checkpoint=run.checkpoint, signal=_signal_name(run.latch.first_signum))
         run.stop_recorded = True
 
-    def _evaluate(self, trial: Any, ignore_keys_for_eval: Any, skip_scheduler: bool = False) -> dict[str, float]:
+    def _evaluate(self, trial: Any, ignore_keys_for_eval: Any, skip_scheduler: bool = False, *args: Any,
+                  **kwargs: Any) -> dict[str, float]:
+        # *args/**kwargs here and in the other pass-through hooks: what a newer Trainer adds goes through
         run = self._jit_run
         if run is None or not run.in_loop:
-            return super()._evaluate(trial, ignore_keys_for_eval, skip_scheduler=skip_scheduler)
+            return super()._evaluate(trial, ignore_keys_for_eval, skip_scheduler, *args, **kwargs)
         t0 = time.monotonic()
         try:
-            metrics = super()._evaluate(trial, ignore_keys_for_eval, skip_scheduler=skip_scheduler)
+            metrics = super()._evaluate(trial, ignore_keys_for_eval, skip_scheduler, *args, **kwargs)
         except _EvalAborted:
             run.eval_aborted = run.eval_owed = True
             self.control.should_save = False  # the JIT save takes the place of this step's periodic one
@@ -485,8 +489,8 @@ class JitTrainer(transformers.Trainer):
             run.timing.evaluation(self.state.global_step, time.monotonic() - t0, run.eval_aborted)
         return metrics
 
-    def _load_rng_state(self, checkpoint: str | None) -> None:
-        super()._load_rng_state(checkpoint)
+    def _load_rng_state(self, checkpoint: str | None, *args: Any, **kwargs: Any) -> None:
+        super()._load_rng_state(checkpoint, *args, **kwargs)
         # The uninterrupted run evaluated before this point; its evaluation draws from the RNG (the DataLoader's
         # base seed), so the owed one runs right after the RNG is restored, before the next batch is trained on.
         self._run_owed_evaluation()
@@ -507,10 +511,10 @@ class JitTrainer(transformers.Trainer):
             if best.is_dir():
                 self.state.best_model_checkpoint = str(best)
 
-    def _determine_best_metric(self, metrics: dict[str, float], trial: Any) -> bool:
+    def _determine_best_metric(self, metrics: dict[str, float], trial: Any, *args: Any, **kwargs: Any) -> bool:
         if self._jit_run is not None and self._jit_run.eval_aborted:
             return False  # no metrics from an aborted evaluation
-        return bool(super()._determine_best_metric(metrics=metrics, trial=trial))
+        return bool(super()._determine_best_metric(metrics, trial, *args, **kwargs))
 
     def prediction_step(self, model: Any, inputs: Any, prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None) -> Any:
@@ -522,9 +526,9 @@ class JitTrainer(transformers.Trainer):
 
     # ------------------------------------------------------------ exact resume
 
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None, *args: Any, **kwargs: Any) -> None:
         # Trainer calls this right after DeepSpeed's load_checkpoint and before the first resumed step.
-        super()._load_optimizer_and_scheduler(checkpoint)
+        super()._load_optimizer_and_scheduler(checkpoint, *args, **kwargs)
         if checkpoint is not None and self.is_deepspeed_enabled:
             exact_resume.restore(self.model_wrapped)
 
@@ -536,30 +540,31 @@ class JitTrainer(transformers.Trainer):
 
     # ------------------------------------------------------------ the end of training
 
-    def _finalize_training(self, trial: Any, num_train_samples: Any, start_time: Any) -> Any:
+    def _finalize_training(self, trial: Any, num_train_samples: Any, start_time: Any, *args: Any,
+                           **kwargs: Any) -> Any:
         # Upstream deletes every checkpoint-* but the best here when save_total_limit == 1 (the JIT checkpoint
         # and quarantined directories included): rotation is ours alone, after each manifest.
         limit = self.args.save_total_limit
         self.args.save_total_limit = None
         try:
-            return super()._finalize_training(trial, num_train_samples, start_time)
+            return super()._finalize_training(trial, num_train_samples, start_time, *args, **kwargs)
         finally:
             self.args.save_total_limit = limit
 
-    def _load_best_model(self) -> None:
+    def _load_best_model(self, *args: Any, **kwargs: Any) -> None:
         if self._jit_run is not None and self._jit_run.stopped:
             logger.warning("slurm_jit: JIT stop: not loading the best model (%s); the job is on its way out",
                            self.state.best_model_checkpoint)
             return
-        super()._load_best_model()
+        super()._load_best_model(*args, **kwargs)
 
-    def _finish_current_push(self) -> None:
+    def _finish_current_push(self, *args: Any, **kwargs: Any) -> None:
         if self._jit_run is not None and self._jit_run.stopped:
             push = getattr(self, "push_in_progress", None)
             if push is not None and not push.is_done():
                 logger.warning("slurm_jit: JIT stop: not waiting for the Hub push in progress")
             return
-        super()._finish_current_push()
+        super()._finish_current_push(*args, **kwargs)
 
     # ------------------------------------------------------------ saving
 
