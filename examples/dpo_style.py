@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from slurm_jit import demo_train
+from slurm_jit.train.refusals import JitRefusal
 from slurm_jit.train.trainer import JitTrainer
 
 BETA = 0.1  # DPO's usual temperature
@@ -37,6 +38,11 @@ class DPOStyleTrainer(JitTrainer):
 
     def __init__(self, *args: Any, beta: float = BETA, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        for name in ("per_device_train_batch_size", "per_device_eval_batch_size"):
+            size = getattr(self.args, name)
+            if size % 2:  # refused here, not by compute_loss at the first step (or the first evaluation)
+                raise JitRefusal(f"DPO needs chosen/rejected pairs: {name}={size}. HINT: an even batch size, "
+                                 "e.g. --batch-size 2")
         self.beta = beta
         # Copied before train() wraps the model in DeepSpeed: a plain module, frozen, in eval mode (no dropout).
         self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from slurm_jit import demo_train
+from slurm_jit.train.refusals import JitRefusal
 from slurm_jit.train.trainer import JitTrainer
 
 
@@ -57,7 +58,11 @@ class GRPOStyleTrainer(JitTrainer):
     def __init__(self, *args: Any, steps_per_generation: int = 2, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if self.args.gradient_accumulation_steps != 1:
-            raise ValueError("this example slices per optimizer step. HINT: gradient_accumulation_steps=1")
+            raise JitRefusal("this example slices per optimizer step. HINT: gradient_accumulation_steps=1")
+        if isinstance(steps_per_generation, bool) or not isinstance(steps_per_generation, int) \
+                or steps_per_generation < 1:
+            raise JitRefusal(f"steps_per_generation={steps_per_generation!r}. HINT: a whole number >= 1, e.g. "
+                             "--steps-per-generation 3")
         self.steps_per_generation = steps_per_generation
 
     def get_train_dataloader(self) -> Any:
