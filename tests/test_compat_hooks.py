@@ -136,3 +136,24 @@ def test_a_user_subclass_overriding_a_hook_its_own_way_is_not_refused(tmp_path: 
                                                                  n_layer=1, n_head=2))
     args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[])
     assert isinstance(Mine(model=model, args=args), Mine)
+
+
+def test_the_job_log_gets_each_logging_step_once_from_the_whole_job(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """stderr a file (pytest's capture, as under Slurm): the bars make way for one printed line per logging step,
+    from the world's rank 0 only: under srun every node's output lands in the one job log, and a node's local
+    rank 0 (the second node's first rank here) must not print it again. Later callbacks still get total_flos."""
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback, TrainerState
+
+    trainer = _tiny_trainer(tmp_path)
+    callbacks = trainer.callback_handler.callbacks
+    assert not any(isinstance(c, ProgressCallback) for c in callbacks)
+    printer = next(c for c in callbacks if isinstance(c, PrinterCallback))
+    node0, node1 = TrainerState(), TrainerState()
+    node0.is_world_process_zero = node0.is_local_process_zero = True
+    node1.is_world_process_zero, node1.is_local_process_zero = False, True
+    for state in (node0, node1):
+        logs = {"loss": 0.5, "total_flos": 1.0}
+        printer.on_log(trainer.args, state, trainer.control, logs=logs)
+        assert logs == {"loss": 0.5, "total_flos": 1.0}
+    assert capsys.readouterr().out.count("'loss'") == 1

@@ -157,16 +157,30 @@ def shut_down_workers_at_exit(trainer: Any) -> None:
     atexit.register(shut_down)
 
 
+def _job_log_printer() -> Any:
+    """transformers' PrinterCallback printing on the world's rank 0 only (its own prints on every node's local
+    rank 0: under srun all nodes write into the one job log), and leaving ``logs`` as later callbacks get them
+    (its own pops ``total_flos``)."""
+    from transformers.trainer_callback import PrinterCallback
+
+    class JobLogPrinter(PrinterCallback):
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+            if state.is_world_process_zero:
+                super().on_log(args, state, control, logs=dict(logs or {}), **kwargs)
+
+    return JobLogPrinter()
+
+
 def quiet_progress_bars(trainer: Any) -> None:
     """Where stderr is not a terminal (a Slurm job log), one printed line per logging step instead of tqdm bars:
     every redraw of a bar is kept in a file (tens of MB per job). Set SLURM_JIT_PROGRESS_BARS=1 to keep them."""
     if os.environ.get(PROGRESS_BARS_ENV) == "1" or sys.stderr.isatty():
         return
-    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+    from transformers.trainer_callback import ProgressCallback
     from transformers.utils import logging as hf_logging
 
     if trainer.pop_callback(ProgressCallback) is not None:
-        trainer.add_callback(PrinterCallback)
+        trainer.add_callback(_job_log_printer())
         hf_logging.disable_progress_bar()  # the bars of save_pretrained ("Writing model shards") and downloads
         logger.info("slurm_jit: stderr is not a terminal: one line per logging step, no progress bars "
                     "(%s=1 keeps them)", PROGRESS_BARS_ENV)
