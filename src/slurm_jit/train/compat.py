@@ -140,9 +140,15 @@ def shut_down_persistent_workers(trainer: Any) -> None:
     """
     for loader in _loaders(trainer):
         iterator = getattr(loader, "_iterator", None)
-        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        if iterator is None or not hasattr(iterator, "_shutdown_workers"):
+            continue
+        loader._iterator = None
+        try:
             iterator._shutdown_workers()
-            loader._iterator = None
+        except Exception as exc:  # train()'s cleanup (signal handlers back, logs closed) and other loaders go on
+            logger.warning("slurm_jit: shutting down DataLoader workers failed (%s: %s): the process may wait for "
+                           "them at exit. HINT: if it hangs there, kill the leftover workers (ps --ppid %d)",
+                           type(exc).__name__, exc, os.getpid())
 
 
 def shut_down_workers_at_exit(trainer: Any) -> None:
