@@ -180,3 +180,8 @@ def test_a_failing_worker_shutdown_does_not_stop_the_rest_of_the_cleanup(caplog:
     assert broken._iterator is None and healthy._iterator is None
     assert not any(w.is_alive() for w in healthy_workers)
     assert any("HINT:" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_a_closed_stderr_does_not_break_construction(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "stderr", None)  # what Python sets when fd 2 is closed at start (daemons, pythonw)
+    assert isinstance(_tiny_trainer(tmp_path), JitTrainer)

@@ -180,7 +180,8 @@ def _job_log_printer() -> Any:
 def quiet_progress_bars(trainer: Any) -> None:
     """Where stderr is not a terminal (a Slurm job log), one printed line per logging step instead of tqdm bars:
     every redraw of a bar is kept in a file (tens of MB per job). Set SLURM_JIT_PROGRESS_BARS=1 to keep them."""
-    if os.environ.get(PROGRESS_BARS_ENV) == "1" or sys.stderr.isatty():
+    isatty = getattr(sys.stderr, "isatty", None)  # sys.stderr is None where fd 2 was closed (a daemon, pythonw)
+    if os.environ.get(PROGRESS_BARS_ENV) == "1" or (isatty is not None and isatty()):
         return
     from transformers.trainer_callback import ProgressCallback
     from transformers.utils import logging as hf_logging
