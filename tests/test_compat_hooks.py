@@ -185,3 +185,11 @@ def test_a_failing_worker_shutdown_does_not_stop_the_rest_of_the_cleanup(caplog:
 def test_a_closed_stderr_does_not_break_construction(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "stderr", None)  # what Python sets when fd 2 is closed at start (daemons, pythonw)
     assert isinstance(_tiny_trainer(tmp_path), JitTrainer)
+
+
+def test_upstream_taking_kwargs_in_a_hook_jittrainer_overrides_is_not_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def _save_checkpoint(self: Any, model: Any, trial: Any, *args: Any, **kwargs: Any) -> None: ...
+
+    monkeypatch.setattr(transformers.Trainer, "_save_checkpoint", _save_checkpoint)
+    assert isinstance(_tiny_trainer(tmp_path), JitTrainer)

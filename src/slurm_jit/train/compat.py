@@ -84,8 +84,9 @@ def override_problem(trainer_cls: type, jit_cls: type, name: str, expected: tupl
     accepted = inspect.signature(override).parameters
     if any(p.kind is p.VAR_KEYWORD for p in accepted.values()):
         return None
-    new = list(inspect.signature(getattr(trainer_cls, name)).parameters)[1 + len(expected):]
-    missing = [p for p in new if p not in accepted]
+    new = list(inspect.signature(getattr(trainer_cls, name)).parameters.values())[1 + len(expected):]
+    # upstream's own *args/**kwargs are no parameter its callers pass by name
+    missing = [p.name for p in new if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name not in accepted]
     return f"Trainer.{name}() has new parameters {missing} that JitTrainer.{name}() does not take" if missing \
         else None
 
