@@ -46,6 +46,8 @@ def test_a_missing_hook_fails_construction_with_one_line(tmp_path: Path, monkeyp
     message = str(err.value)
     assert "\n" not in message and "HINT:" in message, message
     assert "has no Trainer._maybe_log_save_evaluate()" in message and compat.SUPPORTED_RANGE in message, message
+    # inside the range and still broken: the hint names the version that works, not the range it is already in
+    assert "HINT: pip install 'transformers==5.24.0'" in message, message
 
 
 def test_a_changed_signature_fails_construction(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

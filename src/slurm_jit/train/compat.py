@@ -34,6 +34,7 @@ PROGRESS_BARS_ENV = "SLURM_JIT_PROGRESS_BARS"  # "1": tqdm bars even when stderr
 
 # The range tested (keep equal to pyproject.toml's dependencies; tests/test_compat_hooks.py checks it).
 SUPPORTED_RANGE = "transformers>=5.24,<6, accelerate>=1.15,<2, deepspeed>=0.19.8,<0.20"
+TESTED_TRANSFORMERS = "5.24.0"  # the one version the stop/resume tests ran on (README "Versions")
 # Every Trainer method JitTrainer overrides or calls by a private name, with the parameters (after self) that
 # transformers 5.24 gives it, in order. Upstream may add parameters after these, with defaults.
 TRAINER_HOOKS: dict[str, tuple[str, ...]] = {
@@ -104,8 +105,8 @@ def check_trainer_hooks(trainer_cls: type | None = None, jit_cls: type | None = 
             problem = override_problem(trainer_cls, jit_cls, name, expected)
         if problem:
             raise JitRefusal(f"slurm_jit: transformers {_version('transformers')} {problem}: JitTrainer "
-                             f"supports {SUPPORTED_RANGE}. HINT: pip install 'transformers>=5.24,<6' (tested: "
-                             "5.24.0)")
+                             f"supports {SUPPORTED_RANGE}. HINT: pip install 'transformers=={TESTED_TRANSFORMERS}' "
+                             "(the version tested; a newer one inside the range can differ)")
 
 
 @contextlib.contextmanager
