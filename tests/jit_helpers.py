@@ -71,12 +71,17 @@ def _log_dir(out: Path) -> Path:
     return out.parent / f"logs-{out.name}"
 
 
-def _start(out: Path, args: list[str], env: dict[str, str] | None) -> tuple[local_ranks.Ranks, list[int]]:
-    """Start 2 ranks; also returns the size of each rank log before the start (logs are appended to)."""
+DEMO = ["-m", "slurm_jit.demo_train"]  # what the helpers start unless told ``program`` (e.g. [examples/x.py])
+
+
+def _start(out: Path, args: list[str], env: dict[str, str] | None,
+           program: list[str] | None = None) -> tuple[local_ranks.Ranks, list[int]]:
+    """Start 2 ranks of ``program`` (demo_train when None); also returns the size of each rank log before the
+    start (logs are appended to)."""
     log_dir = _log_dir(out)
     offsets = [(log_dir / f"rank{r}.log").stat().st_size if (log_dir / f"rank{r}.log").exists() else 0
                for r in range(2)]
-    ranks = local_ranks.start(["-m", "slurm_jit.demo_train", "--output-dir", str(out), *args], 2, log_dir, env=env)
+    ranks = local_ranks.start([*(program or DEMO), "--output-dir", str(out), *args], 2, log_dir, env=env)
     _started.append(ranks)
     return ranks, offsets
 
@@ -94,9 +99,10 @@ def run_to_end(out: Path, args: list[str], env: dict[str, str] | None = None) ->
     return run_logged(out, args, env).codes
 
 
-def run_logged(out: Path, args: list[str], env: dict[str, str] | None = None) -> RunResult:
+def run_logged(out: Path, args: list[str], env: dict[str, str] | None = None,
+               program: list[str] | None = None) -> RunResult:
     """Run 2 ranks to their end; returns the exit codes and this run's own log lines."""
-    ranks, offsets = _start(out, args, env)
+    ranks, offsets = _start(out, args, env, program)
     codes = ranks.wait(START_TIMEOUT_S)
     return RunResult(codes=codes, log=_new_log(ranks, offsets))
 
@@ -122,11 +128,11 @@ def _checkpoint_names(out: Path) -> set[str]:
 
 def run_and_signal(out: Path, args: list[str], plan: list[tuple[int, float]], after_steps: int = 3,
                    signum: int = signal.SIGTERM, env: dict[str, str] | None = None,
-                   wait_until: str | None = None) -> StopResult:
+                   wait_until: str | None = None, program: list[str] | None = None) -> StopResult:
     """Start 2 ranks; once ``after_steps`` are logged (or ``wait_until`` exists), send ``signum`` to each
     (rank, delay-since-previous-signal) of ``plan``, to the rank's whole process group as Slurm does. Meanwhile
     note when a new checkpoint directory appears (the sentinel is its first file)."""
-    ranks, offsets = _start(out, args, env)
+    ranks, offsets = _start(out, args, env, program)
     if wait_until is None:
         wait_for_steps(ranks, out, after_steps)
     else:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import sys
@@ -87,7 +88,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dump-state-at", default="",
                    help="comma-separated steps: write the complete training state of each rank to "
                         "OUT/exact-state/step-N/ (compare two runs with python -m slurm_jit.exactness)")
+    p.add_argument("--targ", action="append", default=[], metavar="KEY=JSON",
+                   help='any other TrainingArguments field, its value as JSON, e.g. --targ eval_on_start=true')
+    p.add_argument("--loss-func", action="store_true", help="Trainer(compute_loss_func=...): token cross-entropy")
+    p.add_argument("--metrics", action="store_true",
+                   help="Trainer(compute_metrics=..., preprocess_logits_for_metrics=...): eval token accuracy")
     return p.parse_args(argv)
+
+
+def _extra_training_args(pairs: list[str]) -> dict[str, Any]:
+    """``--targ KEY=JSON`` pairs as TrainingArguments keyword arguments."""
+    extra: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"demo_train: --targ {pair!r}. HINT: KEY=JSON, e.g. --targ eval_on_start=true")
+        extra[key] = json.loads(value)
+    return extra
 
 
 class _Tokens:
@@ -245,8 +262,41 @@ def _install_own_handler(out_dir: str, rank: int) -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def _loss_and_metric_functions(args: argparse.Namespace) -> dict[str, Any]:
+    """The Trainer's function arguments that ``--loss-func`` and ``--metrics`` switch on."""
+    import torch
+
+    functions: dict[str, Any] = {}
+    if args.loss_func:
+        def token_cross_entropy(outputs: Any, labels: Any, num_items_in_batch: Any = None) -> Any:
+            logits = outputs.logits[:, :-1].flatten(0, 1).float()
+            return torch.nn.functional.cross_entropy(logits, labels[:, 1:].flatten())
+
+        functions["compute_loss_func"] = token_cross_entropy
+    if args.metrics:
+        def argmax(logits: Any, labels: Any) -> Any:
+            return logits.argmax(-1)
+
+        def accuracy(pred: Any) -> dict[str, float]:
+            return {"accuracy": float((pred.predictions[:, :-1] == pred.label_ids[:, 1:]).mean())}
+
+        functions.update(preprocess_logits_for_metrics=argmax, compute_metrics=accuracy)
+    return functions
+
+
+def _show_info_lines() -> None:
+    """slurm_jit's INFO lines (each save, with its sizes) in the job log, as a user enables them."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    package_logger = logging.getLogger("slurm_jit")
+    package_logger.addHandler(handler)
+    package_logger.setLevel(logging.INFO)
+
+
+def main(argv: Sequence[str] | None = None, trainer_cls: Any = None) -> None:
+    """Train; ``trainer_cls`` (a JitTrainer subclass, or a callable making one) replaces JitTrainer."""
     args = parse_args(argv)
+    _show_info_lines()
     dist_env.from_slurm()
     if args.zero_stage:  # --zero-stage 0: no DeepSpeed at all (plain DDP over gloo)
         os.environ.setdefault("ACCELERATE_USE_DEEPSPEED", "true")
@@ -258,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     transformers.set_seed(args.seed)
     rank = int(os.environ.get("RANK", "0"))
-    targs = transformers.TrainingArguments(
+    base: dict[str, Any] = dict(
         output_dir=args.output_dir,
         max_steps=args.max_steps,
         per_device_train_batch_size=args.batch_size,
@@ -284,16 +334,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         save_only_model=args.save_only_model,
         save_on_each_node=args.save_on_each_node,
     )
+    targs = transformers.TrainingArguments(**{**base, **_extra_training_args(args.targ)})  # --targ wins
     model = build_model(args.model, args.width, args.layers, args.dropout, args.vocab, args.heads, args.kv_heads)
     common: dict[str, Any] = dict(
         model=model, args=targs, train_dataset=_Tokens(args.samples, args.seed, args.vocab),
         eval_dataset=_Tokens(args.eval_samples, args.seed + 1, args.vocab) if args.eval_steps else None,
-        callbacks=_callbacks(args, rank),
+        callbacks=_callbacks(args, rank), **_loss_and_metric_functions(args),
     )
     from slurm_jit.train.refusals import JitRefusal
 
     try:
-        _train(args, common)
+        _train(args, common, trainer_cls)
     except JitRefusal as exc:
         print(f"demo_train: {exc}", file=sys.stderr)
         sys.exit(2)
@@ -304,7 +355,24 @@ def main(argv: Sequence[str] | None = None) -> None:
         dist.destroy_process_group()
 
 
-def _train(args: argparse.Namespace, common: dict[str, Any]) -> None:
+def _write_final_state(out_dir: str, trainer: Any) -> None:
+    """OUT/final-state.json after train(): the step, the best checkpoint and metric, and a digest of the model's
+    weights (after load_best_model_at_end: the weights it loaded), to compare a resumed run with an
+    uninterrupted one."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, param in sorted(trainer.model.named_parameters()):
+        digest.update(name.encode())
+        digest.update(param.detach().cpu().contiguous().numpy().tobytes())
+    best = trainer.state.best_model_checkpoint
+    state = {"global_step": trainer.state.global_step, "best_metric": trainer.state.best_metric,
+             "best_model_checkpoint": os.path.basename(best) if best else None, "weights_sha256": digest.hexdigest()}
+    with open(os.path.join(out_dir, "final-state.json"), "w", encoding="utf-8") as f:
+        json.dump(state, f)
+
+
+def _train(args: argparse.Namespace, common: dict[str, Any], trainer_cls: Any = None) -> None:
     import transformers
 
     if args.trainer == "jit":
@@ -316,7 +384,7 @@ def _train(args: argparse.Namespace, common: dict[str, Any]) -> None:
                                signals=tuple(args.signals.split(",")), jit_save_model_weights=args.jit_save_weights)
         except ValueError as exc:  # one line with its HINT, as every refusal
             raise JitRefusal(f"JitConfig: {exc}") from None
-        trainer: Any = JitTrainer(**common, jit_config=config)
+        trainer: Any = (trainer_cls or JitTrainer)(**common, jit_config=config)
     else:
         trainer = transformers.Trainer(**common)
     for callback in common["callbacks"]:
@@ -333,6 +401,8 @@ def _train(args: argparse.Namespace, common: dict[str, Any]) -> None:
         print(f"demo_train: train() failed ({exc}); side group closed: {trainer._jit_agreement is None}; "
               "training again", file=sys.stderr)
         trainer.train(resume_from_checkpoint=resume)
+    if int(os.environ.get("RANK", "0")) == 0:
+        _write_final_state(args.output_dir, trainer)
     if args.after_train_sleep:
         print(f"train() returned on rank {os.environ.get('RANK', '0')}", flush=True)
         time.sleep(args.after_train_sleep)

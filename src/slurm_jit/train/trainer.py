@@ -42,7 +42,7 @@ from slurm_jit.checkpoint import protocol
 from slurm_jit.grace.calc import AGREE_BLOCKING, SLURM_SIGNAL_LEAD_MAX_S
 from slurm_jit.signal_names import parse_signal
 from slurm_jit.timing import WARMUP_STEPS, TimingLog
-from slurm_jit.train import exact_resume, runtime_grace, stop_record
+from slurm_jit.train import compat, exact_resume, runtime_grace, stop_record
 from slurm_jit.train.agreement import SIDE_GROUP_TIMEOUT_S, Decision, StopAgreement
 from slurm_jit.train.refusals import JitRefusal, refused_settings, resume_refusal
 from slurm_jit.train.signals import IgnoreSignalsInWorker, SignalLatch, StartWorkersMasked
@@ -181,6 +181,9 @@ class JitTrainer(transformers.Trainer):
     """
 
     def __init__(self, *args: Any, jit_config: JitConfig | None = None, **kwargs: Any) -> None:
+        # A transformers without the hooks below, or passing them what they cannot take, fails here, not at the
+        # first stop
+        compat.check_trainer_hooks(jit_cls=JitTrainer)
         super().__init__(*args, **kwargs)
         self.jit_config = jit_config or JitConfig()
         self._jit_signums = tuple(parse_signal(s) for s in self.jit_config.signals)
@@ -193,6 +196,8 @@ class JitTrainer(transformers.Trainer):
         if refusal:
             raise JitRefusal(f"slurm_jit: {refusal}")
         self.add_callback(_JitCallback(self))
+        compat.shut_down_workers_at_exit(self)  # persistent workers ignore SIGTERM: exit must not wait on them
+        compat.quiet_progress_bars(self)  # a Slurm job log gets one line per logging step, not tqdm redraws
         # Upstream calls on_save after _save_checkpoint returns, i.e. after our manifest; ours runs the callbacks
         # inside the save, before the manifest, so that what they write is in it.
         self._upstream_on_save = self.callback_handler.on_save
@@ -249,13 +254,15 @@ class JitTrainer(transformers.Trainer):
         try:
             resume = self._resolve_resume(resume_from_checkpoint)
             run.checkpoint = run.resumed_from = resume
+            compat.continue_tensorboard_run(self, resume)
             run_id = self._agreement.broadcast(uuid.uuid4().hex[:12])  # one id for all ranks of this train()
             run.timing = TimingLog(out_dir, int(self.args.process_index), int(self.args.world_size), run_id)
             if self._is_rank0:
                 stop_record.write(out_dir, "running", step=None, resumed_from=resume)
             try:
-                output = super().train(resume_from_checkpoint=resume, trial=trial,
-                                       ignore_keys_for_eval=ignore_keys_for_eval)
+                with compat.eval_on_start_once(self.args, resuming=resume is not None):
+                    output = super().train(resume_from_checkpoint=resume, trial=trial,
+                                           ignore_keys_for_eval=ignore_keys_for_eval)
             except _StopBeforeFirstStep:
                 output = TrainOutput(self.state.global_step, 0.0, {})
             self.jit_stopped = run.stopped
@@ -273,6 +280,7 @@ class JitTrainer(transformers.Trainer):
             # one, nor a gloo group for the interpreter's exit. After a failure no barrier (a peer may be gone).
             self._close_agreement(clean)
             run.in_loop = False
+            compat.shut_down_persistent_workers(self)
             # After a JIT stop the process is on its way out: a late signal (another node's copy, or Slurm's
             # second SIGTERM at the time limit) must not kill it mid-exit, so the stop signals stay ignored.
             # Otherwise the original handlers come back.
@@ -453,13 +461,15 @@ class JitTrainer(transformers.Trainer):
                           checkpoint=run.checkpoint, signal=_signal_name(run.latch.first_signum))
         run.stop_recorded = True
 
-    def _evaluate(self, trial: Any, ignore_keys_for_eval: Any, skip_scheduler: bool = False) -> dict[str, float]:
+    def _evaluate(self, trial: Any, ignore_keys_for_eval: Any, skip_scheduler: bool = False, *args: Any,
+                  **kwargs: Any) -> dict[str, float]:
+        # *args/**kwargs here and in the other pass-through hooks: what a newer Trainer adds goes through
         run = self._jit_run
         if run is None or not run.in_loop:
-            return super()._evaluate(trial, ignore_keys_for_eval, skip_scheduler=skip_scheduler)
+            return super()._evaluate(trial, ignore_keys_for_eval, skip_scheduler, *args, **kwargs)
         t0 = time.monotonic()
         try:
-            metrics = super()._evaluate(trial, ignore_keys_for_eval, skip_scheduler=skip_scheduler)
+            metrics = super()._evaluate(trial, ignore_keys_for_eval, skip_scheduler, *args, **kwargs)
         except _EvalAborted:
             run.eval_aborted = run.eval_owed = True
             self.control.should_save = False  # the JIT save takes the place of this step's periodic one
@@ -479,8 +489,8 @@ class JitTrainer(transformers.Trainer):
             run.timing.evaluation(self.state.global_step, time.monotonic() - t0, run.eval_aborted)
         return metrics
 
-    def _load_rng_state(self, checkpoint: str | None) -> None:
-        super()._load_rng_state(checkpoint)
+    def _load_rng_state(self, checkpoint: str | None, *args: Any, **kwargs: Any) -> None:
+        super()._load_rng_state(checkpoint, *args, **kwargs)
         # The uninterrupted run evaluated before this point; its evaluation draws from the RNG (the DataLoader's
         # base seed), so the owed one runs right after the RNG is restored, before the next batch is trained on.
         self._run_owed_evaluation()
@@ -501,10 +511,10 @@ class JitTrainer(transformers.Trainer):
             if best.is_dir():
                 self.state.best_model_checkpoint = str(best)
 
-    def _determine_best_metric(self, metrics: dict[str, float], trial: Any) -> bool:
+    def _determine_best_metric(self, metrics: dict[str, float], trial: Any, *args: Any, **kwargs: Any) -> bool:
         if self._jit_run is not None and self._jit_run.eval_aborted:
             return False  # no metrics from an aborted evaluation
-        return bool(super()._determine_best_metric(metrics=metrics, trial=trial))
+        return bool(super()._determine_best_metric(metrics, trial, *args, **kwargs))
 
     def prediction_step(self, model: Any, inputs: Any, prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None) -> Any:
@@ -516,9 +526,9 @@ class JitTrainer(transformers.Trainer):
 
     # ------------------------------------------------------------ exact resume
 
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None, *args: Any, **kwargs: Any) -> None:
         # Trainer calls this right after DeepSpeed's load_checkpoint and before the first resumed step.
-        super()._load_optimizer_and_scheduler(checkpoint)
+        super()._load_optimizer_and_scheduler(checkpoint, *args, **kwargs)
         if checkpoint is not None and self.is_deepspeed_enabled:
             exact_resume.restore(self.model_wrapped)
 
@@ -530,30 +540,31 @@ class JitTrainer(transformers.Trainer):
 
     # ------------------------------------------------------------ the end of training
 
-    def _finalize_training(self, trial: Any, num_train_samples: Any, start_time: Any) -> Any:
+    def _finalize_training(self, trial: Any, num_train_samples: Any, start_time: Any, *args: Any,
+                           **kwargs: Any) -> Any:
         # Upstream deletes every checkpoint-* but the best here when save_total_limit == 1 (the JIT checkpoint
         # and quarantined directories included): rotation is ours alone, after each manifest.
         limit = self.args.save_total_limit
         self.args.save_total_limit = None
         try:
-            return super()._finalize_training(trial, num_train_samples, start_time)
+            return super()._finalize_training(trial, num_train_samples, start_time, *args, **kwargs)
         finally:
             self.args.save_total_limit = limit
 
-    def _load_best_model(self) -> None:
+    def _load_best_model(self, *args: Any, **kwargs: Any) -> None:
         if self._jit_run is not None and self._jit_run.stopped:
             logger.warning("slurm_jit: JIT stop: not loading the best model (%s); the job is on its way out",
                            self.state.best_model_checkpoint)
             return
-        super()._load_best_model()
+        super()._load_best_model(*args, **kwargs)
 
-    def _finish_current_push(self) -> None:
+    def _finish_current_push(self, *args: Any, **kwargs: Any) -> None:
         if self._jit_run is not None and self._jit_run.stopped:
             push = getattr(self, "push_in_progress", None)
             if push is not None and not push.is_done():
                 logger.warning("slurm_jit: JIT stop: not waiting for the Hub push in progress")
             return
-        super()._finish_current_push()
+        super()._finish_current_push(*args, **kwargs)
 
     # ------------------------------------------------------------ saving
 
@@ -667,9 +678,9 @@ class JitTrainer(transformers.Trainer):
             deepspeed_tag=tag, files=files, contents=fields.pop("contents"), run_id=fields.pop("run_id"),
             extra={"bytes_weights_duplicate": duplicate, "bytes_needed_for_resume": total - duplicate, **fields},
         )
-        logger.warning("slurm_jit: %s checkpoint-%d: %d bytes written, %d needed for resume, %d over (model "
-                       "weights again beside the fp32 master copy in the optimizer shards)",
-                       kind, step, total, total - duplicate, duplicate)
+        logger.info("slurm_jit: %s checkpoint-%d: %d bytes written, %d needed for resume, %d over (model "
+                    "weights again beside the fp32 master copy in the optimizer shards)",
+                    kind, step, total, total - duplicate, duplicate)
         return total
 
     def _rotate_checkpoints_safely(self, run_dir: Path, just_written: Path) -> None:

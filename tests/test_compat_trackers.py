@@ -1,0 +1,104 @@
+"""TensorBoard across requeues (issue 12), the part a DeepSpeed run cannot show cheaply: a job resumed from an
+older checkpoint (after a crash) redoes steps; their old points must be dropped, not shown twice. transformers'
+own TensorBoardCallback writes real event files; only the trainer around it is a stand-in (the real path, with
+DeepSpeed ranks, a SIGTERM and a resume, is the GRPO row of tests/test_compat_matrix.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("tensorboard")
+
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+from transformers.integrations.integration_utils import TensorBoardCallback  # noqa: E402
+
+from slurm_jit.train import compat  # noqa: E402
+
+
+def _job(out: Path, resume_from: str | None, steps: range, offset: float) -> str:
+    """One job of rank 0: the callback as the Trainer makes it, continued by JitTrainer, writing ``steps``."""
+    callback = TensorBoardCallback()
+    args = SimpleNamespace(output_dir=str(out), to_json_string=lambda: "{}")
+    trainer = SimpleNamespace(callback_handler=SimpleNamespace(callbacks=[callback]), args=args,
+                              is_world_process_zero=lambda: True)
+    compat.continue_tensorboard_run(trainer, resume_from)  # JitTrainer.train(), before the Trainer's loop
+    callback.on_train_begin(args, SimpleNamespace(is_world_process_zero=True, is_hyper_param_search=False), None)
+    for step in steps:
+        callback.tb_writer.add_scalar("train/loss", step + offset, step)
+    callback.tb_writer.close()
+    return str(callback.logging_dir)
+
+
+def test_a_resumed_job_continues_the_run_and_redone_steps_replace_their_points(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    first = _job(out, None, range(1, 9), offset=0.0)  # crashed after step 8; the newest checkpoint is 5
+    second = _job(out, str(out / "checkpoint-5"), range(6, 11), offset=0.5)
+    assert second == first
+    assert [p.name for p in (out / "runs").iterdir()] == [Path(first).name]
+    events = EventAccumulator(first)
+    events.Reload()
+    points = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert points == [(s, float(s)) for s in range(1, 6)] + [(s, s + 0.5) for s in range(6, 11)], points
+
+
+
+def _record(out: Path) -> Path:
+    return out / "slurm-jit" / compat.TENSORBOARD_RECORD
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b'{"log_dir": 7}', b"\xff\xfe", b'{"log_dir": ""}',
+                                     b'{"log_dir": "TMP/elsewhere"}',
+                                     b'{"log_dir": "runs/../../elsewhere"}',
+                                     b"{" + b" " * 2**20 + b"}"],  # 1 MiB,
+                         ids=["corrupt", "not-a-dict", "not-a-string", "not-utf8", "empty", "outside", "escapes",
+                              "huge"])
+def test_an_unusable_record_starts_a_new_run_with_one_warning_line(tmp_path: Path, content: bytes,
+                                                                    caplog: pytest.LogCaptureFixture,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "out"
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")  # a relative path taken as it is lands in tmp_path, not in the repo
+    _record(out).parent.mkdir(parents=True)
+    _record(out).write_bytes(content.replace(b"TMP", str(tmp_path).encode()))
+    with caplog.at_level("WARNING", logger=compat.__name__):
+        log_dir = _job(out, str(out / "checkpoint-5"), range(6, 8), offset=0.0)
+    assert Path(log_dir).parent == out / "runs", log_dir  # a new run inside OUT_DIR, never /etc or ../elsewhere
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "HINT:" in warnings[0] and "\n" not in warnings[0], warnings
+    assert _job(out, str(out / "checkpoint-7"), range(8, 9), offset=0.0) == log_dir  # the new record is good
+    assert not (tmp_path / "elsewhere").exists()
+
+
+def test_a_record_that_is_a_directory_or_a_dangling_link_is_not_a_traceback(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    _record(out).mkdir(parents=True)  # os.replace cannot put the new record there: a warning, TensorBoard goes on
+    assert Path(_job(out, str(out / "checkpoint-5"), range(6, 7), offset=0.0)).parent == out / "runs"
+    _record(out).rmdir()
+    _record(out).symlink_to(tmp_path / "gone.json")
+    assert Path(_job(out, str(out / "checkpoint-6"), range(7, 8), offset=0.0)).parent == out / "runs"
+    assert _record(out).is_file() and not _record(out).is_symlink()
+
+
+def test_a_moved_output_dir_continues_its_own_run(tmp_path: Path) -> None:
+    """The record names the run inside OUT_DIR, not by an absolute path: a copied or moved OUT_DIR (scratch to
+    project space, another mount point on the next node) continues its run where it is now."""
+    first = _job(tmp_path / "old", None, range(1, 6), offset=0.0)
+    (tmp_path / "old").rename(tmp_path / "new")
+    second = _job(tmp_path / "new", str(tmp_path / "new" / "checkpoint-5"), range(6, 8), offset=0.0)
+    assert Path(second) == tmp_path / "new" / "runs" / Path(first).name
+    assert not (tmp_path / "old").exists()
+
+
+def test_a_fresh_train_after_a_resumed_one_in_the_same_process_purges_nothing(tmp_path: Path) -> None:
+    callback = TensorBoardCallback()
+    original = callback._SummaryWriter
+    args = SimpleNamespace(output_dir=str(tmp_path / "out"), to_json_string=lambda: "{}")
+    trainer = SimpleNamespace(callback_handler=SimpleNamespace(callbacks=[callback]), args=args,
+                              is_world_process_zero=lambda: True)
+    compat.continue_tensorboard_run(trainer, None)
+    compat.continue_tensorboard_run(trainer, str(tmp_path / "out" / "checkpoint-5"))
+    compat.continue_tensorboard_run(trainer, None)  # a second training in the same process
+    assert callback._SummaryWriter is original
