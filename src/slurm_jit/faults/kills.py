@@ -20,6 +20,8 @@ from pathlib import Path
 from slurm_jit.checkpoint import protocol
 from slurm_jit.faults import common
 
+FULL_TRIALS_PER_STAGE = 25  # 50 kills in all: the issue's minimum
+FULL_WIDTH, FULL_LAYERS = 768, 4  # ~30 M parameters: a ~0.4 GB checkpoint whose save takes seconds on 2 cores
 SAVE_TIME_SLACK = 1.2  # the random instant spans the measured save time and a bit more: also just after it
 
 
@@ -121,12 +123,13 @@ def run_chain(root: Path, chain: Chain, seed: int, tally: common.Tally, save_tim
     shutil.rmtree(reference)
 
 
-def run_row(root: Path, quick: bool, sample: Path) -> common.Row:
-    """Row 1. Full: 25 trials under ZeRO-2 and 25 under ZeRO-3 with a ~50 MB state; quick: 2 + 2, small state."""
+def run_row(root: Path, quick: bool, sample: Path) -> tuple[common.Row, list[str]]:
+    """Row 1 (full: 25 trials under ZeRO-2 and 25 under ZeRO-3; quick: 2 under ZeRO-2, a small state), and the
+    arguments that resume the complete checkpoint it leaves in ``sample`` (for rows 3 and 7)."""
     t0 = time.monotonic()
-    chains = ([Chain(zero_stage=2, trials=2, width=64, layers=2), Chain(zero_stage=3, trials=2, width=64, layers=2)]
-              if quick else [Chain(zero_stage=2, trials=25, width=512, layers=4),
-                             Chain(zero_stage=3, trials=25, width=512, layers=4)])
+    chains = ([Chain(zero_stage=2, trials=2, width=64, layers=2)] if quick else
+              [Chain(zero_stage=2, trials=FULL_TRIALS_PER_STAGE, width=FULL_WIDTH, layers=FULL_LAYERS),
+               Chain(zero_stage=3, trials=FULL_TRIALS_PER_STAGE, width=FULL_WIDTH, layers=FULL_LAYERS)])
     tally = common.Tally()
     save_times: list[float] = []
     for i, chain in enumerate(chains):
@@ -138,4 +141,5 @@ def run_row(root: Path, quick: bool, sample: Path) -> common.Row:
               f"save time after its sentinel appeared), {' + '.join(f'{c.trials} ZeRO-{c.zero_stage}' for c in chains)}"
               f" trials, width {chains[0].width} x {chains[0].layers} layers, {shown}; ckpt-check quick vs --deep "
               "after each; each chain's every logged loss equals the uninterrupted run's bitwise")
-    return tally.row("random SIGKILL mid-save", detail, time.monotonic() - t0)
+    resume_args = [*chains[0].args(), "--max-steps", str(2 * chains[0].trials + 8)]  # the last one wins
+    return tally.row("random SIGKILL mid-save", detail, time.monotonic() - t0), resume_args

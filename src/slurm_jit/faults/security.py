@@ -27,8 +27,8 @@ import time
 import zipfile
 from pathlib import Path
 
-from slurm_jit.checkpoint import protocol
 from slurm_jit.checkpoint import manifest as manifest_file
+from slurm_jit.checkpoint import protocol
 from slurm_jit.faults import common
 
 PICKLED_SUFFIXES = (".pt", ".pth", ".bin")
