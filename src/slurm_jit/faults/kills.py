@@ -84,16 +84,16 @@ def _judge(out: Path, first: int, target: int, tally: common.Tally) -> None:
             tally.fail(f"checkpoint-{step} complete for ckpt-check but {deep_status.get(step)} with --deep")
     if quick_status.get(first) != "complete":
         tally.fail(f"checkpoint-{first}, finished before the kill, is {quick_status.get(first)}")
-    truly_newest = target if deep_status.get(target) == "complete" else first
+    # the kill may land after the target's manifest, even after a later save: the newest truly complete one
+    truly_newest = max((step for step, status in deep_status.items() if status == "complete"), default=0)
     resume = quick.get("resume_from")
     resumed = int(Path(resume).name.split("-")[1]) if resume else 0
     if resumed != truly_newest:
         tally.lost_steps += max(0, truly_newest - resumed)
         tally.fail(f"after a kill in the save of {target}: resume from {resumed}, newest complete {truly_newest}")
-    for ckpt in out.glob("checkpoint-*"):  # the killed save, judged: out of the way (disk), as quarantine would
-        if ckpt.is_dir() and ckpt.name != f"checkpoint-{truly_newest}" and deep_status.get(
-                int(ckpt.name.split("-")[1].split(".")[0]) if ckpt.name.split("-")[1].split(".")[0].isdigit()
-                else -1) != "complete":
+    for ckpt in out.glob("checkpoint-*"):  # judged: the killed save out of the way (disk), as quarantine would
+        step = ckpt.name.removeprefix("checkpoint-")
+        if ckpt.is_dir() and (not step.isdigit() or deep_status.get(int(step)) != "complete"):
             shutil.rmtree(ckpt)
 
 
