@@ -92,8 +92,8 @@ def _judge(out: Path, first: int, target: int, tally: common.Tally) -> None:
         tally.lost_steps += max(0, truly_newest - resumed)
         tally.fail(f"after a kill in the save of {target}: resume from {resumed}, newest complete {truly_newest}")
     for ckpt in out.glob("checkpoint-*"):  # judged: the killed save out of the way (disk), as quarantine would
-        step = ckpt.name.removeprefix("checkpoint-")
-        if ckpt.is_dir() and (not step.isdigit() or deep_status.get(int(step)) != "complete"):
+        suffix = ckpt.name.removeprefix("checkpoint-")
+        if ckpt.is_dir() and (not suffix.isdigit() or deep_status.get(int(suffix)) != "complete"):
             shutil.rmtree(ckpt)
 
 
