@@ -21,11 +21,11 @@ from slurm_jit.faults import common, corruption, disk_full, kills, races, read_o
 DEFAULT_OUT = "fault-results"
 
 
-def run_rows(scratch: Path, quick: bool) -> list[common.Row]:
+def run_rows(scratch: Path, quick: bool, kill_trials: int = kills.FULL_TRIALS_PER_STAGE) -> list[common.Row]:
     sample_dir = scratch / "sample"
     sample_dir.mkdir(parents=True, exist_ok=True)
     rows = []
-    row, resume_args = kills.run_row(scratch / "kills", quick, sample_dir)
+    row, resume_args = kills.run_row(scratch / "kills", quick, sample_dir, kill_trials)
     rows.append(_show(row))
     samples = sorted(sample_dir.glob("checkpoint-*"))
     rows.append(_show(disk_full.run_row(scratch / "disk-full", quick)))
@@ -64,6 +64,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="the fast subset (CI)")
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"where results.json goes (default {DEFAULT_OUT}/)")
+    parser.add_argument("--kill-trials", type=int, default=kills.FULL_TRIALS_PER_STAGE, metavar="N",
+                        help=f"full run: SIGKILL trials per ZeRO stage (default {kills.FULL_TRIALS_PER_STAGE}: "
+                             "50 in all, ~30-40 min on 2 loaded cores)")
     parser.add_argument("--keep", action="store_true", help="keep the scratch directories (runs, logs)")
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -75,13 +78,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="slurm-jit-faults-"))
     t0, started = time.monotonic(), time.time()
     try:
-        rows = run_rows(scratch, args.quick)
+        rows = run_rows(scratch, args.quick, args.kill_trials)
     finally:
         if args.keep:
             print(f"tools/faults: scratch kept in {scratch}", file=sys.stderr)
         else:
             shutil.rmtree(scratch, ignore_errors=True)
-    result = {"quick": args.quick, "started": started, "seconds": round(time.monotonic() - t0, 1),
+    result = {"quick": args.quick, "kill_trials_per_stage": None if args.quick else args.kill_trials,
+              "started": started, "seconds": round(time.monotonic() - t0, 1),
               "cpus": os.cpu_count(), "load_avg_1m_at_end": os.getloadavg()[0],
               "rows": [r.as_json() for r in rows]}
     (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
