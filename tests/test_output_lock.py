@@ -1,4 +1,5 @@
-"""The output-directory lock (train/output_lock.py): real flock between real processes, a real read-only mount.
+"""The output-directory lock (train/output_lock.py): real POSIX locks between real processes, a real read-only
+mount.
 
 A lock holder is a child process that takes the lock through the module and sleeps; the test takes it again in
 this process. About 3 s. The trainer-level path (a second 2-rank launch refused while the first trains, a
@@ -92,12 +93,12 @@ def test_a_requeued_run_of_the_same_job_takes_over_a_lock_still_held(tmp_path: P
     assert output_lock.acquire(tmp_path / "out")[0] is None
 
 
-def test_without_flock_the_named_holder_decides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # The one fake: a file system that cannot flock (Lustre without -o flock) cannot be mounted here.
-    def no_flock(fd: int, operation: int) -> None:
+def test_without_locking_the_named_holder_decides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The one fake: a file system that cannot lock (Lustre without -o flock) cannot be mounted here.
+    def no_lock(fd: int, operation: int) -> None:
         raise OSError(errno.ENOSYS, "Function not implemented")
 
-    monkeypatch.setattr(fcntl, "flock", no_flock)
+    monkeypatch.setattr(fcntl, "lockf", no_lock)
     path = output_lock.lock_path(tmp_path / "out")
     path.parent.mkdir(parents=True)
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
@@ -112,6 +113,34 @@ def test_without_flock_the_named_holder_decides(tmp_path: Path, monkeypatch: pyt
     lock, why = output_lock.acquire(tmp_path / "out")  # its pid is gone: stale
     assert lock is not None, why
     output_lock.release(lock)
+
+
+HOLD_AND_FORK = """\
+import os, sys, time
+from slurm_jit.train import output_lock
+lock, why = output_lock.acquire(sys.argv[1])
+if os.fork() == 0:  # a DataLoader worker: forked after the lock was taken, outlives its parent
+    time.sleep(600)
+    os._exit(0)
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_forked_child_does_not_keep_a_killed_holders_lock(tmp_path: Path) -> None:
+    # With flock the lock belonged to the open file, shared by every forked DataLoader worker: a worker that
+    # outlived a SIGKILLed rank 0 kept the output directory locked, and the requeued run was refused.
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_AND_FORK, str(tmp_path / "out")], stdout=subprocess.PIPE,
+                            text=True, env=_env(), start_new_session=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+        proc.send_signal(signal.SIGKILL)  # the holder only: its forked child lives on
+        proc.wait(HOLDER_START_TIMEOUT_S)
+        lock, why = output_lock.acquire(tmp_path / "out")
+        assert lock is not None and why is None, why
+        output_lock.release(lock)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a read-only tmpfs needs root")

@@ -6,18 +6,24 @@ named (Slurm job id and restart count, host, pid, since when).
 
 How "held" is decided:
 
-- ``flock(LOCK_EX | LOCK_NB)`` on the open lock file, held by rank 0 for the whole ``train()``. The kernel drops
-  it when the process dies (SIGKILL, node crash on a local file system), so a lock left by a killed run is free,
-  never stale. On NFS (v4, or v3 with lockd) Linux maps ``flock`` to a POSIX lock that the server arbitrates
-  across clients; a client that died keeps it until the server's lease expires (NFSv4: 90 s by default).
+- A POSIX record lock (``fcntl.lockf``: ``F_SETLK`` on the whole file) on the open lock file, held by rank 0 for
+  the whole ``train()``. The kernel drops it when the process dies (SIGKILL, OOM), so a lock left by a killed run
+  is free, never stale. Not ``flock``: a flock belongs to the open file, which every forked child (a DataLoader
+  worker) shares, so a worker outliving a SIGKILLed rank 0 by seconds would keep the directory locked; a POSIX
+  lock belongs to the process and is not inherited. On NFS (v4, or v3 with lockd) the server arbitrates POSIX
+  locks across clients; a client that died keeps its lock until the server's lease expires (NFSv4: 90 s by
+  default).
 - The file's content names the holder (JSON). When the lock is busy and the holder is an earlier run of the
   SAME Slurm job (same ``SLURM_JOB_ID``, another ``SLURM_RESTART_COUNT``: a requeue), that run is gone (Slurm
   requeues only after every task of it has ended): its lock is left over from a dead node's NFS lease and is
   taken over.
-- Where ``flock`` is not supported (Lustre mounted without ``-o flock`` answers ENOSYS; some FUSE file systems
+- Where locking is not supported (Lustre mounted without ``-o flock`` answers ENOSYS; some FUSE file systems
   EOPNOTSUPP/ENOLCK) the content alone decides: an empty file, a holder on this host whose pid is gone, or an
   earlier run of the same job is taken over; anything else is refused with a HINT to remove the file once that
   job is known to be gone. (Lustre's ``-o localflock`` is node-local: it cannot see a holder on another node.)
+
+A POSIX lock is dropped when its process closes ANY descriptor of the file: nothing in the trainer opens the lock
+file but :func:`acquire`.
 
 Only global rank 0 takes the lock, so a multi-node job holds one lock; the other ranks learn the verdict from
 rank 0 (the trainer broadcasts it). The lock is released when ``train()`` ends: the file is emptied (so that the
@@ -46,7 +52,8 @@ logger = logging.getLogger(__name__)
 
 LOCK_NAME = "output.lock"
 HOLDER_MAX_BYTES = 4096  # the holder's JSON is ~150 bytes; a bounded read of a file others can write
-# flock errors that mean "this file system cannot lock", not "someone holds it"
+# lock errors that mean "someone holds it" (fcntl(2): EACCES or EAGAIN), and "this file system cannot lock"
+HELD_ERRNOS = {errno.EACCES, errno.EAGAIN}
 UNSUPPORTED_ERRNOS = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
 
 
@@ -78,7 +85,7 @@ class OutputLock:
 
     path: Path
     fd: int
-    flocked: bool  # False: the file system cannot flock, the content alone says who holds it
+    locked: bool  # False: taken over, or the file system cannot lock: the content alone says who holds it
 
 
 def lock_path(output_dir: str | os.PathLike[str]) -> Path:
@@ -111,26 +118,29 @@ def _not_writable(output_dir: str | os.PathLike[str], exc: OSError) -> str:
 def _lock(path: Path, fd: int) -> tuple[OutputLock | None, str | None]:
     me = this_process()
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        flocked = True
-    except BlockingIOError:
-        holder = _read_holder(fd)
-        if holder is None or not _earlier_run_of_this_job(holder, me):
-            os.close(fd)
-            return None, _refusal(path, holder)
-        logger.warning("slurm_jit: %s is held by an earlier run of this job (%s), which Slurm ended before this "
-                       "requeue: taking it over", path, holder.describe())
-        flocked = False
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        locked = True
     except OSError as exc:
-        if exc.errno not in UNSUPPORTED_ERRNOS:
+        if exc.errno not in HELD_ERRNOS | UNSUPPORTED_ERRNOS:
             raise
+        unsupported = exc.errno in UNSUPPORTED_ERRNOS
         holder = _read_holder(fd)
-        if holder is not None and not _stale(holder, me):
+        if not _may_take_over(holder, me, unsupported):
             os.close(fd)
-            return None, _refusal(path, holder, flock_unsupported=True)
-        flocked = False
+            return None, _refusal(path, holder, lock_unsupported=unsupported)
+        if holder is not None and not unsupported:
+            logger.warning("slurm_jit: %s is held by an earlier run of this job (%s), which Slurm ended before "
+                           "this requeue: taking it over", path, holder.describe())
+        locked = False
     _write_holder(fd, me)
-    return OutputLock(path=path, fd=fd, flocked=flocked), None
+    return OutputLock(path=path, fd=fd, locked=locked), None
+
+
+def _may_take_over(holder: Holder | None, me: Holder, unsupported: bool) -> bool:
+    """A busy lock: only an earlier run of this job's. No locking at all: also a free or dead holder."""
+    if not unsupported:
+        return holder is not None and _earlier_run_of_this_job(holder, me)
+    return holder is None or _stale(holder, me)
 
 
 def _earlier_run_of_this_job(holder: Holder, me: Holder) -> bool:
@@ -138,7 +148,7 @@ def _earlier_run_of_this_job(holder: Holder, me: Holder) -> bool:
 
 
 def _stale(holder: Holder, me: Holder) -> bool:
-    """Without flock: is the holder known to be gone?"""
+    """Without locking: is the holder known to be gone?"""
     if _earlier_run_of_this_job(holder, me):
         return True
     return holder.host == me.host and not _pid_alive(holder.pid)
@@ -154,11 +164,11 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _refusal(path: Path, holder: Holder | None, flock_unsupported: bool = False) -> str:
+def _refusal(path: Path, holder: Holder | None, lock_unsupported: bool = False) -> str:
     who = holder.describe() if holder is not None else "another process (it has not written its name yet)"
     hint = "wait for it to end (or scancel it), or give this run another output_dir"
-    if flock_unsupported:
-        hint += f"; this file system cannot flock: if that run is gone, remove {path}"
+    if lock_unsupported:
+        hint += f"; this file system cannot lock files: if that run is gone, remove {path}"
     return f"output_dir {path.parent.parent} is in use by {who}: two trainings would overwrite each other's " \
            f"checkpoints. HINT: {hint}"
 
@@ -187,12 +197,12 @@ def _write_holder(fd: int, holder: Holder) -> None:
 
 
 def release(lock: OutputLock | None) -> None:
-    """Empty the file (free for the content-only fallback) and close it, which drops the flock."""
+    """Empty the file (free for the content-only fallback) and close it, which drops the lock."""
     if lock is None:
         return
     try:
         os.ftruncate(lock.fd, 0)
-    except OSError as exc:  # releasing must not mask what ended training; closing drops the flock anyway
+    except OSError as exc:  # releasing must not mask what ended training; closing drops the lock anyway
         logger.warning("slurm_jit: could not empty %s: %s", lock.path, exc)
     finally:
         os.close(lock.fd)
