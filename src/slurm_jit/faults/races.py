@@ -25,8 +25,10 @@ def _second_launch(out: Path, tally: common.Tally) -> str:
         if not common.wait_until(lambda: len(common.losses(out)) >= 1, first):
             tally.fail("the first launch never trained")
             return ""
+        record_before = stop_record.read(out)
         codes, log = common.run(out, LONG)
         line = next((x.strip() for x in log.splitlines() if "is in use by" in x), "")
+        tally.check(stop_record.read(out) == record_before, "the refused launch rewrote the holder's stop record")
         tally.trials += 1
         tally.check(codes == [2, 2], f"second launch exited {codes}, expected 2 (refused)")
         tally.check(f"pid {first.procs[0].pid}" in line and "HINT:" in line, f"holder not named: {line!r}")

@@ -289,8 +289,8 @@ class JitTrainer(transformers.Trainer):
             agreement.close(wait_for_peers=clean)
 
     def _record_failure(self, run: _Run, exc: BaseException) -> None:
-        if not self._is_rank0:
-            return
+        if not self._is_rank0 or self.__dict__.get("_jit_output_lock") is None:
+            return  # only the output_dir's lock holder writes its stop record (a refused launch is not it)
         error = f"{type(exc).__name__}: {exc}"[:2000]
         try:
             self._write_failure(run, error)
