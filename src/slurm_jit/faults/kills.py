@@ -82,10 +82,10 @@ def _judge(out: Path, first: int, target: int, tally: common.Tally) -> None:
         if status == "complete" and deep_status.get(step) != "complete":
             tally.false_complete += 1
             tally.fail(f"checkpoint-{step} complete for ckpt-check but {deep_status.get(step)} with --deep")
-    if quick_status.get(first) != "complete":
-        tally.fail(f"checkpoint-{first}, finished before the kill, is {quick_status.get(first)}")
     # the kill may land after the target's manifest, even after a later save: the newest truly complete one
     truly_newest = max((step for step, status in deep_status.items() if status == "complete"), default=0)
+    if truly_newest < first:  # the save finished before the kill (it may since have been rotated away)
+        tally.fail(f"checkpoint-{first}, finished before the kill, is {quick_status.get(first)}")
     resume = quick.get("resume_from")
     resumed = int(Path(resume).name.split("-")[1]) if resume else 0
     if resumed != truly_newest:
