@@ -154,3 +154,22 @@ def test_a_read_only_output_dir_is_one_line_with_a_hint(tmp_path: Path) -> None:
         subprocess.run(["umount", "-l", str(out)], check=False, timeout=60)
     assert lock is None and why is not None
     assert "cannot be written (Read-only file system" in why and "HINT:" in why and "\n" not in why, why
+
+
+def test_a_second_trainer_in_this_process_is_refused_and_keeps_the_first_lock(tmp_path: Path) -> None:
+    # POSIX locks belong to the process: a second lockf from this process succeeds, and closing its descriptor
+    # drops the first trainer's lock, so a launch elsewhere would be let in while the first one trains.
+    first, why = output_lock.acquire(tmp_path / "out")
+    assert first is not None, why
+    try:
+        second, why = output_lock.acquire(tmp_path / "out")
+        assert second is None and why is not None, "a second trainer in this process took the same output_dir"
+        assert "this process" in why and "HINT:" in why and "\n" not in why, why
+        probe = subprocess.run([sys.executable, "-c", HOLD.replace("time.sleep(600)", ""), str(tmp_path / "out")],
+                               capture_output=True, text=True, env=_env(), timeout=HOLDER_START_TIMEOUT_S)
+        assert probe.stdout.strip() != "held", "the first trainer's lock was dropped by the refused second one"
+    finally:
+        output_lock.release(first)
+    again, why = output_lock.acquire(tmp_path / "out")  # released: this process may take it again
+    assert again is not None, why
+    output_lock.release(again)

@@ -22,8 +22,9 @@ How "held" is decided:
   earlier run of the same job is taken over; anything else is refused with a HINT to remove the file once that
   job is known to be gone. (Lustre's ``-o localflock`` is node-local: it cannot see a holder on another node.)
 
-A POSIX lock is dropped when its process closes ANY descriptor of the file: nothing in the trainer opens the lock
-file but :func:`acquire`.
+A POSIX lock is dropped when its process closes ANY descriptor of the file, and it never excludes its own process:
+nothing in the trainer opens the lock file but :func:`acquire`, which refuses a second holder in this process (a
+second JitTrainer on the same output_dir) before opening the file.
 
 Only global rank 0 takes the lock, so a multi-node job holds one lock; the other ranks learn the verdict from
 rank 0 (the trainer broadcasts it). The lock is released when ``train()`` ends: the file is emptied (so that the
@@ -55,6 +56,9 @@ HOLDER_MAX_BYTES = 4096  # the holder's JSON is ~150 bytes; a bounded read of a 
 # lock errors that mean "someone holds it" (fcntl(2): EACCES or EAGAIN), and "this file system cannot lock"
 HELD_ERRNOS = {errno.EACCES, errno.EAGAIN}
 UNSUPPORTED_ERRNOS = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
+# Lock files held by THIS process, by (st_dev, st_ino): a POSIX lock does not exclude its own process (a second
+# JitTrainer here would lock the file again), and closing any descriptor of the file drops it.
+_HELD_HERE: set[tuple[int, int]] = set()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,6 +100,8 @@ def acquire(output_dir: str | os.PathLike[str]) -> tuple[OutputLock | None, str 
     """(the lock, None), or (None, why not: one line with a HINT). Never raises for an OSError: rank 0's answer
     is broadcast to every rank, which would wait forever for an exception."""
     path = lock_path(output_dir)
+    if _held_here(path):  # checked before opening: closing a second descriptor would drop the held lock
+        return None, _refusal(path, None, in_this_process=True)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
@@ -106,6 +112,19 @@ def acquire(output_dir: str | os.PathLike[str]) -> tuple[OutputLock | None, str 
     except OSError as exc:
         os.close(fd)
         return None, _not_writable(output_dir, exc)
+
+
+def _held_here(path: Path) -> bool:
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) in _HELD_HERE
+
+
+def _file_key(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
 
 
 def _not_writable(output_dir: str | os.PathLike[str], exc: OSError) -> str:
@@ -133,6 +152,7 @@ def _lock(path: Path, fd: int) -> tuple[OutputLock | None, str | None]:
                            "this requeue: taking it over", path, holder.describe())
         locked = False
     _write_holder(fd, me)
+    _HELD_HERE.add(_file_key(fd))
     return OutputLock(path=path, fd=fd, locked=locked), None
 
 
@@ -164,9 +184,13 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _refusal(path: Path, holder: Holder | None, lock_unsupported: bool = False) -> str:
+def _refusal(path: Path, holder: Holder | None, lock_unsupported: bool = False,
+             in_this_process: bool = False) -> str:
     who = holder.describe() if holder is not None else "another process (it has not written its name yet)"
     hint = "wait for it to end (or scancel it), or give this run another output_dir"
+    if in_this_process:
+        who = f"another trainer in this process (pid {os.getpid()}) whose train() has not ended"
+        hint = "let the first train() end before the next, or give each trainer its own output_dir"
     if lock_unsupported:
         hint += f"; this file system cannot lock files: if that run is gone, remove {path}"
     return f"output_dir {path.parent.parent} is in use by {who}: two trainings would overwrite each other's " \
@@ -201,6 +225,7 @@ def release(lock: OutputLock | None) -> None:
     if lock is None:
         return
     try:
+        _HELD_HERE.discard(_file_key(lock.fd))
         os.ftruncate(lock.fd, 0)
     except OSError as exc:  # releasing must not mask what ended training; closing drops the lock anyway
         logger.warning("slurm_jit: could not empty %s: %s", lock.path, exc)
