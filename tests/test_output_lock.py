@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -80,8 +81,11 @@ def test_a_lock_left_by_a_killed_holder_is_taken_over(tmp_path: Path, holder) ->
 
 def test_a_requeued_run_of_the_same_job_takes_over_a_lock_still_held(tmp_path: Path, holder,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    # The earlier run's lock still held (a dead node's NFS lease): same job, another restart count.
+    # The earlier run's lock still held (a dead node's NFS lease): same job, another restart count, another host
+    # (the holder's name rewritten under its live lock: a second host cannot be had here).
     holder(tmp_path / "out", SLURM_JOB_ID="77", SLURM_RESTART_COUNT="0")
+    path = output_lock.lock_path(tmp_path / "out")
+    path.write_text(json.dumps({**json.loads(path.read_text()), "host": "node-gone"}))
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
     assert output_lock.acquire(tmp_path / "out")[0] is None  # the same run twice: refused
@@ -173,3 +177,24 @@ def test_a_second_trainer_in_this_process_is_refused_and_keeps_the_first_lock(tm
     again, why = output_lock.acquire(tmp_path / "out")  # released: this process may take it again
     assert again is not None, why
     output_lock.release(again)
+
+
+def test_a_requeued_run_on_the_same_host_waits_for_a_live_earlier_run(tmp_path: Path, holder,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # A busy lock whose holder is on THIS host is held by a live process (the kernel drops a dead one's): an
+    # earlier run of this job still tearing down. Taking it over would let two trainings write, and when the old
+    # one released, nobody would hold the lock at all.
+    monkeypatch.setattr(output_lock, "EARLIER_RUN_WAIT_S", 1.0)
+    proc = holder(tmp_path / "out", SLURM_JOB_ID="77", SLURM_RESTART_COUNT="0")
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    lock, why = output_lock.acquire(tmp_path / "out")
+    assert lock is None and why is not None, "took over a lock its live holder on this host still held"
+    assert "Slurm job 77 (restart 0)" in why and f"pid {proc.pid}" in why and "\n" not in why, why
+    monkeypatch.setattr(output_lock, "EARLIER_RUN_WAIT_S", 30.0)
+    threading.Timer(1.0, proc.kill).start()  # the earlier run ends during the wait: the lock is taken, for real
+    t0 = time.monotonic()
+    lock, why = output_lock.acquire(tmp_path / "out")
+    assert lock is not None and lock.locked, why
+    assert time.monotonic() - t0 < 20.0  # it waited for the holder's end, not for the whole wait
+    output_lock.release(lock)

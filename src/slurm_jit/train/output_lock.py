@@ -14,9 +14,10 @@ How "held" is decided:
   locks across clients; a client that died keeps its lock until the server's lease expires (NFSv4: 90 s by
   default).
 - The file's content names the holder (JSON). When the lock is busy and the holder is an earlier run of the
-  SAME Slurm job (same ``SLURM_JOB_ID``, another ``SLURM_RESTART_COUNT``: a requeue), that run is gone (Slurm
-  requeues only after every task of it has ended): its lock is left over from a dead node's NFS lease and is
-  taken over.
+  SAME Slurm job (same ``SLURM_JOB_ID``, another ``SLURM_RESTART_COUNT``: a requeue) on ANOTHER host, that run
+  is gone (Slurm requeues only after every task of it has ended): its lock is left over from a dead node's NFS
+  lease and is taken over. On THIS host a busy lock has a live holder (the kernel drops a dead one's): a rank 0
+  still in its teardown, waited for up to ``EARLIER_RUN_WAIT_S``, then refused; never two writers.
 - Where locking is not supported (Lustre mounted without ``-o flock`` answers ENOSYS; some FUSE file systems
   EOPNOTSUPP/ENOLCK) the content alone decides: an empty file, a holder on this host whose pid is gone, or an
   earlier run of the same job is taken over; anything else is refused with a HINT to remove the file once that
@@ -59,6 +60,10 @@ UNSUPPORTED_ERRNOS = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL
 # Lock files held by THIS process, by (st_dev, st_ino): a POSIX lock does not exclude its own process (a second
 # JitTrainer here would lock the file again), and closing any descriptor of the file drops it.
 _HELD_HERE: set[tuple[int, int]] = set()
+# How long a requeued run waits for an earlier run of its job still holding the lock on this host (a rank 0 still
+# in its teardown, outside the job's cgroup): slurm.conf(5) KillWait, the default 30 s between SIGTERM and SIGKILL.
+EARLIER_RUN_WAIT_S = 30.0
+EARLIER_RUN_POLL_S = 0.2  # a retry of the non-blocking lock; blocking F_SETLKW would have no deadline
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,22 +149,42 @@ def _lock(path: Path, fd: int) -> tuple[OutputLock | None, str | None]:
             raise
         unsupported = exc.errno in UNSUPPORTED_ERRNOS
         holder = _read_holder(fd)
-        if not _may_take_over(holder, me, unsupported):
+        locked = not unsupported and _earlier_run_ends_here(fd, holder, me)
+        if not locked and not _may_take_over(holder, me, unsupported):
             os.close(fd)
             return None, _refusal(path, holder, lock_unsupported=unsupported)
-        if holder is not None and not unsupported:
-            logger.warning("slurm_jit: %s is held by an earlier run of this job (%s), which Slurm ended before "
-                           "this requeue: taking it over", path, holder.describe())
-        locked = False
+        if holder is not None and not unsupported and not locked:
+            logger.warning("slurm_jit: %s is held by an earlier run of this job (%s) on another host, which "
+                           "Slurm ended before this requeue: taking it over", path, holder.describe())
     _write_holder(fd, me)
     _HELD_HERE.add(_file_key(fd))
     return OutputLock(path=path, fd=fd, locked=locked), None
 
 
+def _earlier_run_ends_here(fd: int, holder: Holder | None, me: Holder) -> bool:
+    """A busy lock held on THIS host is held by a live process (the kernel drops a dead one's): an earlier run of
+    this job still tearing down. Wait for it to end (then the lock is ours, for real), up to EARLIER_RUN_WAIT_S."""
+    if holder is None or holder.host != me.host or not _earlier_run_of_this_job(holder, me):
+        return False
+    logger.warning("slurm_jit: the output_dir lock is still held by an earlier run of this job on this host (%s): "
+                   "waiting up to %.0f s for it to end", holder.describe(), EARLIER_RUN_WAIT_S)
+    deadline = time.monotonic() + EARLIER_RUN_WAIT_S
+    while time.monotonic() < deadline:
+        time.sleep(EARLIER_RUN_POLL_S)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError as exc:
+            if exc.errno not in HELD_ERRNOS:
+                raise
+    return False
+
+
 def _may_take_over(holder: Holder | None, me: Holder, unsupported: bool) -> bool:
-    """A busy lock: only an earlier run of this job's. No locking at all: also a free or dead holder."""
+    """A busy lock: only an earlier run of this job's on another host (a dead node's NFS lease; on this host the
+    holder is alive). No locking at all: also a free or dead holder."""
     if not unsupported:
-        return holder is not None and _earlier_run_of_this_job(holder, me)
+        return holder is not None and holder.host != me.host and _earlier_run_of_this_job(holder, me)
     return holder is None or _stale(holder, me)
 
 
