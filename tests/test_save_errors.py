@@ -53,3 +53,29 @@ def test_other_failures_pass_through_unchanged(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="a bug"):
         with save_errors.disk_full_is_one_line(ckpt):
             raise RuntimeError("a bug")
+
+
+def _fill(mount: Path) -> None:
+    """Write a filler file until the file system answers ENOSPC."""
+    fd = os.open(mount / "filler", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def test_a_full_disk_never_makes_the_timing_log_end_training(full_disk: Path) -> None:
+    # The timing log is diagnostics: its buffered step records hitting a full disk (the disk a checkpoint just
+    # filled) raised from flush() mid-training, and from close() in train()'s finally, where that OSError replaced
+    # the one-line CheckpointWriteError of the failed save with a traceback.
+    from slurm_jit.timing import FLUSH_EVERY_STEPS, TimingLog
+
+    log = TimingLog(full_disk, 0, 1, "run")
+    _fill(full_disk)
+    for step in range(1, 50 * FLUSH_EVERY_STEPS):
+        log.step(step, 0.1)
+    log.save(7, "periodic", 1.0, 10)
+    log.close()  # nothing raised: the log stops, training goes on
