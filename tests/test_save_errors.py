@@ -79,3 +79,29 @@ def test_a_full_disk_never_makes_the_timing_log_end_training(full_disk: Path) ->
         log.step(step, 0.1)
     log.save(7, "periodic", 1.0, 10)
     log.close()  # nothing raised: the log stops, training goes on
+
+
+def test_a_full_disk_at_the_sentinel_is_one_line_and_keeps_the_earlier_checkpoint(full_disk: Path) -> None:
+    # One process, no DeepSpeed (~10 s): the disk fills between saves, so the save of step 2 fails at its very
+    # first write, the sentinel (a raw OSError traceback before: the sentinel was outside the one-line guard).
+    import transformers
+
+    from slurm_jit import demo_train
+    from slurm_jit.checkpoint import protocol
+    from slurm_jit.train.trainer import JitTrainer
+
+    class FillAtStep2(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            if state.global_step == 2:
+                _fill(full_disk)
+
+    out = full_disk / "out"
+    targs = transformers.TrainingArguments(output_dir=str(out), use_cpu=True, report_to=[], max_steps=3,
+                                           save_steps=1, per_device_train_batch_size=2, disable_tqdm=True)
+    trainer = JitTrainer(model=demo_train.build_model("gpt2", 16, 1), args=targs,
+                         train_dataset=demo_train._Tokens(8, seed=1), callbacks=[FillAtStep2()])
+    with pytest.raises(save_errors.CheckpointWriteError) as caught:
+        trainer.train()
+    assert "checkpoint-2" in str(caught.value) and "HINT:" in str(caught.value), caught.value
+    resolution = protocol.find_resumable(str(out))
+    assert resolution.checkpoint is not None and resolution.checkpoint.path.name == "checkpoint-1"

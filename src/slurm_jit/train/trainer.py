@@ -612,7 +612,8 @@ class JitTrainer(transformers.Trainer):
                 aside = protocol.quarantine_path(ckpt)
                 logger.warning("slurm_jit: %s exists from an earlier run: moved to %s", ckpt, aside)
                 os.rename(ckpt, aside)
-            protocol.write_sentinel(ckpt, step, kind)
+            with save_errors.disk_full_is_one_line(ckpt):  # the sentinel is the save's first write
+                protocol.write_sentinel(ckpt, step, kind)
         self._agreement.barrier()
         with save_errors.disk_full_is_one_line(ckpt):  # one clear line; the sentinel stays, nothing rotates
             contents = self._upstream_save(model, trial, kind)
