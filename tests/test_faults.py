@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,17 +26,27 @@ QUICK_ROWS = {"random SIGKILL mid-save", "disk full during a save", "read-only o
 @pytest.mark.timeout(QUICK_TIMEOUT_S)
 @pytest.mark.skipif(os.geteuid() != 0, reason="the disk-full and read-only rows mount tmpfs: root only")
 def test_tools_faults_quick_passes_every_row(tmp_path: Path) -> None:
-    proc = subprocess.run([str(ROOT / "tools" / "faults"), "--quick", "--out", str(tmp_path / "results")],
-                          capture_output=True, text=True, timeout=QUICK_TIMEOUT_S - 60, check=False)
+    proc = subprocess.Popen([str(ROOT / "tools" / "faults"), "--quick", "--out", str(tmp_path / "results")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=QUICK_TIMEOUT_S - 120)
+    finally:  # a hang: SIGTERM first, so that the harness unmounts its tmpfs and kills its ranks (SIGKILL cannot)
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.communicate(timeout=60)
+            finally:
+                proc.kill()
+                proc.wait()
     results = json.loads((tmp_path / "results" / "results.json").read_text())
     rows = results["rows"]
-    assert {r["name"] for r in rows} == QUICK_ROWS, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert {r["name"] for r in rows} == QUICK_ROWS, stdout[-3000:] + stderr[-3000:]
     for row in rows:
         assert set(row) >= {"name", "trials", "false_complete", "lost_steps", "passed", "detail"}, row
         assert row["passed"] and row["false_complete"] == 0 and row["lost_steps"] == 0, row
         assert row["trials"] >= 1, row
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "| fault | trials |" in proc.stdout
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert "| fault | trials |" in stdout
 
 
 def test_a_false_complete_or_a_lost_step_fails_the_row() -> None:
@@ -50,3 +62,31 @@ def test_a_false_complete_or_a_lost_step_fails_the_row() -> None:
 def test_the_table_escapes_pipes() -> None:
     row = common.Row(name="n", trials=1, false_complete=0, lost_steps=0, passed=True, detail="a | b")
     assert "a \\| b" in runner.table([row])
+
+
+HOLD_A_MOUNT = """\
+import sys, time
+from pathlib import Path
+from slurm_jit.faults import common
+with common.tmpfs(Path(sys.argv[1]), 1 << 20):
+    print("mounted", flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_a_sigterm_to_the_harness_leaves_no_mount_behind(tmp_path: Path) -> None:
+    # CI cancelling the job (or timeout(1)) sends SIGTERM: its default action ended tools/faults with its tmpfs
+    # still mounted (the finally that unmounts never ran). ~2 s.
+    mount = tmp_path / "m"
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_A_MOUNT, str(mount)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "mounted"
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        assert not mount.is_mount(), "tools/faults ended by SIGTERM left its tmpfs mounted"
+    finally:
+        proc.kill()
+        proc.wait(60)
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True, check=False, timeout=60)

@@ -7,9 +7,11 @@ import json
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -113,7 +115,10 @@ def run(out: Path, args: Sequence[str], env: dict[str, str] | None = None,
     for _ in range(2):
         offsets = log_size(out)
         ranks = start(out, args, env, world_size)
-        codes = ranks.wait(START_TIMEOUT_S)
+        try:
+            codes = ranks.wait(START_TIMEOUT_S)
+        finally:  # interrupted (SIGTERM, ^C): no rank group outlives the harness
+            ranks.kill()
         log = new_log(ranks, offsets)
         if PORT_IN_USE not in log:
             break
@@ -188,23 +193,44 @@ def tmpfs(path: Path, size_bytes: int, read_only: bool = False) -> Iterator[Path
     """A small tmpfs at ``path`` (root only), unmounted whatever happens."""
     path.mkdir(parents=True, exist_ok=True)
     options = f"size={size_bytes}" + (",ro" if read_only else "")
-    _mount(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)])
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False, timeout=CHECK_TIMEOUT_S)
+    with sigterm_unwinds():
+        _mount(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)])
+        try:
+            yield path
+        finally:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False, timeout=CHECK_TIMEOUT_S)
 
 
 @contextlib.contextmanager
 def read_only_bind(source: Path, path: Path) -> Iterator[Path]:
     """``source`` seen read-only at ``path`` (a bind mount, remounted ro: what root cannot write either)."""
     path.mkdir(parents=True, exist_ok=True)
-    _mount(["mount", "--bind", str(source), str(path)])
+    with sigterm_unwinds():
+        _mount(["mount", "--bind", str(source), str(path)])
+        try:
+            _mount(["mount", "-o", "remount,bind,ro", str(path)])
+            yield path
+        finally:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False, timeout=CHECK_TIMEOUT_S)
+
+
+@contextlib.contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """While a mount is held, SIGTERM (CI cancelling the job, timeout(1)) raises SystemExit, so that the finally
+    that unmounts runs; its default action would end the process with the mount left behind. (A harness, not the
+    trainer: here unwinding at once is the point, so the handler raises rather than sets a flag.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def unwind(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, unwind)
     try:
-        _mount(["mount", "-o", "remount,bind,ro", str(path)])
-        yield path
+        yield
     finally:
-        subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False, timeout=CHECK_TIMEOUT_S)
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _mount(argv: list[str]) -> None:

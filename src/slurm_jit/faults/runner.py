@@ -78,7 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="slurm-jit-faults-"))
     t0, started = time.monotonic(), time.time()
     try:
-        rows = run_rows(scratch, args.quick, args.kill_trials)
+        with common.sigterm_unwinds():  # a SIGTERM unwinds: rank groups killed, mounts and scratch removed
+            rows = run_rows(scratch, args.quick, args.kill_trials)
     finally:
         if args.keep:
             print(f"tools/faults: scratch kept in {scratch}", file=sys.stderr)
