@@ -342,12 +342,16 @@ def main(argv: Sequence[str] | None = None, trainer_cls: Any = None) -> None:
         callbacks=_callbacks(args, rank), **_loss_and_metric_functions(args),
     )
     from slurm_jit.train.refusals import JitRefusal
+    from slurm_jit.train.save_errors import CheckpointWriteError
 
     try:
         _train(args, common, trainer_cls)
     except JitRefusal as exc:
         print(f"demo_train: {exc}", file=sys.stderr)
         sys.exit(2)
+    except CheckpointWriteError as exc:  # a full disk: one line, the earlier checkpoints untouched
+        print(f"demo_train: {exc}", file=sys.stderr)
+        sys.exit(1)
     import torch.distributed as dist
 
     if dist.is_initialized():  # a clean teardown, so that no rank aborts at exit while its peer is gone

@@ -65,9 +65,10 @@ class Ranks:
 
 
 def start(argv: Sequence[str], world_size: int, log_dir: str | os.PathLike[str],
-          env: Mapping[str, str] | None = None) -> Ranks:
-    """Start ``python argv`` once per rank with RANK/WORLD_SIZE/MASTER_* set; output to log_dir/rank<R>.log."""
-    port = free_port()
+          env: Mapping[str, str] | None = None, port: int | None = None) -> Ranks:
+    """Start ``python argv`` once per rank with RANK/WORLD_SIZE/MASTER_* set; output to log_dir/rank<R>.log.
+    ``port``: MASTER_PORT (default: one the kernel says is free now)."""
+    port = port or free_port()
     # This interpreter's bin directory first: DeepSpeed's op loader runs `ninja`, and another ninja version
     # (Debian's) discards the build log and rebuilds the op from scratch.
     bin_dir = os.path.dirname(sys.executable)

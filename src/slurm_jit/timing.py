@@ -27,6 +27,7 @@ allocation) and are left out of the step statistics. This module imports no torc
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
@@ -38,6 +39,8 @@ from typing import IO, Any
 FORMAT_VERSION = 1
 TIMING_DIR = "slurm-jit"
 WARMUP_STEPS = 2  # the first steps of a run pay for allocator warm-up and DeepSpeed's first-use op builds
+logger = logging.getLogger(__name__)
+
 FLUSH_EVERY_STEPS = 20  # bounded loss on a SIGKILL, without a write per step
 
 
@@ -68,8 +71,23 @@ class TimingLog:
         if self._file is None:
             return
         base = {"v": FORMAT_VERSION, "rank": self.rank, "world_size": self.world_size, "run_id": self.run_id}
-        self._file.write(json.dumps({**base, **record}) + "\n")
+        try:
+            self._file.write(json.dumps({**base, **record}) + "\n")
+        except OSError as exc:
+            self._give_up(exc)
+            return
         self._unflushed += 1
+
+    def _give_up(self, exc: OSError) -> None:
+        """The log is diagnostics: a full disk (or a lost mount) stops it, never the training, and never masks
+        the error that ends training (close() runs in train()'s finally)."""
+        handle, self._file = self._file, None
+        logger.warning("slurm_jit: timing log of rank %d not written any further: %s", self.rank, exc)
+        if handle is not None:
+            try:
+                handle.close()  # closes the descriptor even when its last flush fails
+            except OSError:
+                pass
 
     def step(self, step: int, dur_s: float) -> None:
         self._steps_seen += 1
@@ -99,13 +117,19 @@ class TimingLog:
 
     def flush(self) -> None:
         if self._file is not None:
-            self._file.flush()
+            try:
+                self._file.flush()
+            except OSError as exc:
+                self._give_up(exc)
             self._unflushed = 0
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        handle, self._file = self._file, None
+        if handle is not None:
+            try:
+                handle.close()
+            except OSError as exc:
+                logger.warning("slurm_jit: timing log of rank %d: last records lost: %s", self.rank, exc)
 
 
 class TimingLogError(ValueError):

@@ -42,7 +42,7 @@ from slurm_jit.checkpoint import protocol
 from slurm_jit.grace.calc import AGREE_BLOCKING, SLURM_SIGNAL_LEAD_MAX_S
 from slurm_jit.signal_names import parse_signal
 from slurm_jit.timing import WARMUP_STEPS, TimingLog
-from slurm_jit.train import compat, exact_resume, runtime_grace, stop_record
+from slurm_jit.train import compat, exact_resume, output_lock, runtime_grace, save_errors, stop_record
 from slurm_jit.train.agreement import SIDE_GROUP_TIMEOUT_S, Decision, StopAgreement
 from slurm_jit.train.refusals import JitRefusal, refused_settings, resume_refusal
 from slurm_jit.train.signals import IgnoreSignalsInWorker, SignalLatch, StartWorkersMasked
@@ -279,6 +279,7 @@ class JitTrainer(transformers.Trainer):
             # Every path closes the side group: a failed train() must not leave a round in flight for the next
             # one, nor a gloo group for the interpreter's exit. After a failure no barrier (a peer may be gone).
             self._close_agreement(clean)
+            output_lock.release(self.__dict__.pop("_jit_output_lock", None))
             run.in_loop = False
             compat.shut_down_persistent_workers(self)
             # After a JIT stop the process is on its way out: a late signal (another node's copy, or Slurm's
@@ -296,9 +297,15 @@ class JitTrainer(transformers.Trainer):
             agreement.close(wait_for_peers=clean)
 
     def _record_failure(self, run: _Run, exc: BaseException) -> None:
-        if not self._is_rank0:
-            return
+        if not self._is_rank0 or self.__dict__.get("_jit_output_lock") is None:
+            return  # only the output_dir's lock holder writes its stop record (a refused launch is not it)
         error = f"{type(exc).__name__}: {exc}"[:2000]
+        try:
+            self._write_failure(run, error)
+        except OSError as write_exc:  # a full disk: the record cannot be written; the error itself must go on
+            logger.error("slurm_jit: stop record not written: %s", write_exc)
+
+    def _write_failure(self, run: _Run, error: str) -> None:
         if run.stop_recorded:  # the stop checkpoint is complete: still a JIT stop (requeue), with what went wrong
             stop_record.write(str(self.args.output_dir), "jit_stop", step=self.state.global_step,
                               checkpoint=run.checkpoint, signal=_signal_name(run.latch.first_signum),
@@ -311,8 +318,9 @@ class JitTrainer(transformers.Trainer):
         """Rank 0 picks the checkpoint (``True``: the newest resumable one, as ckpt-check does), checks that it
         can be resumed exactly by this run, reads what it carries, and tells every rank."""
         decision: tuple[str | None, str | None, dict[str, Any]] = (None, None, {})
-        if self._is_rank0:
-            decision = self._pick_resume(resume_from_checkpoint)
+        if self._is_rank0:  # one training per output_dir, and a writable one (output_lock), before any step
+            self._jit_output_lock, locked_out = output_lock.acquire(str(self.args.output_dir))
+            decision = (None, locked_out, {}) if locked_out else self._pick_resume(resume_from_checkpoint)
         path, refusal, carried = self._agreement.broadcast(decision)
         if refusal:
             raise JitRefusal(f"slurm_jit: {refusal}")
@@ -615,20 +623,22 @@ class JitTrainer(transformers.Trainer):
                 aside = protocol.quarantine_path(ckpt)
                 logger.warning("slurm_jit: %s exists from an earlier run: moved to %s", ckpt, aside)
                 os.rename(ckpt, aside)
-            protocol.write_sentinel(ckpt, step, kind)
+            with save_errors.disk_full_is_one_line(ckpt):  # the sentinel is the save's first write
+                protocol.write_sentinel(ckpt, step, kind)
         self._agreement.barrier()
-        contents = self._upstream_save(model, trial, kind)
-        # Callbacks run on every save (JIT too) before the manifest: what they add or rewrite is in it.
-        self.control = self._upstream_on_save(self.args, self.state, self.control)
-        fault_sleep_s = float(os.environ.get(FAULT_SAVE_SLEEP_ENV, "0") or 0)
-        if fault_sleep_s > 0:
-            time.sleep(fault_sleep_s)
-        protocol.fsync_tree(ckpt)
-        self._agreement.barrier()
-        nbytes = self._write_manifest(ckpt, step, kind, {
-            "contents": contents, "run_id": run.lineage if run and run.lineage else None,
-            "owed_evaluation": bool(run and run.eval_owed),
-        })
+        with save_errors.disk_full_is_one_line(ckpt):  # one clear line; the sentinel stays, nothing rotates
+            contents = self._upstream_save(model, trial, kind)
+            # Callbacks run on every save (JIT too) before the manifest: what they add or rewrite is in it.
+            self.control = self._upstream_on_save(self.args, self.state, self.control)
+            fault_sleep_s = float(os.environ.get(FAULT_SAVE_SLEEP_ENV, "0") or 0)
+            if fault_sleep_s > 0:
+                time.sleep(fault_sleep_s)
+            protocol.fsync_tree(ckpt)
+            self._agreement.barrier()
+            nbytes = self._write_manifest(ckpt, step, kind, {
+                "contents": contents, "run_id": run.lineage if run and run.lineage else None,
+                "owed_evaluation": bool(run and run.eval_owed),
+            })
         if run is not None:
             run.saved_step, run.saved_contents = step, contents
             run.checkpoint = str(ckpt)
