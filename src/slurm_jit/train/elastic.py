@@ -5,7 +5,7 @@ DeepSpeed refuses to load them on another world size. DeepSpeed 0.19.8 ships the
 (``deepspeed/checkpoint/ds_to_universal.py``) turns the shards into one file per parameter and state, and the
 engine loads that on any world size when its ``load_universal_checkpoint`` is set. Here they are put together:
 
-- :func:`plan` says what a resume of a checkpoint on N ranks takes (directly, after a conversion, or not at all);
+- ``checkpoint/elastic_plan.py`` says what a resume on N ranks takes (directly, after a conversion, or not);
   ``ckpt-check --world-size`` and the JitTrainer both ask it.
 - :func:`ensure_universal` converts once, crash-safely, into ``checkpoint-S/universal/``, written through the
   checkpoint protocol (sentinel first, manifest last): a conversion killed half-way leaves the original as it was
@@ -22,96 +22,29 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from slurm_jit.checkpoint import manifest as manifest_file
 from slurm_jit.checkpoint import protocol
+from slurm_jit.checkpoint.elastic_plan import (
+    DIRECT,
+    REFUSED,
+    SAME,
+    UNIVERSAL_OF_KEY,
+    plan,
+    universal_complete,
+    universal_dir,
+)
 
 logger = logging.getLogger(__name__)
 
-UNIVERSAL_DIR_NAME = "universal"  # inside checkpoint-S: rotation deletes it with its checkpoint
 LATEST_UNIVERSAL_NAME = "latest_universal"  # engine.load_checkpoint reads the tag here when load_universal is set
 # A conversion reads every shard and writes each parameter's states once: seconds for the demo model, minutes for
 # billions of parameters. Past this it is taken as hung and the resume is refused (the original stays).
 CONVERT_TIMEOUT_S = 3600
 CONVERT_OUTPUT_TAIL_CHARS = 400  # of the converter's output, in the refusal when it fails
-# ZeRO stages whose optimizer state is partitioned over the ranks: ds_to_universal handles 1 and 2 through
-# DeepSpeedCheckpoint and 3 through its own path; the JitTrainer verifies 1 and 2 (tests: test_elastic.py).
-CONVERTIBLE_STAGES = (1, 2)
-UNCONVERTED_STAGES = {3: "ZeRO-3 (ds_to_universal converts it, but its universal load through the Trainer is not "
-                         "verified here)"}
-UNIVERSAL_OF_KEY = "universal_of_world_size"  # in the universal copy's manifest: the ranks that wrote the shards
-DIRECT, CONVERT, CONVERTED, SAME, REFUSED = "direct", "convert", "converted", "same", "refused"
-
-
 class ElasticError(RuntimeError):
     """A conversion that failed; the message is one line with a HINT. The original checkpoint is untouched."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Plan:
-    """What resuming one checkpoint on ``world_size`` ranks takes."""
-
-    action: str  # SAME, DIRECT (no partitioned state), CONVERT, CONVERTED (universal copy complete), REFUSED
-    written_by: int | None  # the world size in the manifest (None: no manifest, or it does not say)
-    world_size: int  # the ranks of the run that resumes
-    zero_stage: int | None  # from the manifest
-    reason: str  # one line: what will be done, or why not (with a HINT)
-
-    @property
-    def resumable(self) -> bool:
-        return self.action != REFUSED
-
-
-def universal_dir(ckpt_dir: str | os.PathLike[str]) -> Path:
-    return Path(ckpt_dir) / UNIVERSAL_DIR_NAME
-
-
-def plan(ckpt_dir: str | os.PathLike[str], world_size: int, manifest: dict[str, Any] | None = None) -> Plan:
-    """What a resume of ``ckpt_dir`` on ``world_size`` ranks takes (the manifest is read when not given)."""
-    path = Path(ckpt_dir)
-    if manifest is None and (path / protocol.MANIFEST_NAME).is_file():
-        manifest, _ = manifest_file.read(path)
-    written_by = manifest.get("world_size") if manifest is not None else None
-    stage = manifest.get("zero_stage") if manifest is not None else None
-    stage = stage if isinstance(stage, int) else None
-
-    def made(action: str, reason: str) -> Plan:
-        return Plan(action=action, written_by=written_by if isinstance(written_by, int) else None,
-                    world_size=world_size, zero_stage=stage, reason=reason)
-
-    if not isinstance(written_by, int) or written_by == world_size:
-        return made(SAME, "same world size: resumes directly")
-    change = f"written by {written_by} ranks, resumed on {world_size}"
-    if (manifest is not None and manifest.get("deepspeed_tag") is None) or stage in (None, 0):
-        return made(DIRECT, f"{change}: no ZeRO-partitioned state, loads directly (per-rank RNG "
-                    "streams are not carried over)")
-    if stage in UNCONVERTED_STAGES:
-        return made(REFUSED, f"{path}: {change}: {UNCONVERTED_STAGES[stage]} cannot be resumed on "
-                    f"another world size. HINT: resume with {written_by} ranks")
-    if stage not in CONVERTIBLE_STAGES:
-        return made(REFUSED, f"{path}: {change}: unknown ZeRO stage {stage!r}. HINT: resume with "
-                    f"{written_by} ranks")
-    step = int(manifest["step"]) if manifest is not None else 0
-    if universal_complete(path, step):
-        return made(CONVERTED, f"{change}: ZeRO-{stage} shards already converted to DeepSpeed's "
-                    f"universal format in {universal_dir(path)}: loads from there")
-    return made(CONVERT, f"{change}: ZeRO-{stage} shards will be converted once to DeepSpeed's "
-                f"universal format ({universal_dir(path)}) and loaded from there")
-
-
-def universal_complete(ckpt_dir: Path, step: int) -> bool:
-    """The protocol's verdict on ``checkpoint-S/universal``: no sentinel, and its manifest verifies."""
-    target = universal_dir(ckpt_dir)
-    if target.is_symlink() or not target.is_dir() or os.path.lexists(target / protocol.SENTINEL_NAME):
-        return False
-    manifest, _ = manifest_file.read(target)
-    if manifest is None or manifest.get(UNIVERSAL_OF_KEY) is None:
-        return False
-    return manifest_file.verify(target, step, manifest, deep=False, progress=None) is None
-
 
 
 def ensure_universal(ckpt_dir: str | os.PathLike[str], manifest: dict[str, Any]) -> tuple[Path, float]:

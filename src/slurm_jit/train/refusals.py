@@ -12,9 +12,8 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from slurm_jit.checkpoint import elastic_plan, protocol
 from slurm_jit.checkpoint import manifest as manifest_file
-from slurm_jit.checkpoint import protocol
-from slurm_jit.train import elastic
 
 LATEST_TAG_MAX_BYTES = 256  # DeepSpeed's `latest` holds one tag such as "global_step1234"
 TAG_RE = re.compile(r"^global_step(\d+)$")
@@ -85,9 +84,9 @@ def resume_refusal(ckpt_dir: str | os.PathLike[str], *, world_size: int) -> str 
     if (path / protocol.MANIFEST_NAME).is_file():
         manifest, _ = manifest_file.read(path)
     if manifest is not None:
-        elastic_plan = elastic.plan(path, world_size, manifest)
-        if not elastic_plan.resumable:
-            return elastic_plan.reason
+        on_world = elastic_plan.plan(path, world_size, manifest)
+        if not on_world.resumable:
+            return on_world.reason
         if manifest.get("contents") == "model_only":
             return (f"{path}: holds the model only (a save_only_model save): no optimizer, scheduler or RNG "
                     "state to resume from. HINT: resume from a checkpoint whose manifest says contents=full "
