@@ -42,6 +42,7 @@ LATEST_UNIVERSAL_NAME = "latest_universal"  # engine.load_checkpoint reads the t
 # A conversion reads every shard and writes each parameter's states once: seconds for the demo model, minutes for
 # billions of parameters. Past this it is taken as hung and the resume is refused (the original stays).
 CONVERT_TIMEOUT_S = 3600
+ZERO_RANK0_OPTIM_NAME = "zero_pp_rank_0_mp_rank_00_optim_states.pt"  # engine._get_zero_ckpt_name, rank 0
 CONVERT_OUTPUT_TAIL_CHARS = 400  # of the converter's output, in the refusal when it fails
 class ElasticError(RuntimeError):
     """A conversion that failed; the message is one line with a HINT. The original checkpoint is untouched."""
@@ -111,15 +112,25 @@ def _link_trainer_files(source: Path, dest: Path) -> None:
             shutil.copy2(entry, dest / entry.name)
 
 
-def prepare(ckpt_dir: str, world_size: int, manifest: dict[str, Any]) -> tuple[str | None, str | None]:
-    """Rank 0, before the resume: (the directory the Trainer loads from when it is not ``ckpt_dir``, refusal).
-    Logs one line when the world size changed; converts when it must."""
+def prepare(ckpt_dir: str, args: Any, manifest: dict[str, Any]) -> tuple[str | None, str | None]:
+    """Rank 0, before the resume with ``args`` (TrainingArguments): (the directory the Trainer loads from when it
+    is not ``ckpt_dir``, refusal). Logs one line when the world size changed; converts when it must. This run's
+    samples per optimizer step (per-device batch x accumulation x world size) must be the checkpoint's."""
+    world_size = int(args.world_size)
+    global_batch = int(args.per_device_train_batch_size) * int(args.gradient_accumulation_steps) * world_size
     decided = plan(ckpt_dir, world_size, manifest)
     if decided.action == SAME:
         return None, None
     logger.warning("slurm_jit: world size %s -> %d: %s", decided.written_by, world_size, decided.reason)
     if decided.action in (DIRECT, REFUSED):
         return None, None if decided.resumable else decided.reason
+    written_batch = _global_batch(Path(ckpt_dir), manifest)
+    if written_batch is not None and written_batch != global_batch:
+        return None, (f"{ckpt_dir}: {written_batch} samples per optimizer step when written, {global_batch} in "
+                      "this run: the Trainer skips global_step batches on resume, so the data position (samples "
+                      "consumed) and the learning-rate schedule would not carry over. HINT: keep "
+                      "per_device_train_batch_size x gradient_accumulation_steps x world size at "
+                      f"{written_batch}")
     try:
         target, elapsed_s = ensure_universal(ckpt_dir, manifest)
     except (ElasticError, OSError, protocol.ProtocolError) as exc:
@@ -129,6 +140,23 @@ def prepare(ckpt_dir: str, world_size: int, manifest: dict[str, Any]) -> tuple[s
     if elapsed_s:
         logger.warning("slurm_jit: converted %s to %s in %.1f s", ckpt_dir, target, elapsed_s)
     return str(target), None
+
+
+def _global_batch(ckpt_dir: Path, manifest: dict[str, Any]) -> int | None:
+    """Samples per optimizer step of the run that wrote the checkpoint, from the DeepSpeed config saved in rank 0's
+    ZeRO file (memory-mapped: its tensors are not read); None when it cannot be told."""
+    import torch
+
+    tag = str(manifest.get("deepspeed_tag") or "")
+    shard = ckpt_dir / tag / ZERO_RANK0_OPTIM_NAME
+    try:
+        config = torch.load(shard, map_location="cpu", weights_only=False, mmap=True).get("ds_config") or {}
+        micro, accum = config.get("train_micro_batch_size_per_gpu"), config.get("gradient_accumulation_steps")
+    except Exception:  # noqa: BLE001 - another layout (bf16 files, a newer DeepSpeed): not checked, not refused
+        return None
+    if not (isinstance(micro, int) and isinstance(accum, int) and isinstance(manifest.get("world_size"), int)):
+        return None
+    return micro * accum * int(manifest["world_size"])
 
 
 def install_universal_load() -> None:

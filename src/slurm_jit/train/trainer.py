@@ -345,7 +345,7 @@ class JitTrainer(transformers.Trainer):
                 carried["run_id"] = manifest["run_id"]
             if manifest.get("owed_evaluation") is True:
                 carried["owed_evaluation_step"] = manifest["step"]
-            carried["load_from"], refusal = elastic.prepare(path, int(self.args.world_size), manifest)
+            carried["load_from"], refusal = elastic.prepare(path, self.args, manifest)
         return path, refusal, carried
 
     # ------------------------------------------------------------ the stop decision
