@@ -40,15 +40,18 @@ logger = logging.getLogger(__name__)
 
 LATEST_UNIVERSAL_NAME = "latest_universal"  # engine.load_checkpoint reads the tag here when load_universal is set
 # A conversion reads every shard and writes each parameter's states once: seconds for the demo model, minutes for
-# billions of parameters. Past this it is taken as hung and the resume is refused (the original stays).
-CONVERT_TIMEOUT_S = 3600
+# billions of parameters. The other ranks wait for it in a side-group broadcast bounded by the side group's
+# timeout; the conversion gets this share of it (the rest: the broadcast of the verdict), and past that it is taken
+# as hung and the resume is refused (the original stays).
+CONVERT_SHARE_OF_WAIT = 0.9
 ZERO_RANK0_OPTIM_NAME = "zero_pp_rank_0_mp_rank_00_optim_states.pt"  # engine._get_zero_ckpt_name, rank 0
 CONVERT_OUTPUT_TAIL_CHARS = 400  # of the converter's output, in the refusal when it fails
 class ElasticError(RuntimeError):
     """A conversion that failed; the message is one line with a HINT. The original checkpoint is untouched."""
 
 
-def ensure_universal(ckpt_dir: str | os.PathLike[str], manifest: dict[str, Any]) -> tuple[Path, float]:
+def ensure_universal(ckpt_dir: str | os.PathLike[str], manifest: dict[str, Any],
+                     timeout_s: float) -> tuple[Path, float]:
     """The complete universal copy of ``ckpt_dir`` (converted now unless one exists) and the seconds spent.
     Raises ElasticError (one line, HINT) when the conversion fails; the original is never written."""
     path = Path(ckpt_dir)
@@ -62,7 +65,7 @@ def ensure_universal(ckpt_dir: str | os.PathLike[str], manifest: dict[str, Any])
         _remove(target)
     tag = str(manifest.get("deepspeed_tag") or f"global_step{step}")
     protocol.write_sentinel(target, step, str(manifest.get("kind") or "jit"))
-    _convert(path / tag, target / tag)
+    _convert(path / tag, target / tag, timeout_s)
     _link_trainer_files(path, target)
     (target / LATEST_UNIVERSAL_NAME).write_text(tag, encoding="utf-8")
     protocol.fsync_tree(target)
@@ -83,16 +86,17 @@ def _remove(target: Path) -> None:
         shutil.rmtree(target)
 
 
-def _convert(source: Path, dest: Path) -> None:
+def _convert(source: Path, dest: Path, timeout_s: float) -> None:
     """Run DeepSpeed's converter in a child process (its process pools and prints stay out of the rank)."""
     argv = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(source),
             "--output_folder", str(dest), "--num_extract_workers", "1", "--num_merge_workers", "1",
             "--inject_missing_state"]  # HF models carry no universal-checkpoint info; DeepSpeed's default is fine
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=CONVERT_TIMEOUT_S, check=False)
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired:
-        raise ElasticError(f"{source}: the conversion to DeepSpeed's universal format took over "
-                           f"{CONVERT_TIMEOUT_S} s. HINT: resume with the original number of ranks") from None
+        raise ElasticError(f"{source}: the conversion to DeepSpeed's universal format took over {timeout_s:.0f} s "
+                           "(a share of JitConfig.side_group_timeout_s, the other ranks' wait). HINT: raise "
+                           "side_group_timeout_s, or resume with the original number of ranks") from None
     if done.returncode != 0:
         tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])[-CONVERT_OUTPUT_TAIL_CHARS:]
         raise ElasticError(f"{source}: the conversion to DeepSpeed's universal format failed (exit "
@@ -112,10 +116,11 @@ def _link_trainer_files(source: Path, dest: Path) -> None:
             shutil.copy2(entry, dest / entry.name)
 
 
-def prepare(ckpt_dir: str, args: Any, manifest: dict[str, Any]) -> tuple[str | None, str | None]:
+def prepare(ckpt_dir: str, args: Any, manifest: dict[str, Any], wait_s: float) -> tuple[str | None, str | None]:
     """Rank 0, before the resume with ``args`` (TrainingArguments): (the directory the Trainer loads from when it
     is not ``ckpt_dir``, refusal). Logs one line when the world size changed; converts when it must. This run's
-    samples per optimizer step (per-device batch x accumulation x world size) must be the checkpoint's."""
+    samples per optimizer step (per-device batch x accumulation x world size) must be the checkpoint's. ``wait_s``:
+    how long the other ranks wait for the verdict."""
     world_size = int(args.world_size)
     global_batch = int(args.per_device_train_batch_size) * int(args.gradient_accumulation_steps) * world_size
     decided = plan(ckpt_dir, world_size, manifest)
@@ -132,7 +137,7 @@ def prepare(ckpt_dir: str, args: Any, manifest: dict[str, Any]) -> tuple[str | N
                       "per_device_train_batch_size x gradient_accumulation_steps x world size at "
                       f"{written_batch}")
     try:
-        target, elapsed_s = ensure_universal(ckpt_dir, manifest)
+        target, elapsed_s = ensure_universal(ckpt_dir, manifest, CONVERT_SHARE_OF_WAIT * wait_s)
     except (ElasticError, OSError, protocol.ProtocolError) as exc:
         return None, f"{exc}" if isinstance(exc, ElasticError) else (
             f"{ckpt_dir}: converting to DeepSpeed's universal format failed: {exc}. HINT: resume with "

@@ -345,7 +345,8 @@ class JitTrainer(transformers.Trainer):
                 carried["run_id"] = manifest["run_id"]
             if manifest.get("owed_evaluation") is True:
                 carried["owed_evaluation_step"] = manifest["step"]
-            carried["load_from"], refusal = elastic.prepare(path, self.args, manifest)
+            carried["load_from"], refusal = elastic.prepare(path, self.args, manifest,
+                                                            self.jit_config.side_group_timeout_s)
         return path, refusal, carried
 
     # ------------------------------------------------------------ the stop decision
