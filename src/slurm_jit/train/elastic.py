@@ -46,6 +46,8 @@ LATEST_UNIVERSAL_NAME = "latest_universal"  # engine.load_checkpoint reads the t
 CONVERT_SHARE_OF_WAIT = 0.9
 ZERO_RANK0_OPTIM_NAME = "zero_pp_rank_0_mp_rank_00_optim_states.pt"  # engine._get_zero_ckpt_name, rank 0
 CONVERT_OUTPUT_TAIL_CHARS = 400  # of the converter's output, in the refusal when it fails
+
+
 class ElasticError(RuntimeError):
     """A conversion that failed; the message is one line with a HINT. The original checkpoint is untouched."""
 
