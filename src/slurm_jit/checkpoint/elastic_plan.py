@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from slurm_jit.checkpoint import manifest as manifest_file
-from slurm_jit.checkpoint import protocol
+from slurm_jit.checkpoint import protocol, structure
 
-UNIVERSAL_DIR_NAME = "universal"  # inside checkpoint-S: rotation deletes it with its checkpoint
+UNIVERSAL_DIR_NAME = structure.UNIVERSAL_DIR_NAME  # inside checkpoint-S: rotation deletes it with its checkpoint
 UNIVERSAL_OF_KEY = "universal_of_world_size"  # in the universal copy's manifest: the ranks that wrote the shards
 # ZeRO stages whose optimizer state is partitioned over the ranks: ds_to_universal handles 1 and 2 through
 # DeepSpeedCheckpoint and 3 through its own path; the JitTrainer verifies 1 and 2 (tests: test_elastic.py).

@@ -44,6 +44,9 @@ LATEST_MAX_BYTES = 4096  # 'latest' holds one tag name
 MAX_WORLD_SIZE = 1_000_000
 SHARD_RE = re.compile(r"(bf16_)?zero_pp_rank_([0-9]+)_mp_rank_[0-9]+_(optim|model)_states\.pt", re.ASCII)
 MODEL_STATES = "mp_rank_00_model_states.pt"
+# checkpoint-S/universal: the elastic conversion of this checkpoint (train/elastic.py), a checkpoint of its own with
+# its own sentinel and manifest; whatever state it is in says nothing about checkpoint-S.
+UNIVERSAL_DIR_NAME = "universal"
 
 
 def _regular(path: Path) -> bool:
@@ -198,9 +201,14 @@ def model_only(ckpt_dir: Path) -> bool:
 
 def headers(ckpt_dir: Path) -> str | None:
     """The first file under ``ckpt_dir`` that is not a regular file or fails its header check, with why."""
+    universal = os.path.join(ckpt_dir, UNIVERSAL_DIR_NAME)
     for root, dirs, files in formats.walk(ckpt_dir):
+        if root == universal or root.startswith(universal + os.sep):
+            continue
         for name in sorted(files + [d for d in dirs if os.path.islink(os.path.join(root, d))]):
             path = Path(root) / name
+            if path == Path(universal):
+                continue
             problem = formats.check_file(path)
             if problem:
                 return f"{path.relative_to(ckpt_dir)}: {problem}"
