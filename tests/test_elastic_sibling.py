@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import ckpt_factory
 
 from slurm_jit.checkpoint import elastic_plan, protocol
+from slurm_jit.checkpoint import manifest as manifest_file
+from slurm_jit.train import elastic, refusals
 
 
 def _half_conversion(ckpt: Path) -> Path:
@@ -47,3 +50,42 @@ def test_universal_as_a_symlink_or_a_file_leaves_the_original_complete(tmp_path:
     os.mkfifo(elastic_plan.universal_dir(ckpt))
     assert protocol.inspect(ckpt, 5).status is protocol.Status.COMPLETE
     assert elastic_plan.plan(ckpt, 1).action == elastic_plan.CONVERT
+
+
+def test_a_manifest_without_world_size_is_judged_by_its_files(tmp_path: Path) -> None:
+    """The manifest's world_size missing: the RNG files say 2 ranks, so 1 rank is a conversion, not 'same'."""
+    ckpt = ckpt_factory.checkpoint(tmp_path, 5, world=2, deepspeed=True, world_size=None)
+    assert protocol.inspect(ckpt, 5).status is protocol.Status.COMPLETE
+    decided = elastic_plan.plan(ckpt, 1)
+    assert (decided.action, decided.written_by) == (elastic_plan.CONVERT, 2), decided
+    assert elastic_plan.plan(ckpt, 2).action == elastic_plan.SAME
+
+
+def test_a_deepspeed_checkpoint_whose_zero_stage_is_unknown_is_refused_on_another_world(tmp_path: Path) -> None:
+    """No zero_stage in the manifest, or no manifest at all (a plain Trainer save): DeepSpeed's own load would
+    fail with a traceback on another world size; one line with a HINT instead."""
+    no_stage = ckpt_factory.checkpoint(tmp_path / "a", 5, world=2, deepspeed=True, zero_stage=None)
+    plain = ckpt_factory.checkpoint(tmp_path / "b", 5, world=2, deepspeed=True, manifest=False)
+    for ckpt in (no_stage, plain):
+        refusal = refusals.resume_refusal(ckpt, world_size=1)
+        assert refusal is not None and "HINT: resume with 2 ranks" in refusal and "\n" not in refusal, refusal
+        assert refusals.resume_refusal(ckpt, world_size=2) is None
+    undeepspeed = ckpt_factory.checkpoint(tmp_path / "c", 5, world=2, manifest=False)
+    assert elastic_plan.plan(undeepspeed, 1).action == elastic_plan.DIRECT
+
+
+def test_a_failed_conversion_is_one_line_and_the_original_stays_chosen(tmp_path: Path) -> None:
+    """DeepSpeed's real converter on shards it cannot read (here: crafted, so unpicklable; in the field: another
+    DeepSpeed's layout), for a manifest that does not record its world size: one line with a HINT, no traceback;
+    the half conversion left behind changes nothing about the original (about 10 s: the converter imports torch)."""
+    ckpt = ckpt_factory.checkpoint(tmp_path, 5, world=2, deepspeed=True, world_size=None)
+    one_rank = SimpleNamespace(world_size=1, per_device_train_batch_size=4, gradient_accumulation_steps=1)
+    manifest, _ = manifest_file.read(ckpt)
+    assert manifest is not None
+    load_from, refusal = elastic.prepare(str(ckpt), one_rank, manifest, wait_s=120.0)
+    assert load_from is None and refusal is not None, refusal
+    assert "conversion to DeepSpeed's universal format failed" in refusal and "HINT: resume with" in refusal
+    assert "\n" not in refusal, refusal
+    assert (elastic_plan.universal_dir(ckpt) / protocol.SENTINEL_NAME).is_file()
+    assert protocol.find_resumable(tmp_path).checkpoint is not None
+    assert protocol.inspect(ckpt, 5, deep=True).status is protocol.Status.COMPLETE

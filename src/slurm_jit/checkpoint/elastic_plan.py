@@ -47,20 +47,23 @@ def plan(ckpt_dir: str | os.PathLike[str], world_size: int, manifest: dict[str, 
     path = Path(ckpt_dir)
     if manifest is None and (path / protocol.MANIFEST_NAME).is_file():
         manifest, _ = manifest_file.read(path)
-    written_by = manifest.get("world_size") if manifest is not None else None
+    written_by = _written_by(path, manifest)
     stage = manifest.get("zero_stage") if manifest is not None else None
-    stage = stage if isinstance(stage, int) else None
+    stage = stage if manifest_file.plain_int(stage) else None
 
     def made(action: str, reason: str) -> Plan:
-        return Plan(action=action, written_by=written_by if isinstance(written_by, int) else None,
-                    world_size=world_size, zero_stage=stage, reason=reason)
+        return Plan(action=action, written_by=written_by, world_size=world_size, zero_stage=stage, reason=reason)
 
-    if not isinstance(written_by, int) or written_by == world_size:
+    if written_by is None or written_by == world_size:
         return made(SAME, "same world size: resumes directly")
     change = f"written by {written_by} ranks, resumed on {world_size}"
-    if (manifest is not None and manifest.get("deepspeed_tag") is None) or stage in (None, 0):
+    deepspeed = manifest.get("deepspeed_tag") is not None if manifest is not None else structure.has_deepspeed(path)
+    if not deepspeed or stage == 0:
         return made(DIRECT, f"{change}: no ZeRO-partitioned state, loads directly (per-rank RNG "
                     "streams are not carried over)")
+    if stage is None:
+        return made(REFUSED, f"{path}: {change}: a DeepSpeed checkpoint whose ZeRO stage no manifest records "
+                    f"(its shards may be partitioned over {written_by} ranks). HINT: resume with {written_by} ranks")
     if stage in UNCONVERTED_STAGES:
         return made(REFUSED, f"{path}: {change}: {UNCONVERTED_STAGES[stage]} cannot be resumed on "
                     f"another world size. HINT: resume with {written_by} ranks")
@@ -73,6 +76,17 @@ def plan(ckpt_dir: str | os.PathLike[str], world_size: int, manifest: dict[str, 
                     f"universal format in {universal_dir(path)}: loads from there")
     return made(CONVERT, f"{change}: ZeRO-{stage} shards will be converted once to DeepSpeed's "
                 f"universal format ({universal_dir(path)}) and loaded from there")
+
+
+def _written_by(path: Path, manifest: dict[str, Any] | None) -> int | None:
+    """The manifest's world size; without one (no manifest, or a manifest that does not say) the files'."""
+    recorded = manifest.get("world_size") if manifest is not None else None
+    if isinstance(recorded, int) and not isinstance(recorded, bool):
+        return recorded
+    try:
+        return structure.world_size(path)[0]
+    except OSError:
+        return None
 
 
 def universal_complete(ckpt_dir: Path, step: int) -> bool:

@@ -171,7 +171,7 @@ def _deepspeed_missing(ckpt_dir: Path, world: int) -> str | None:
     return None
 
 
-def _has_deepspeed(ckpt_dir: Path) -> bool:
+def has_deepspeed(ckpt_dir: Path) -> bool:
     return os.path.lexists(ckpt_dir / DS_LATEST) or any(
         name.startswith(DS_TAG_PREFIX) for name in os.listdir(ckpt_dir))
 
@@ -181,7 +181,7 @@ def check(ckpt_dir: Path, recorded_world: int | None = None) -> str | None:
     world, why = world_size(ckpt_dir, recorded_world)
     if world is None:
         return why
-    if _has_deepspeed(ckpt_dir):
+    if has_deepspeed(ckpt_dir):
         why = _deepspeed_missing(ckpt_dir, world)
     elif not any(_regular(ckpt_dir / name) for name in WEIGHT_FILES):
         why = "no model weights file"
@@ -193,7 +193,7 @@ def check(ckpt_dir: Path, recorded_world: int | None = None) -> str | None:
 def model_only(ckpt_dir: Path) -> bool:
     """True for a whole ``save_only_model`` checkpoint: model weights, and no resume state at all."""
     names = os.listdir(ckpt_dir)
-    resume_state = (RNG_SINGLE in names or OPTIMIZER_FILE in names or _has_deepspeed(ckpt_dir)
+    resume_state = (RNG_SINGLE in names or OPTIMIZER_FILE in names or has_deepspeed(ckpt_dir)
                     or any(RNG_RE.fullmatch(name) for name in names))
     has_weights = any(_regular(ckpt_dir / name) for name in WEIGHT_FILES)
     return has_weights and not resume_state and headers(ckpt_dir) is None

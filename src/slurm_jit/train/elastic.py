@@ -52,10 +52,11 @@ class ElasticError(RuntimeError):
     """A conversion that failed; the message is one line with a HINT. The original checkpoint is untouched."""
 
 
-def ensure_universal(ckpt_dir: str | os.PathLike[str], manifest: dict[str, Any],
-                     timeout_s: float) -> tuple[Path, float]:
-    """The complete universal copy of ``ckpt_dir`` (converted now unless one exists) and the seconds spent.
-    Raises ElasticError (one line, HINT) when the conversion fails; the original is never written."""
+def ensure_universal(ckpt_dir: str | os.PathLike[str], manifest: dict[str, Any], timeout_s: float,
+                     written_by: int) -> tuple[Path, float]:
+    """The complete universal copy of ``ckpt_dir`` (converted now unless one exists) and the seconds spent;
+    ``written_by``: the ranks that wrote the shards (the plan's). Raises ElasticError (one line, HINT) when the
+    conversion fails; the original is never written."""
     path = Path(ckpt_dir)
     step = int(manifest["step"])
     target = universal_dir(path)
@@ -74,10 +75,10 @@ def ensure_universal(ckpt_dir: str | os.PathLike[str], manifest: dict[str, Any],
     files = protocol.file_entries(target, protocol.payload_files(target))
     elapsed_s = time.monotonic() - started
     protocol.write_manifest(
-        target, step=step, kind=str(manifest.get("kind") or "jit"), world_size=int(manifest["world_size"]),
+        target, step=step, kind=str(manifest.get("kind") or "jit"), world_size=written_by,
         zero_stage=manifest.get("zero_stage"), deepspeed_tag=tag, files=files,
         run_id=manifest.get("run_id") if isinstance(manifest.get("run_id"), str) else None,
-        extra={UNIVERSAL_OF_KEY: manifest["world_size"], "convert_s": round(elapsed_s, 3)})
+        extra={UNIVERSAL_OF_KEY: written_by, "convert_s": round(elapsed_s, 3)})
     return target, elapsed_s
 
 
@@ -131,7 +132,8 @@ def prepare(ckpt_dir: str, args: Any, manifest: dict[str, Any], wait_s: float) -
     logger.warning("slurm_jit: world size %s -> %d: %s", decided.written_by, world_size, decided.reason)
     if decided.action in (DIRECT, REFUSED):
         return None, None if decided.resumable else decided.reason
-    written_batch = _global_batch(Path(ckpt_dir), manifest)
+    written_by = int(decided.written_by or 0)  # not SAME: the plan knows who wrote it
+    written_batch = _global_batch(Path(ckpt_dir), manifest, written_by)
     if written_batch is not None and written_batch != global_batch:
         return None, (f"{ckpt_dir}: {written_batch} samples per optimizer step when written, {global_batch} in "
                       "this run: the Trainer skips global_step batches on resume, so the data position (samples "
@@ -139,7 +141,7 @@ def prepare(ckpt_dir: str, args: Any, manifest: dict[str, Any], wait_s: float) -
                       "per_device_train_batch_size x gradient_accumulation_steps x world size at "
                       f"{written_batch}")
     try:
-        target, elapsed_s = ensure_universal(ckpt_dir, manifest, CONVERT_SHARE_OF_WAIT * wait_s)
+        target, elapsed_s = ensure_universal(ckpt_dir, manifest, CONVERT_SHARE_OF_WAIT * wait_s, written_by)
     except (ElasticError, OSError, protocol.ProtocolError) as exc:
         return None, f"{exc}" if isinstance(exc, ElasticError) else (
             f"{ckpt_dir}: converting to DeepSpeed's universal format failed: {exc}. HINT: resume with "
@@ -149,7 +151,7 @@ def prepare(ckpt_dir: str, args: Any, manifest: dict[str, Any], wait_s: float) -
     return str(target), None
 
 
-def _global_batch(ckpt_dir: Path, manifest: dict[str, Any]) -> int | None:
+def _global_batch(ckpt_dir: Path, manifest: dict[str, Any], written_by: int) -> int | None:
     """Samples per optimizer step of the run that wrote the checkpoint, from the DeepSpeed config saved in rank 0's
     ZeRO file (memory-mapped: its tensors are not read); None when it cannot be told."""
     import torch
@@ -161,9 +163,9 @@ def _global_batch(ckpt_dir: Path, manifest: dict[str, Any]) -> int | None:
         micro, accum = config.get("train_micro_batch_size_per_gpu"), config.get("gradient_accumulation_steps")
     except Exception:  # noqa: BLE001 - another layout (bf16 files, a newer DeepSpeed): not checked, not refused
         return None
-    if not (isinstance(micro, int) and isinstance(accum, int) and isinstance(manifest.get("world_size"), int)):
+    if not (isinstance(micro, int) and isinstance(accum, int)):
         return None
-    return micro * accum * int(manifest["world_size"])
+    return micro * accum * written_by
 
 
 def install_universal_load() -> None:

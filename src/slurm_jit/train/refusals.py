@@ -83,10 +83,10 @@ def resume_refusal(ckpt_dir: str | os.PathLike[str], *, world_size: int) -> str 
     manifest = None
     if (path / protocol.MANIFEST_NAME).is_file():
         manifest, _ = manifest_file.read(path)
+    on_world = elastic_plan.plan(path, world_size, manifest)
+    if not on_world.resumable:
+        return on_world.reason
     if manifest is not None:
-        on_world = elastic_plan.plan(path, world_size, manifest)
-        if not on_world.resumable:
-            return on_world.reason
         if manifest.get("contents") == "model_only":
             return (f"{path}: holds the model only (a save_only_model save): no optimizer, scheduler or RNG "
                     "state to resume from. HINT: resume from a checkpoint whose manifest says contents=full "
