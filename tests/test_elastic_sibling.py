@@ -89,3 +89,24 @@ def test_a_failed_conversion_is_one_line_and_the_original_stays_chosen(tmp_path:
     assert (elastic_plan.universal_dir(ckpt) / protocol.SENTINEL_NAME).is_file()
     assert protocol.find_resumable(tmp_path).checkpoint is not None
     assert protocol.inspect(ckpt, 5, deep=True).status is protocol.Status.COMPLETE
+
+
+def test_the_global_batch_of_a_bf16_run_is_checked_too(tmp_path: Path) -> None:
+    """Under bf16 DeepSpeed names the optimizer shards bf16_zero_pp_rank_<r>_...; the saved DeepSpeed config is
+    read from the model states file (engine._common_checkpoint_state), so another global batch is still refused
+    before converting. Real torch.save files with DeepSpeed's keys; the tensors are left out."""
+    import torch
+
+    ckpt = ckpt_factory.checkpoint(tmp_path, 5, world=2, deepspeed=True)
+    tag = ckpt / "global_step5"
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "bf16": {"enabled": True}}
+    for rank in range(2):
+        (tag / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").rename(
+            tag / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+    torch.save({"module": {}, "ds_config": config, "ds_version": "0.19.8"}, tag / "mp_rank_00_model_states.pt")
+    manifest, _ = manifest_file.read(ckpt)
+    assert manifest is not None
+    half_the_batch = SimpleNamespace(world_size=1, per_device_train_batch_size=2, gradient_accumulation_steps=1)
+    load_from, refusal = elastic.prepare(str(ckpt), half_the_batch, manifest, wait_s=120.0)
+    assert refusal is not None and "4 samples per optimizer step when written, 2 in this run" in refusal, refusal
+    assert load_from is None and not elastic_plan.universal_dir(ckpt).exists()

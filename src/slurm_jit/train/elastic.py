@@ -44,7 +44,10 @@ LATEST_UNIVERSAL_NAME = "latest_universal"  # engine.load_checkpoint reads the t
 # timeout; the conversion gets this share of it (the rest: the broadcast of the verdict), and past that it is taken
 # as hung and the resume is refused (the original stays).
 CONVERT_SHARE_OF_WAIT = 0.9
-ZERO_RANK0_OPTIM_NAME = "zero_pp_rank_0_mp_rank_00_optim_states.pt"  # engine._get_zero_ckpt_name, rank 0
+# Where the engine saves its config (ds_config): the model states (engine._common_checkpoint_state), and rank 0's
+# ZeRO shard, named bf16_... under bf16 (engine._get_zero_ckpt_prefix).
+DS_CONFIG_FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                   "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")
 CONVERT_OUTPUT_TAIL_CHARS = 400  # of the converter's output, in the refusal when it fails
 
 
@@ -152,20 +155,31 @@ def prepare(ckpt_dir: str, args: Any, manifest: dict[str, Any], wait_s: float) -
 
 
 def _global_batch(ckpt_dir: Path, manifest: dict[str, Any], written_by: int) -> int | None:
-    """Samples per optimizer step of the run that wrote the checkpoint, from the DeepSpeed config saved in rank 0's
-    ZeRO file (memory-mapped: its tensors are not read); None when it cannot be told."""
+    """Samples per optimizer step of the run that wrote the checkpoint, from the DeepSpeed config the engine saves
+    in its model states file and in each ZeRO shard (memory-mapped: no tensor is read); None when it cannot be
+    told (then logged: not checked, not refused)."""
+    tag_dir = ckpt_dir / str(manifest.get("deepspeed_tag") or "")
+    for name in DS_CONFIG_FILES:
+        config = _saved_ds_config(tag_dir / name)
+        micro = config.get("train_micro_batch_size_per_gpu")
+        accum = config.get("gradient_accumulation_steps")
+        if isinstance(micro, int) and isinstance(accum, int):
+            return micro * accum * written_by
+    logger.warning("slurm_jit: %s: the DeepSpeed config it was written with cannot be read: the samples per "
+                   "optimizer step are not checked", tag_dir)
+    return None
+
+
+def _saved_ds_config(path: Path) -> dict[str, Any]:
     import torch
 
-    tag = str(manifest.get("deepspeed_tag") or "")
-    shard = ckpt_dir / tag / ZERO_RANK0_OPTIM_NAME
+    if not path.is_file():
+        return {}
     try:
-        config = torch.load(shard, map_location="cpu", weights_only=False, mmap=True).get("ds_config") or {}
-        micro, accum = config.get("train_micro_batch_size_per_gpu"), config.get("gradient_accumulation_steps")
-    except Exception:  # noqa: BLE001 - another layout (bf16 files, a newer DeepSpeed): not checked, not refused
-        return None
-    if not (isinstance(micro, int) and isinstance(accum, int)):
-        return None
-    return micro * accum * written_by
+        config = torch.load(path, map_location="cpu", weights_only=False, mmap=True).get("ds_config")
+    except Exception:  # noqa: BLE001 - another layout or a newer DeepSpeed: the next file is asked
+        return {}
+    return config if isinstance(config, dict) else {}
 
 
 def install_universal_load() -> None:
