@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import ckpt_factory
 
-from slurm_jit.checkpoint import elastic_plan, protocol
+from slurm_jit.checkpoint import ckpt_check, elastic_plan, protocol
 from slurm_jit.checkpoint import manifest as manifest_file
 from slurm_jit.train import elastic, refusals
 
@@ -110,3 +110,11 @@ def test_the_global_batch_of_a_bf16_run_is_checked_too(tmp_path: Path) -> None:
     load_from, refusal = elastic.prepare(str(ckpt), half_the_batch, manifest, wait_s=120.0)
     assert refusal is not None and "4 samples per optimizer step when written, 2 in this run" in refusal, refusal
     assert load_from is None and not elastic_plan.universal_dir(ckpt).exists()
+
+
+def test_a_bad_world_size_for_ckpt_check_is_one_line_with_a_hint(tmp_path: Path) -> None:
+    ckpt_factory.checkpoint(tmp_path, 5, world=2, deepspeed=True)
+    for bad in ("0", "-1", "abc", str(10**9), "2.0", ""):
+        run = ckpt_factory.run_ckpt_check(tmp_path, f"--world-size={bad}")
+        assert run.code == ckpt_check.EXIT_USAGE and run.stdout == b"", (bad, run)
+        assert len(run.stderr.splitlines()) == 1 and "HINT:" in run.stderr and "--world-size" in run.stderr, run

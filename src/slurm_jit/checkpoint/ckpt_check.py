@@ -57,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("out_dir", metavar="OUT_DIR", help="the Trainer's output_dir")
     parser.add_argument("--deep", action="store_true", help="verify every file's checksum (reads everything)")
     parser.add_argument("--json", action="store_true", help="machine-readable output on stdout")
-    parser.add_argument("--world-size", type=_positive_int, metavar="N",
+    parser.add_argument("--world-size", metavar="N",
                         help="say whether the checkpoint to resume from resumes on N ranks (directly, after a "
                              "conversion to DeepSpeed's universal format, or not: then exit 1)")
     parser.add_argument("--strict", action="store_true",
@@ -71,13 +71,17 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _positive_int(text: str) -> int:
+def _world_size(text: str | None) -> int | None:
+    """``--world-size``'s value, or UsageError (one line, HINT): argparse's own error prints its usage lines."""
+    if text is None:
+        return None
     try:
         value = int(text)
     except ValueError:
         value = 0
     if not 1 <= value <= MAX_WORLD_SIZE:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of ranks between 1 and {MAX_WORLD_SIZE}")
+        raise UsageError(f"--world-size {text!r} is not a number of ranks between 1 and {MAX_WORLD_SIZE}. HINT: "
+                         "give the number of ranks the next job will run, e.g. --world-size 4")
     return value
 
 
@@ -171,6 +175,7 @@ def _exit_code(resolution: protocol.Resolution, on_world: elastic_plan.Plan | No
 
 def run(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    world_size = _world_size(args.world_size)  # before anything is read or moved
     _check_out_dir(args.out_dir)
     progress, close = _deep_progress(args.out_dir) if args.deep else (None, lambda: None)
     try:
@@ -178,13 +183,13 @@ def run(argv: Sequence[str] | None = None) -> int:
     finally:
         close()
     moved = _quarantine(resolution) if args.quarantine else []
-    on_world = _on_world(resolution, args.world_size)
+    on_world = _on_world(resolution, world_size)
     code = _exit_code(resolution, on_world)
     resume = str(resolution.checkpoint.path) if code == EXIT_RESUMABLE and resolution.checkpoint else ""
     if args.json:
         report = _as_json(args.out_dir, resolution, moved, code, resume)
-        if args.world_size is not None:
-            report["on_world_size"] = _plan_json(on_world, args.world_size)
+        if world_size is not None:
+            report["on_world_size"] = _plan_json(on_world, world_size)
         print(json.dumps(report, indent=1))  # ASCII-only
         return code
     for note in resolution.ignored:
