@@ -118,3 +118,30 @@ def test_a_bad_world_size_for_ckpt_check_is_one_line_with_a_hint(tmp_path: Path)
         run = ckpt_factory.run_ckpt_check(tmp_path, f"--world-size={bad}")
         assert run.code == ckpt_check.EXIT_USAGE and run.stdout == b"", (bad, run)
         assert len(run.stderr.splitlines()) == 1 and "HINT:" in run.stderr and "--world-size" in run.stderr, run
+
+
+def _complete_universal(ckpt: Path, deepspeed_version: str) -> None:
+    """A finished conversion as elastic.ensure_universal writes it (crafted files), by ``deepspeed_version``."""
+    universal = elastic_plan.universal_dir(ckpt)
+    protocol.write_sentinel(universal, 5, "jit")
+    ckpt_factory.torch_like_zip(universal / "global_step5" / "zero" / "lm_head.weight" / "fp32.pt")
+    (universal / "trainer_state.json").write_text('{"global_step": 5}')
+    (universal / elastic.LATEST_UNIVERSAL_NAME).write_text("global_step5")
+    protocol.write_manifest(universal, step=5, kind="jit", world_size=2, zero_stage=2, deepspeed_tag="global_step5",
+                            files=protocol.file_entries(universal, protocol.payload_files(universal)),
+                            extra={elastic_plan.UNIVERSAL_OF_KEY: 2,
+                                   elastic_plan.CONVERTER_VERSION_KEY: deepspeed_version})
+
+
+def test_a_conversion_by_another_deepspeed_version_is_redone(tmp_path: Path) -> None:
+    """A job requeued after a DeepSpeed upgrade: the universal layout is the converter's, so the copy written by
+    another version is converted again instead of loaded (a failed load would repeat at every start)."""
+    import importlib.metadata
+
+    installed = importlib.metadata.version("deepspeed")
+    ours = ckpt_factory.checkpoint(tmp_path / "a", 5, world=2, deepspeed=True)
+    _complete_universal(ours, installed)
+    assert elastic_plan.plan(ours, 1).action == elastic_plan.CONVERTED
+    theirs = ckpt_factory.checkpoint(tmp_path / "b", 5, world=2, deepspeed=True)
+    _complete_universal(theirs, "0.14.0")
+    assert elastic_plan.plan(theirs, 1).action == elastic_plan.CONVERT

@@ -5,6 +5,7 @@ not at all (with the reason). Pure reads of the manifest; ``ckpt-check --world-s
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,9 @@ from slurm_jit.checkpoint import protocol, structure
 
 UNIVERSAL_DIR_NAME = structure.UNIVERSAL_DIR_NAME  # inside checkpoint-S: rotation deletes it with its checkpoint
 UNIVERSAL_OF_KEY = "universal_of_world_size"  # in the universal copy's manifest: the ranks that wrote the shards
+# ... and the DeepSpeed version that converted them: the universal layout is that converter's, so a copy made by
+# another version (a DeepSpeed upgrade between requeues) is converted again rather than loaded.
+CONVERTER_VERSION_KEY = "deepspeed_version"
 # ZeRO stages whose optimizer state is partitioned over the ranks: ds_to_universal handles 1 and 2 through
 # DeepSpeedCheckpoint and 3 through its own path; the JitTrainer verifies 1 and 2 (tests: test_elastic.py).
 CONVERTIBLE_STAGES = (1, 2)
@@ -97,7 +101,16 @@ def universal_complete(ckpt_dir: Path, step: int) -> bool:
     manifest, _ = manifest_file.read(target)
     if manifest is None or manifest.get(UNIVERSAL_OF_KEY) is None:
         return False
+    installed = converter_version()
+    if installed is not None and manifest.get(CONVERTER_VERSION_KEY) != installed:
+        return False
     return manifest_file.verify(target, step, manifest, deep=False, progress=None) is None
 
 
-
+def converter_version() -> str | None:
+    """The installed DeepSpeed's version (its converter's), None where it is not installed (a login node's
+    ckpt-check: a complete copy is then taken as it is)."""
+    try:
+        return importlib.metadata.version("deepspeed")
+    except importlib.metadata.PackageNotFoundError:
+        return None

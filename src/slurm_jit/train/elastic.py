@@ -27,10 +27,12 @@ from typing import Any
 
 from slurm_jit.checkpoint import protocol
 from slurm_jit.checkpoint.elastic_plan import (
+    CONVERTER_VERSION_KEY,
     DIRECT,
     REFUSED,
     SAME,
     UNIVERSAL_OF_KEY,
+    converter_version,
     plan,
     universal_complete,
     universal_dir,
@@ -67,7 +69,8 @@ def ensure_universal(ckpt_dir: str | os.PathLike[str], manifest: dict[str, Any],
         return target, 0.0
     started = time.monotonic()
     if os.path.lexists(target):  # a conversion killed half-way: its sentinel is still there
-        logger.warning("slurm_jit: removing the unfinished conversion %s and converting again", target)
+        logger.warning("slurm_jit: removing the unfinished conversion %s (or one by another DeepSpeed "
+                       "version) and converting again", target)
         _remove(target)
     tag = str(manifest.get("deepspeed_tag") or f"global_step{step}")
     protocol.write_sentinel(target, step, str(manifest.get("kind") or "jit"))
@@ -81,7 +84,8 @@ def ensure_universal(ckpt_dir: str | os.PathLike[str], manifest: dict[str, Any],
         target, step=step, kind=str(manifest.get("kind") or "jit"), world_size=written_by,
         zero_stage=manifest.get("zero_stage"), deepspeed_tag=tag, files=files,
         run_id=manifest.get("run_id") if isinstance(manifest.get("run_id"), str) else None,
-        extra={UNIVERSAL_OF_KEY: written_by, "convert_s": round(elapsed_s, 3)})
+        extra={UNIVERSAL_OF_KEY: written_by, CONVERTER_VERSION_KEY: converter_version(),
+               "convert_s": round(elapsed_s, 3)})
     return target, elapsed_s
 
 
