@@ -206,12 +206,15 @@ def _refused(tmp_path: Path, out: Path, args: list[str], ranks_n: int = 1) -> st
 
 def test_resume_with_another_world_size_is_refused_before_training(tmp_path: Path, copy_run,
                                                                    jit_zero2_run: Path) -> None:
-    """Item 8: a 2-rank checkpoint resumed by 1 rank: one line with a HINT, nothing trained, nothing touched."""
+    """Item 8 (issue 13): a 2-rank checkpoint resumed by 1 rank with the same per-device batch, i.e. half the
+    samples per step: one line with a HINT, nothing trained, nothing touched, nothing converted (1 rank with
+    twice the batch is converted and resumed: tests/test_elastic.py)."""
     out = copy_run(jit_zero2_run)
     before = losses(out)
     line = _refused(tmp_path, out, ["--max-steps", "10", "--resume"])
-    assert "written by 2 ranks, this run has 1" in line
+    assert "4 samples per optimizer step when written, 2 in this run" in line, line
     assert losses(out) == before and _dirs(out) == ["checkpoint-3", "checkpoint-6"]
+    assert not (out / "checkpoint-6" / "universal").exists()
 
 
 def test_checkpoint_whose_deepspeed_tag_is_another_step_is_refused(tmp_path: Path, copy_run,

@@ -112,7 +112,7 @@ def test_run_id_is_shown(tmp_path: Path) -> None:
     ckpt_factory.checkpoint(tmp_path, 6, run_id="3f2a9c1e-77")
     run = run_ckpt_check(tmp_path)
     row = run.stdout.decode().splitlines()[1]
-    assert "  3f2a9c1e  ok" in row and "3f2a9c1e-" not in row, row  # the run column: 8 characters
+    assert "  3f2a9c1e      1     -  ok" in row and "3f2a9c1e-" not in row, row  # run: 8 characters, world, zero
     data = json.loads(run_ckpt_check(tmp_path, "--json").stdout)
     assert (data["checkpoints"][0]["run_id"], data["checkpoints"][0]["world_size"]) == ("3f2a9c1e-77", 1)
 

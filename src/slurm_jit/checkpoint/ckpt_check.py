@@ -15,13 +15,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TextIO
 
-from slurm_jit.checkpoint import protocol
+from slurm_jit.checkpoint import elastic_plan, protocol, structure
 
 EXIT_RESUMABLE = 0
 EXIT_NONE_RESUMABLE = 1
 EXIT_USAGE = 2
 EXIT_NO_CHECKPOINT = 3
 UNKNOWN = "-"  # a size or age that could not be read
+MAX_WORLD_SIZE = structure.MAX_WORLD_SIZE
 RUN_ID_SHOWN_CHARS = 8  # enough to tell runs apart in the table; --json has the whole id
 
 EPILOG = f"""\
@@ -56,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("out_dir", metavar="OUT_DIR", help="the Trainer's output_dir")
     parser.add_argument("--deep", action="store_true", help="verify every file's checksum (reads everything)")
     parser.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    parser.add_argument("--world-size", metavar="N",
+                        help="say whether the checkpoint to resume from resumes on N ranks (directly, after a "
+                             "conversion to DeepSpeed's universal format, or not: then exit 1)")
     parser.add_argument("--strict", action="store_true",
                         help="unverified (manifest-less) checkpoints are not resumable")
     parser.add_argument(
@@ -65,6 +69,20 @@ def _parser() -> argparse.ArgumentParser:
         f"{protocol.QUARANTINE_SUFFIX} (never deletes)",
     )
     return parser
+
+
+def _world_size(text: str | None) -> int | None:
+    """``--world-size``'s value, or UsageError (one line, HINT): argparse's own error prints its usage lines."""
+    if text is None:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_WORLD_SIZE:
+        raise UsageError(f"--world-size {text!r} is not a number of ranks between 1 and {MAX_WORLD_SIZE}. HINT: "
+                         "give the number of ranks the next job will run, e.g. --world-size 4")
+    return value
 
 
 def _human_bytes(n: int | None) -> str:
@@ -120,7 +138,8 @@ def printable(text: str, stream: TextIO | None = None) -> str:
 
 
 def _table(resolution: protocol.Resolution, now: float) -> list[str]:
-    header = f"{'step':>8}  {'status':<10}  {'kind':<8}  {'size':>10}  {'age':>6}  {'run':<8}  reason"
+    header = (f"{'step':>8}  {'status':<10}  {'kind':<8}  {'size':>10}  {'age':>6}  {'run':<8}  {'world':>5}  "
+              f"{'zero':>4}  reason")
     lines = [header]
     for ckpt in resolution.checkpoints:
         reason = ckpt.reason or "ok"
@@ -129,12 +148,26 @@ def _table(resolution: protocol.Resolution, now: float) -> list[str]:
         run = (ckpt.run_id or UNKNOWN)[:RUN_ID_SHOWN_CHARS]
         lines.append(printable(
             f"{ckpt.step:>8}  {ckpt.status.value:<10}  {ckpt.kind or UNKNOWN:<8}  "
-            f"{_human_bytes(ckpt.size_bytes):>10}  {_human_age(ckpt.written_at, now):>6}  {run:<8}  {reason}"
+            f"{_human_bytes(ckpt.size_bytes):>10}  {_human_age(ckpt.written_at, now):>6}  {run:<8}  "
+            f"{_shown(ckpt.world_size):>5}  {_shown(ckpt.zero_stage):>4}  {reason}"
         ))
     return lines
 
 
-def _exit_code(resolution: protocol.Resolution) -> int:
+def _shown(value: int | None) -> str:
+    return UNKNOWN if value is None else str(value)
+
+
+def _on_world(resolution: protocol.Resolution, world_size: int | None) -> elastic_plan.Plan | None:
+    """What resuming the chosen checkpoint on ``world_size`` ranks takes (None: not asked, or none chosen)."""
+    if world_size is None or resolution.checkpoint is None:
+        return None
+    return elastic_plan.plan(resolution.checkpoint.path, world_size)
+
+
+def _exit_code(resolution: protocol.Resolution, on_world: elastic_plan.Plan | None = None) -> int:
+    if on_world is not None and not on_world.resumable:
+        return EXIT_NONE_RESUMABLE
     if resolution.checkpoint is not None:
         return EXIT_RESUMABLE
     return EXIT_NONE_RESUMABLE if resolution.checkpoints else EXIT_NO_CHECKPOINT
@@ -142,6 +175,7 @@ def _exit_code(resolution: protocol.Resolution) -> int:
 
 def run(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    world_size = _world_size(args.world_size)  # before anything is read or moved
     _check_out_dir(args.out_dir)
     progress, close = _deep_progress(args.out_dir) if args.deep else (None, lambda: None)
     try:
@@ -149,10 +183,14 @@ def run(argv: Sequence[str] | None = None) -> int:
     finally:
         close()
     moved = _quarantine(resolution) if args.quarantine else []
-    code = _exit_code(resolution)
-    resume = str(resolution.checkpoint.path) if resolution.checkpoint else ""
+    on_world = _on_world(resolution, world_size)
+    code = _exit_code(resolution, on_world)
+    resume = str(resolution.checkpoint.path) if code == EXIT_RESUMABLE and resolution.checkpoint else ""
     if args.json:
-        print(json.dumps(_as_json(args.out_dir, resolution, moved, code, resume), indent=1))  # ASCII-only
+        report = _as_json(args.out_dir, resolution, moved, code, resume)
+        if world_size is not None:
+            report["on_world_size"] = _plan_json(on_world, world_size)
+        print(json.dumps(report, indent=1))  # ASCII-only
         return code
     for note in resolution.ignored:
         print(printable(f"ckpt-check: ignored {note}", sys.stderr), file=sys.stderr)
@@ -162,6 +200,9 @@ def run(argv: Sequence[str] | None = None) -> int:
         print(printable(f"no checkpoint-<step> directory in {args.out_dir}: a fresh start"))
     for src, dst in moved:
         print(printable(f"quarantined {src} -> {dst}", sys.stderr), file=sys.stderr)
+    if on_world is not None:
+        verdict = {elastic_plan.REFUSED: "no"}.get(on_world.action, "yes")
+        print(printable(f"on {on_world.world_size} ranks: {verdict} ({on_world.action}): {on_world.reason}"))
     _print_path(resume)
     return code
 
@@ -190,7 +231,7 @@ def _as_json(out_dir: str, resolution: protocol.Resolution, moved: list[tuple[Pa
         "resume_from": resume or None,
         "checkpoints": [
             {"path": str(c.path), "step": c.step, "status": c.status.value, "kind": c.kind,
-             "world_size": c.world_size,
+             "world_size": c.world_size, "zero_stage": c.zero_stage,
              "size_bytes": c.size_bytes, "mtime": c.mtime, "written_at": c.written_at or None,
              "run_id": c.run_id, "save_seq": c.save_seq, "reason": c.reason,
              "resumable": resolution.checkpoint is not None and c.path == resolution.checkpoint.path}
@@ -199,6 +240,13 @@ def _as_json(out_dir: str, resolution: protocol.Resolution, moved: list[tuple[Pa
         "ignored": resolution.ignored,
         "quarantined": [{"from": str(a), "to": str(b)} for a, b in moved],
     }
+
+
+def _plan_json(on_world: elastic_plan.Plan | None, world_size: int) -> dict[str, object]:
+    if on_world is None:
+        return {"world_size": world_size, "resumable": False, "action": None, "reason": "no resumable checkpoint"}
+    return {"world_size": world_size, "resumable": on_world.resumable, "action": on_world.action,
+            "written_by": on_world.written_by, "zero_stage": on_world.zero_stage, "reason": on_world.reason}
 
 
 def main(argv: Sequence[str] | None = None) -> None:

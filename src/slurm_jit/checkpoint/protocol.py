@@ -94,6 +94,7 @@ class CheckpointInfo:
     run_id: str | None = None  # the writing run's lineage id, from a verified manifest
     world_size: int | None = None  # the number of ranks that wrote it, from a verified manifest
     save_seq: int | None = None  # the order of writes in the output directory, from a verified manifest
+    zero_stage: int | None = None  # the DeepSpeed ZeRO stage it was written with, from a verified manifest
 
     def resumable(self, strict: bool = False) -> bool:
         return self.status is Status.COMPLETE or (self.status is Status.UNVERIFIED and not strict)
@@ -228,7 +229,7 @@ def _inspect(path: Path, step: int, deep: bool, progress: Callable[[int], None] 
     mtime = _dir_mtime(path)
 
     def info(status: Status, reason: str, manifest: dict[str, Any] | None = None) -> CheckpointInfo:
-        kind = run_id = world = seq = None
+        kind = run_id = world = seq = stage = None
         written_at = mtime
         if manifest is not None:
             kind = manifest.get("kind") if isinstance(manifest.get("kind"), str) else None
@@ -237,9 +238,10 @@ def _inspect(path: Path, step: int, deep: bool, progress: Callable[[int], None] 
             world = manifest.get("world_size")
             written_at = manifest_mod.created(manifest) or mtime
             seq = manifest_mod.save_seq(manifest)
+            stage = manifest.get("zero_stage") if manifest_mod.plain_int(manifest.get("zero_stage")) else None
         return CheckpointInfo(path=path, step=step, status=status, reason=reason, kind=kind,
                               size_bytes=_tree_size_or_none(path), mtime=mtime, written_at=written_at,
-                              run_id=run_id, world_size=world, save_seq=seq)
+                              run_id=run_id, world_size=world, save_seq=seq, zero_stage=stage)
 
     if not stat.S_ISDIR(os.lstat(path).st_mode):
         return info(Status.CORRUPT, "the checkpoint directory is a symlink: not trusted")

@@ -44,6 +44,9 @@ LATEST_MAX_BYTES = 4096  # 'latest' holds one tag name
 MAX_WORLD_SIZE = 1_000_000
 SHARD_RE = re.compile(r"(bf16_)?zero_pp_rank_([0-9]+)_mp_rank_[0-9]+_(optim|model)_states\.pt", re.ASCII)
 MODEL_STATES = "mp_rank_00_model_states.pt"
+# checkpoint-S/universal: the elastic conversion of this checkpoint (train/elastic.py), a checkpoint of its own with
+# its own sentinel and manifest; whatever state it is in says nothing about checkpoint-S.
+UNIVERSAL_DIR_NAME = "universal"
 
 
 def _regular(path: Path) -> bool:
@@ -168,7 +171,7 @@ def _deepspeed_missing(ckpt_dir: Path, world: int) -> str | None:
     return None
 
 
-def _has_deepspeed(ckpt_dir: Path) -> bool:
+def has_deepspeed(ckpt_dir: Path) -> bool:
     return os.path.lexists(ckpt_dir / DS_LATEST) or any(
         name.startswith(DS_TAG_PREFIX) for name in os.listdir(ckpt_dir))
 
@@ -178,7 +181,7 @@ def check(ckpt_dir: Path, recorded_world: int | None = None) -> str | None:
     world, why = world_size(ckpt_dir, recorded_world)
     if world is None:
         return why
-    if _has_deepspeed(ckpt_dir):
+    if has_deepspeed(ckpt_dir):
         why = _deepspeed_missing(ckpt_dir, world)
     elif not any(_regular(ckpt_dir / name) for name in WEIGHT_FILES):
         why = "no model weights file"
@@ -190,7 +193,7 @@ def check(ckpt_dir: Path, recorded_world: int | None = None) -> str | None:
 def model_only(ckpt_dir: Path) -> bool:
     """True for a whole ``save_only_model`` checkpoint: model weights, and no resume state at all."""
     names = os.listdir(ckpt_dir)
-    resume_state = (RNG_SINGLE in names or OPTIMIZER_FILE in names or _has_deepspeed(ckpt_dir)
+    resume_state = (RNG_SINGLE in names or OPTIMIZER_FILE in names or has_deepspeed(ckpt_dir)
                     or any(RNG_RE.fullmatch(name) for name in names))
     has_weights = any(_regular(ckpt_dir / name) for name in WEIGHT_FILES)
     return has_weights and not resume_state and headers(ckpt_dir) is None
@@ -198,9 +201,14 @@ def model_only(ckpt_dir: Path) -> bool:
 
 def headers(ckpt_dir: Path) -> str | None:
     """The first file under ``ckpt_dir`` that is not a regular file or fails its header check, with why."""
+    universal = os.path.join(ckpt_dir, UNIVERSAL_DIR_NAME)
     for root, dirs, files in formats.walk(ckpt_dir):
+        if root == universal or root.startswith(universal + os.sep):
+            continue
         for name in sorted(files + [d for d in dirs if os.path.islink(os.path.join(root, d))]):
             path = Path(root) / name
+            if path == Path(universal):
+                continue
             problem = formats.check_file(path)
             if problem:
                 return f"{path.relative_to(ckpt_dir)}: {problem}"

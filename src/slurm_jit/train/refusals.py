@@ -12,8 +12,8 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from slurm_jit.checkpoint import elastic_plan, protocol
 from slurm_jit.checkpoint import manifest as manifest_file
-from slurm_jit.checkpoint import protocol
 
 LATEST_TAG_MAX_BYTES = 256  # DeepSpeed's `latest` holds one tag such as "global_step1234"
 TAG_RE = re.compile(r"^global_step(\d+)$")
@@ -83,12 +83,10 @@ def resume_refusal(ckpt_dir: str | os.PathLike[str], *, world_size: int) -> str 
     manifest = None
     if (path / protocol.MANIFEST_NAME).is_file():
         manifest, _ = manifest_file.read(path)
+    on_world = elastic_plan.plan(path, world_size, manifest)
+    if not on_world.resumable:
+        return on_world.reason
     if manifest is not None:
-        written_by = manifest.get("world_size")
-        if isinstance(written_by, int) and written_by != world_size:
-            return (f"{path}: written by {written_by} ranks, this run has {world_size}: the optimizer shards "
-                    f"and RNG states are per rank. HINT: resume with {written_by} ranks, or start fresh in "
-                    "another output_dir")
         if manifest.get("contents") == "model_only":
             return (f"{path}: holds the model only (a save_only_model save): no optimizer, scheduler or RNG "
                     "state to resume from. HINT: resume from a checkpoint whose manifest says contents=full "

@@ -42,7 +42,7 @@ from slurm_jit.checkpoint import protocol
 from slurm_jit.grace.calc import AGREE_BLOCKING, SLURM_SIGNAL_LEAD_MAX_S
 from slurm_jit.signal_names import parse_signal
 from slurm_jit.timing import WARMUP_STEPS, TimingLog
-from slurm_jit.train import compat, exact_resume, output_lock, runtime_grace, save_errors, stop_record
+from slurm_jit.train import compat, elastic, exact_resume, output_lock, runtime_grace, save_errors, stop_record
 from slurm_jit.train.agreement import SIDE_GROUP_TIMEOUT_S, Decision, StopAgreement
 from slurm_jit.train.refusals import JitRefusal, refused_settings, resume_refusal
 from slurm_jit.train.signals import IgnoreSignalsInWorker, SignalLatch, StartWorkersMasked
@@ -137,6 +137,7 @@ class _Run:
     owed_eval_step: int | None = None  # resumed from a checkpoint that owes the evaluation of this step
     lineage: str = ""  # the manifest's run_id: carried from the checkpoint resumed from, new on a fresh start
     resumed_from: str | None = None  # kept by rotation until this run has written a newer checkpoint
+    load_from: str | None = None  # what the Trainer loads when not resumed_from: its universal copy (elastic.py)
     stop_recorded: bool = False  # rank 0 wrote jit_stop (right after the stop checkpoint's manifest)
     trial: Any = None
     ignore_keys_for_eval: list[str] | None = None
@@ -261,7 +262,7 @@ class JitTrainer(transformers.Trainer):
                 stop_record.write(out_dir, "running", step=None, resumed_from=resume)
             try:
                 with compat.eval_on_start_once(self.args, resuming=resume is not None):
-                    output = super().train(resume_from_checkpoint=resume, trial=trial,
+                    output = super().train(resume_from_checkpoint=run.load_from or resume, trial=trial,
                                            ignore_keys_for_eval=ignore_keys_for_eval)
             except _StopBeforeFirstStep:
                 output = TrainOutput(self.state.global_step, 0.0, {})
@@ -290,6 +291,7 @@ class JitTrainer(transformers.Trainer):
                 self._record_stop_timing(run)
                 run.timing.close()
             self._jit_run = None
+            elastic.uninstall_universal_load()
 
     def _close_agreement(self, clean: bool) -> None:
         agreement, self._jit_agreement = self._jit_agreement, None
@@ -328,6 +330,9 @@ class JitTrainer(transformers.Trainer):
         if run is not None:
             run.lineage = carried.get("run_id") or uuid.uuid4().hex[:LINEAGE_ID_CHARS]
             run.owed_eval_step = carried.get("owed_evaluation_step")
+            run.load_from = carried.get("load_from")
+            if run.load_from:
+                elastic.install_universal_load()
         return path
 
     def _pick_resume(self, resume_from_checkpoint: str | bool | None) -> tuple[str | None, str | None,
@@ -356,6 +361,8 @@ class JitTrainer(transformers.Trainer):
                 carried["run_id"] = manifest["run_id"]
             if manifest.get("owed_evaluation") is True:
                 carried["owed_evaluation_step"] = manifest["step"]
+            carried["load_from"], refusal = elastic.prepare(path, self.args, manifest,
+                                                            self.jit_config.side_group_timeout_s)
         return path, refusal, carried
 
     # ------------------------------------------------------------ the stop decision

@@ -1,0 +1,116 @@
+"""What resuming a checkpoint on N ranks takes: directly, after a conversion to DeepSpeed's universal format, or
+not at all (with the reason). Pure reads of the manifest; ``ckpt-check --world-size`` and the JitTrainer
+(``train/elastic.py``, which converts) both ask it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from slurm_jit.checkpoint import manifest as manifest_file
+from slurm_jit.checkpoint import protocol, structure
+
+UNIVERSAL_DIR_NAME = structure.UNIVERSAL_DIR_NAME  # inside checkpoint-S: rotation deletes it with its checkpoint
+UNIVERSAL_OF_KEY = "universal_of_world_size"  # in the universal copy's manifest: the ranks that wrote the shards
+# ... and the DeepSpeed version that converted them: the universal layout is that converter's, so a copy made by
+# another version (a DeepSpeed upgrade between requeues) is converted again rather than loaded.
+CONVERTER_VERSION_KEY = "deepspeed_version"
+# ZeRO stages whose optimizer state is partitioned over the ranks: ds_to_universal handles 1 and 2 through
+# DeepSpeedCheckpoint and 3 through its own path; the JitTrainer verifies 1 and 2 (tests: test_elastic.py).
+CONVERTIBLE_STAGES = (1, 2)
+UNCONVERTED_STAGES = {3: "ZeRO-3 (ds_to_universal converts it, but its universal load through the Trainer is not "
+                         "verified here)"}
+DIRECT, CONVERT, CONVERTED, SAME, REFUSED = "direct", "convert", "converted", "same", "refused"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """What resuming one checkpoint on ``world_size`` ranks takes."""
+
+    action: str  # SAME, DIRECT (no partitioned state), CONVERT, CONVERTED (universal copy complete), REFUSED
+    written_by: int | None  # the world size in the manifest (None: no manifest, or it does not say)
+    world_size: int  # the ranks of the run that resumes
+    zero_stage: int | None  # from the manifest
+    reason: str  # one line: what will be done, or why not (with a HINT)
+
+    @property
+    def resumable(self) -> bool:
+        return self.action != REFUSED
+
+
+def universal_dir(ckpt_dir: str | os.PathLike[str]) -> Path:
+    return Path(ckpt_dir) / UNIVERSAL_DIR_NAME
+
+
+def plan(ckpt_dir: str | os.PathLike[str], world_size: int, manifest: dict[str, Any] | None = None) -> Plan:
+    """What a resume of ``ckpt_dir`` on ``world_size`` ranks takes (the manifest is read when not given)."""
+    path = Path(ckpt_dir)
+    if manifest is None and (path / protocol.MANIFEST_NAME).is_file():
+        manifest, _ = manifest_file.read(path)
+    written_by = _written_by(path, manifest)
+    stage = manifest.get("zero_stage") if manifest is not None else None
+    stage = stage if manifest_file.plain_int(stage) else None
+
+    def made(action: str, reason: str) -> Plan:
+        return Plan(action=action, written_by=written_by, world_size=world_size, zero_stage=stage, reason=reason)
+
+    if written_by is None or written_by == world_size:
+        return made(SAME, "same world size: resumes directly")
+    change = f"written by {written_by} ranks, resumed on {world_size}"
+    deepspeed = manifest.get("deepspeed_tag") is not None if manifest is not None else structure.has_deepspeed(path)
+    if not deepspeed or stage == 0:
+        return made(DIRECT, f"{change}: no ZeRO-partitioned state, loads directly (per-rank RNG "
+                    "streams are not carried over)")
+    if stage is None:
+        return made(REFUSED, f"{path}: {change}: a DeepSpeed checkpoint whose ZeRO stage no manifest records "
+                    f"(its shards may be partitioned over {written_by} ranks). HINT: resume with {written_by} ranks")
+    if stage in UNCONVERTED_STAGES:
+        return made(REFUSED, f"{path}: {change}: {UNCONVERTED_STAGES[stage]} cannot be resumed on "
+                    f"another world size. HINT: resume with {written_by} ranks")
+    if stage not in CONVERTIBLE_STAGES:
+        return made(REFUSED, f"{path}: {change}: unknown ZeRO stage {stage!r}. HINT: resume with "
+                    f"{written_by} ranks")
+    step = int(manifest["step"]) if manifest is not None else 0
+    if universal_complete(path, step):
+        return made(CONVERTED, f"{change}: ZeRO-{stage} shards already converted to DeepSpeed's "
+                    f"universal format in {universal_dir(path)}: loads from there")
+    return made(CONVERT, f"{change}: ZeRO-{stage} shards will be converted once to DeepSpeed's "
+                f"universal format ({universal_dir(path)}) and loaded from there")
+
+
+def _written_by(path: Path, manifest: dict[str, Any] | None) -> int | None:
+    """The manifest's world size; without one (no manifest, or a manifest that does not say) the files'."""
+    recorded = manifest.get("world_size") if manifest is not None else None
+    if isinstance(recorded, int) and not isinstance(recorded, bool):
+        return recorded
+    try:
+        return structure.world_size(path)[0]
+    except OSError:
+        return None
+
+
+def universal_complete(ckpt_dir: Path, step: int) -> bool:
+    """The protocol's verdict on ``checkpoint-S/universal``: no sentinel, and its manifest verifies."""
+    target = universal_dir(ckpt_dir)
+    if target.is_symlink() or not target.is_dir() or os.path.lexists(target / protocol.SENTINEL_NAME):
+        return False
+    manifest, _ = manifest_file.read(target)
+    if manifest is None or manifest.get(UNIVERSAL_OF_KEY) is None:
+        return False
+    installed = converter_version()
+    if installed is not None and manifest.get(CONVERTER_VERSION_KEY) != installed:
+        return False
+    return manifest_file.verify(target, step, manifest, deep=False, progress=None) is None
+
+
+def converter_version() -> str | None:
+    """The installed DeepSpeed's version (its converter's), None where it is not installed (a login node's
+    ckpt-check: a complete copy is then taken as it is)."""
+    try:
+        return importlib.metadata.version("deepspeed")
+    except importlib.metadata.PackageNotFoundError:
+        return None
