@@ -205,6 +205,10 @@ def assert_jit_stop(out: Path, result: StopResult) -> Path:
     assert check.stdout.splitlines()[-1] == str(ckpt)
     info = protocol.inspect(ckpt, record["step"], deep=True)
     assert info.status is protocol.Status.COMPLETE and info.kind == "jit", info
+    if info.zero_stage:  # ZeRO-1/2: the slim JIT save; ZeRO-3: DeepSpeed's own layout. ckpt-check says so.
+        assert info.weights == protocol.WEIGHTS_MASTER_ONLY, info
+        row = next(line for line in check.stdout.splitlines() if line.split()[:1] == [str(record["step"])])
+        assert " master " in row, row
     assert (ckpt / "latest").read_text().strip() == f"global_step{record['step']}"
     # what resume needs, once: no consolidated weights beside the DeepSpeed shards, and the excess is reported
     assert not (ckpt / "model.safetensors").exists()

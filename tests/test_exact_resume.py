@@ -81,6 +81,8 @@ def _stop_resume(out: Path, name: str, reference: Path) -> str:
     assert SIGNAL_AFTER_STEPS <= step < MAX_STEPS
     manifest = json.loads((ckpt / protocol.MANIFEST_NAME).read_text())
     assert manifest["weights"] == protocol.WEIGHTS_MASTER_ONLY, manifest["weights"]
+    if manifest["zero_stage"] == 2:
+        _assert_zero_to_fp32_rebuilds(ckpt, reference, step)
     assert run_to_end(out, [*_args(name, f"{step},{MAX_STEPS}"), "--resume"]) == [0, 0]
     _assert_same_after_load(reference, out, step)
     logs = out.parent / f"logs-{out.name}"
@@ -95,6 +97,22 @@ def _assert_same_after_load(reference: Path, out: Path, step: int) -> None:
         exactness.compare_states(ref, resumed, f"rank{rank} after load: ", result)
     assert result.equal, exactness.report(result)
     assert sum(1 for k in ref if k.startswith("module/")) > 5
+
+
+def _assert_zero_to_fp32_rebuilds(ckpt: Path, reference: Path, step: int) -> None:
+    """DeepSpeed's zero_to_fp32 still reads a slim checkpoint (buffers by buffer_names from the slim module, the
+    weights from the fp32 master partitions) and gives the weights the uninterrupted run had at that step."""
+    import torch
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    tag_dir = ckpt / f"global_step{step}"
+    states = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    assert set(states["module"]) == set(states["buffer_names"]), sorted(states["module"])[:5]  # no weights
+    assert states["param_shapes"] and states["global_steps"] == step and states["ds_config"]
+    rebuilt = get_fp32_state_dict_from_zero_checkpoint(str(ckpt))
+    weights = {k.removeprefix("module/"): v for k, v in _dump(reference, step, 0).items() if k.startswith("module/")}
+    assert set(rebuilt) == set(weights), sorted(set(rebuilt) ^ set(weights))[:5]
+    assert all(torch.equal(rebuilt[name], weights[name]) for name in weights)
 
 
 def _dump(root: Path, step: int, rank: int) -> dict[str, Any]:
