@@ -41,8 +41,9 @@ def slim_capable(engine: Any) -> bool:
     weights from its fp32 partitions (MoE engines write their own files: left as they are)."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    return (isinstance(getattr(engine, "optimizer", None), DeepSpeedZeroOptimizer)
-            and hasattr(engine.optimizer, "update_lp_params") and not getattr(engine, "has_moe_layers", False))
+    optimizer = getattr(engine, "optimizer", None)
+    return (isinstance(optimizer, DeepSpeedZeroOptimizer) and hasattr(optimizer, "update_lp_params")
+            and hasattr(optimizer, "bit16_groups") and not getattr(engine, "has_moe_layers", False))
 
 
 def layout(engine: Any, slim: bool) -> str:
