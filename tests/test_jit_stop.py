@@ -11,7 +11,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from jit_helpers import assert_jit_stop, assert_stop_timing, losses, resume_and_compare, run_and_signal
+from jit_helpers import (
+    assert_jit_stop,
+    assert_stop_timing,
+    losses,
+    resume_and_compare,
+    run_and_signal,
+    run_logged,
+)
 
 from slurm_jit.checkpoint import protocol
 from slurm_jit.train import stop_record
@@ -72,6 +79,12 @@ def test_zero2_stop_in_epoch_1_resumes_bitwise_into_epoch_3(tmp_path: Path, refe
     assert step < STEPS_PER_EPOCH, f"stopped at step {step}: not inside epoch 1"
     assert losses(out)[-1][0] > 2 * STEPS_PER_EPOCH  # the resumed run reached epoch 3
     _assert_slim_needs_every_shard(out / f"checkpoint-{step}", step, tmp_path / "copy")
+    # a slim ZeRO-2 checkpoint resumed under ZeRO-3: one line with a HINT before any load (was a traceback)
+    refused = run_logged(out, [*ZERO2_EPOCHS, "--zero-stage", "3", "--resume-from", str(out / f"checkpoint-{step}")])
+    assert refused.codes == [2, 2], refused.log[-3000:]
+    line = next(line for line in refused.log.splitlines() if line.startswith("demo_train: "))
+    assert "only in the ZeRO-2 optimizer shards" in line and "HINT: resume with ZeRO stage 2" in line, line
+    assert "Traceback" not in refused.log, refused.log[-3000:]
 
 
 def _assert_slim_needs_every_shard(ckpt: Path, step: int, scratch: Path) -> None:
