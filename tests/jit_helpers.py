@@ -175,8 +175,9 @@ def _sizes_on_disk(ckpt: Path) -> dict[str, int]:
 
 def assert_byte_report_matches_disk(ckpt: Path) -> None:
     """The manifest's byte report against the files on disk: the total is what is there (less the manifest);
-    the duplicate is exactly the DeepSpeed model-states file(s) that hold the whole model (ZeRO-0/1/2), and
-    nothing under ZeRO-3, whose per-rank model-states files hold no weights (they are in the optimizer shards)."""
+    the duplicate is exactly the DeepSpeed model-states file(s) that hold the whole model (ZeRO-0/1/2 periodic and
+    final saves), and nothing for a slim JIT save under ZeRO-1/2 (its model-states file leaves the weights out)
+    nor under ZeRO-3, whose per-rank model-states files hold no weights (they are in the optimizer shards)."""
     manifest = json.loads((ckpt / protocol.MANIFEST_NAME).read_text())
     sizes = _sizes_on_disk(ckpt)
     assert protocol.SENTINEL_NAME not in sizes

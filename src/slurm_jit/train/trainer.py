@@ -697,11 +697,13 @@ class JitTrainer(transformers.Trainer):
         if kind == "jit":
             self.args.save_only_model = False
         engine = self.model_wrapped if self.is_deepspeed_enabled else None
+        slim_engine = engine if kind == "jit" and self.jit_config.slim_jit_save else None
         try:
-            with slim_save.slim_model_states(engine if kind == "jit" and self.jit_config.slim_jit_save else None) \
-                    as slim:
+            with slim_save.slim_model_states(slim_engine) as slim:
                 super()._save_checkpoint(model, trial)
-            return ("model_only" if self.args.save_only_model else "full"), slim_save.layout(engine, slim)
+            if self.args.save_only_model:  # model.safetensors, whole: no DeepSpeed files at all
+                return protocol.CONTENTS_MODEL_ONLY, protocol.WEIGHTS_FULL
+            return protocol.CONTENTS_FULL, slim_save.layout(engine, slim)
         finally:
             self.args.save_total_limit, self.args.save_only_model = limit, only_model
 
