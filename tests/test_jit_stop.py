@@ -85,6 +85,12 @@ def test_zero2_stop_in_epoch_1_resumes_bitwise_into_epoch_3(tmp_path: Path, refe
     line = next(line for line in refused.log.splitlines() if line.startswith("demo_train: "))
     assert "only in the ZeRO-2 optimizer shards" in line and "HINT: resume with ZeRO stage 2" in line, line
     assert "Traceback" not in refused.log, refused.log[-3000:]
+    # the same model with its embeddings frozen now: a weight neither saved nor held by the optimizer
+    frozen = run_logged(out, [*ZERO2_EPOCHS, "--freeze-embeddings", "--resume-from", str(out / f"checkpoint-{step}")])
+    assert frozen.codes == [2, 2], frozen.log[-3000:]
+    line = next(line for line in frozen.log.splitlines() if line.startswith("demo_train: "))
+    assert "not held by the optimizer: ['lm_head.weight', 'transformer.wte.weight']" in line, line
+    assert "HINT: resume with the model the checkpoint was written with" in line, line
 
 
 def _assert_slim_needs_every_shard(ckpt: Path, step: int, scratch: Path) -> None:

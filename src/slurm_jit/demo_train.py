@@ -78,6 +78,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--jit-save-weights", action="store_true",
                    help="JitConfig(jit_save_model_weights=True): JIT saves also write model.safetensors (ZeRO-3: "
                         "the consolidated 16-bit gather)")
+    p.add_argument("--freeze-embeddings", action="store_true", help="the input embeddings do not train")
     p.add_argument("--full-jit-save", action="store_true",
                    help="JitConfig(slim_jit_save=False): JIT saves write DeepSpeed's full model-states file")
     p.add_argument("--step-times", action="store_true",
@@ -343,6 +344,8 @@ def main(argv: Sequence[str] | None = None, trainer_cls: Any = None) -> None:
     )
     targs = transformers.TrainingArguments(**{**base, **_extra_training_args(args.targ)})  # --targ wins
     model = build_model(args.model, args.width, args.layers, args.dropout, args.vocab, args.heads, args.kv_heads)
+    if args.freeze_embeddings:
+        model.get_input_embeddings().weight.requires_grad_(False)
     common: dict[str, Any] = dict(
         model=model, args=targs, train_dataset=_Tokens(args.samples, args.seed, args.vocab),
         eval_dataset=_Tokens(args.eval_samples, args.seed + 1, args.vocab) if args.eval_steps else None,
