@@ -15,7 +15,7 @@ pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 from transformers.integrations.integration_utils import TensorBoardCallback  # noqa: E402
 
-from slurm_jit.train import compat  # noqa: E402
+from slurm_jit.train import compat, trackers  # noqa: E402
 
 
 def _job(out: Path, resume_from: str | None, steps: range, offset: float) -> str:
@@ -102,3 +102,42 @@ def test_a_fresh_train_after_a_resumed_one_in_the_same_process_purges_nothing(tm
     compat.continue_tensorboard_run(trainer, str(tmp_path / "out" / "checkpoint-5"))
     compat.continue_tensorboard_run(trainer, None)  # a second training in the same process
     assert callback._SummaryWriter is original
+
+
+# ---------------------------------------------------------------- how a job ended, in TensorBoard (issue 12)
+
+def _texts(log_dir: str) -> list[tuple[int, str]]:
+    events = EventAccumulator(log_dir)
+    events.Reload()
+    return [(e.step, e.tensor_proto.string_val[0].decode())
+            for e in events.Tensors(f"{trackers.STOP_KEY}/text_summary")]
+
+
+def test_tensorboard_says_a_jit_stop_is_a_stop_and_the_end_is_the_end(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    log_dir = _job(out, None, range(1, 5), offset=0.0)
+    trainer = SimpleNamespace(callback_handler=SimpleNamespace(callbacks=[_callback_at(log_dir)]),
+                              is_world_process_zero=lambda: True)
+    trackers.log_stop_to_trackers(trainer, "jit_stop", 4, "SIGTERM")
+    assert _job(out, str(out / "checkpoint-4"), range(5, 7), offset=0.0) == log_dir
+    trackers.log_stop_to_trackers(trainer, "finished", 6, None)
+    texts = _texts(log_dir)
+    assert texts == [(4, trackers.stop_text("jit_stop", 4, "SIGTERM")), (6, "finished at step 6")], texts
+    assert "SIGTERM" in texts[0][1] and "not a crash" in texts[0][1]
+
+
+def _callback_at(log_dir: str) -> TensorBoardCallback:
+    callback = TensorBoardCallback()
+    callback.logging_dir = log_dir
+    return callback
+
+
+def test_a_tracker_that_cannot_log_the_stop_is_one_warning_not_a_crash(tmp_path: Path,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "a-file").write_text("")
+    trainer = SimpleNamespace(callback_handler=SimpleNamespace(callbacks=[_callback_at(str(tmp_path / "a-file/x"))]),
+                              is_world_process_zero=lambda: True)
+    with caplog.at_level("WARNING", logger=trackers.__name__):
+        trackers.log_stop_to_trackers(trainer, "jit_stop", 4, "SIGTERM")
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "HINT:" in warnings[0] and "\n" not in warnings[0], warnings

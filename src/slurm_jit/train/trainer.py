@@ -46,6 +46,7 @@ from slurm_jit.train import compat, elastic, exact_resume, output_lock, runtime_
 from slurm_jit.train.agreement import SIDE_GROUP_TIMEOUT_S, Decision, StopAgreement
 from slurm_jit.train.refusals import JitRefusal, refused_settings, resume_refusal
 from slurm_jit.train.signals import IgnoreSignalsInWorker, SignalLatch, StartWorkersMasked
+from slurm_jit.train.trackers import continue_wandb_run, log_stop_to_trackers
 
 logger = logging.getLogger(__name__)
 
@@ -261,12 +262,15 @@ class JitTrainer(transformers.Trainer):
             if self._is_rank0:
                 stop_record.write(out_dir, "running", step=None, resumed_from=resume)
             try:
-                with compat.eval_on_start_once(self.args, resuming=resume is not None):
+                with (compat.eval_on_start_once(self.args, resuming=resume is not None),
+                      continue_wandb_run(self, resume)):
                     output = super().train(resume_from_checkpoint=run.load_from or resume, trial=trial,
                                            ignore_keys_for_eval=ignore_keys_for_eval)
             except _StopBeforeFirstStep:
                 output = TrainOutput(self.state.global_step, 0.0, {})
             self.jit_stopped = run.stopped
+            log_stop_to_trackers(self, "jit_stop" if run.stopped else "finished", self.state.global_step,
+                                 _signal_name(run.latch.first_signum))
             if self._is_rank0 and not run.stop_recorded:
                 state = "jit_stop" if run.stopped else "finished"
                 stop_record.write(out_dir, state, step=self.state.global_step, checkpoint=run.checkpoint,

@@ -1,0 +1,97 @@
+"""W&B across requeues (issue 12), the parts a DeepSpeed run cannot show cheaply: a job resumed from an older
+checkpoint (after a crash) redoes steps, whose points must not be logged twice; an unusable record; a run the
+user chose. transformers' own WandbCallback writes a real offline run (WANDB_MODE=offline: no network, no
+account); only the trainer around it is a stand-in. The real path (DeepSpeed ranks, SIGTERM, resume) is the GRPO
+row of tests/test_compat_matrix.py."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("wandb")
+
+from jit_helpers import read_wandb_offline  # noqa: E402
+from transformers.integrations.integration_utils import WandbCallback  # noqa: E402
+
+from slurm_jit.train import trackers  # noqa: E402
+
+
+@pytest.fixture
+def offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """wandb offline into this test's directory; wandb's process-wide state (it reads the environment once) is
+    torn down afterwards, so that the next test's environment counts."""
+    import wandb
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv(trackers.RUN_ID_ENV, raising=False)
+    wandb.teardown()
+    yield tmp_path / "wandb"
+    wandb.teardown()
+
+
+def _trainer(out: Path, callback: WandbCallback) -> SimpleNamespace:
+    return SimpleNamespace(callback_handler=SimpleNamespace(callbacks=[callback]),
+                           args=SimpleNamespace(output_dir=str(out), run_name=None), is_world_process_zero=lambda: True,
+                           hp_search_backend=None)
+
+
+def _job(out: Path, resume_from: str | None, steps: range, offset: float) -> None:
+    """One job of rank 0: the callback as the Trainer makes it, inside JitTrainer.train()'s W&B context."""
+    callback = WandbCallback()
+    args = SimpleNamespace(to_dict=dict, run_name=None, output_dir=str(out))
+    with trackers.continue_wandb_run(_trainer(out, callback), resume_from):
+        for step in steps:
+            state = SimpleNamespace(is_world_process_zero=True, global_step=step, trial_name=None, logging_steps=1)
+            callback.on_log(args, state, None, model=None, logs={"loss": step + offset})
+    callback._wandb.finish()
+
+
+def test_a_resumed_job_continues_the_run_and_redone_steps_are_not_logged_twice(tmp_path: Path,
+                                                                             offline: Path) -> None:
+    out = tmp_path / "out"
+    _job(out, None, range(1, 9), offset=0.0)  # crashed after step 8; the newest checkpoint is 5
+    _job(out, str(out / "checkpoint-5"), range(6, 11), offset=0.5)
+    jobs = read_wandb_offline(offline)
+    assert len(jobs) == 2 and len({job.run_id for job in jobs}) == 1, [job.run_id for job in jobs]
+    points = [(row["train/global_step"], row["train/loss"]) for job in jobs for row in job.history]
+    assert points == [(s, float(s)) for s in range(1, 9)] + [(s, s + 0.5) for s in range(9, 11)], points
+
+
+def test_a_fresh_start_begins_a_new_run(tmp_path: Path, offline: Path) -> None:
+    out = tmp_path / "out"
+    _job(out, None, range(1, 3), offset=0.0)
+    _job(out, None, range(1, 3), offset=0.0)  # not resumed: the same OUT_DIR trains anew
+    assert len({job.run_id for job in read_wandb_offline(offline)}) == 2  # (by WANDB_RUN_ID: 1, wandb reads it once)
+
+
+def test_a_run_the_user_chose_is_left_alone(tmp_path: Path, offline: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(trackers.RUN_ID_ENV, "mine")
+    _job(tmp_path / "out", None, range(1, 2), offset=0.0)
+    assert [job.run_id for job in read_wandb_offline(offline)] == ["mine"]
+    assert not (tmp_path / "out" / "slurm-jit" / trackers.WANDB_RECORD).exists()
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"[1]", b'{"run_id": 7}', b'{"run_id": "a/../b"}', b"\xff",
+                                     b'{"run_id": "abc", "logged": {"loss": "x"}}', b"{" + b" " * 2**20 + b"}"],
+                         ids=["corrupt", "not-a-dict", "not-a-string", "not-an-id", "not-utf8", "bad-steps", "huge"])
+def test_an_unusable_record_starts_a_new_run_with_one_warning_line(tmp_path: Path, content: bytes, offline: Path,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    out = tmp_path / "out"
+    record = out / "slurm-jit" / trackers.WANDB_RECORD
+    record.parent.mkdir(parents=True)
+    record.write_bytes(content)
+    callback = WandbCallback()
+    with caplog.at_level("WARNING", logger=trackers.__name__), \
+            trackers.continue_wandb_run(_trainer(out, callback), str(out / "checkpoint-5")):
+        run_id = callback._wandb.run.id
+    callback._wandb.finish()
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "HINT:" in warnings[0] and "\n" not in warnings[0], warnings
+    assert trackers.RUN_ID_PATTERN.fullmatch(run_id)
+    assert trackers._read_record(record) == {"run_id": run_id, "logged": {}}  # the new run is recorded
