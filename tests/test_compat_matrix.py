@@ -35,6 +35,7 @@ from jit_helpers import (
     run_logged,
 )
 
+from slurm_jit.checkpoint import protocol
 from slurm_jit.train import stop_record, trackers
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -147,6 +148,19 @@ def _assert_wandb_continued(out: Path, reference_out: Path, stop_step: int) -> N
     assert not finished.preempting and finished.summary[trackers.STOP_KEY] == "finished", finished.summary
 
 
+def _whole_checkpoints(out: Path) -> set[str]:
+    return {c.path.name for c in protocol.scan(out)[0] if c.status in protocol.WHOLE_STATUSES}
+
+
+def _assert_best_kept_across_the_stop(out: Path, ckpt: Path) -> set[str]:
+    """save_strategy="best" (and save_total_limit): the stopped job's rotation and end of training left the JIT
+    checkpoint the next job resumes from, and the best checkpoint its trainer_state names, both whole."""
+    best = json.loads((ckpt / "trainer_state.json").read_text())["best_model_checkpoint"]
+    kept = _whole_checkpoints(out)
+    assert ckpt.name in kept and (best is None or Path(best).name in kept), (kept, best)
+    return kept
+
+
 def _final_state(out: Path) -> dict[str, object]:
     """What train() ended with (demo_train writes it): step, best checkpoint and metric, and a digest of the
     weights (after load_best_model_at_end: the ones it loaded)."""
@@ -172,6 +186,9 @@ def test_stop_resume_matches_the_uninterrupted_run(row: Row, tmp_path: Path) -> 
                              program=row.program, env=env)
     ckpt = assert_jit_stop(out, stopped)
 
+    best = any('save_strategy="best"' in arg for arg in row.args)
+    if best:
+        _assert_best_kept_across_the_stop(out, ckpt)
     resume = ["--resume-from", str(ckpt)] if row.resume_by_path else ["--resume"]
     resumed = run_logged(out, [*args, *resume], program=row.program, env=env)
     assert resumed.codes == [0, 0], resumed.log[-4000:]
@@ -179,6 +196,8 @@ def test_stop_resume_matches_the_uninterrupted_run(row: Row, tmp_path: Path) -> 
     assert_same_losses(losses(out), losses(reference_out))
     assert _evals(out) == _evals(reference_out), "evaluations differ from the uninterrupted run's"
     assert _final_state(out) == _final_state(reference_out)
+    if best:  # the best checkpoint survived the restart: named by the resumed run and still whole
+        assert _final_state(out)["best_model_checkpoint"] in _whole_checkpoints(out), _whole_checkpoints(out)
     if any("tensorboard" in arg for arg in row.args):  # one run, each step once, the uninterrupted run's values
         assert _tensorboard_losses(out) == _tensorboard_losses(reference_out)
         stop_step = int(ckpt.name.removeprefix("checkpoint-"))
