@@ -42,7 +42,7 @@ def _overlay(version: str) -> Path:
         done = None
     if done is None or done.returncode != 0:
         shutil.rmtree(partial, ignore_errors=True)
-        reason = "timed out" if done is None else done.stderr.strip().splitlines()[-1:]
+        reason = "timed out" if done is None else (done.stderr.strip().splitlines() or ["pip failed"])[-1]
         pytest.skip(f"cannot install transformers=={version} into {target} (no network?): {reason}")
     shutil.rmtree(target, ignore_errors=True)
     os.replace(partial, target)  # a killed install leaves a .partial, never a half overlay taken as done
