@@ -95,3 +95,22 @@ def test_an_unusable_record_starts_a_new_run_with_one_warning_line(tmp_path: Pat
     assert len(warnings) == 1 and "HINT:" in warnings[0] and "\n" not in warnings[0], warnings
     assert trackers.RUN_ID_PATTERN.fullmatch(run_id)
     assert trackers._read_record(record) == {"run_id": run_id, "logged": {}}  # the new run is recorded
+
+
+def test_logs_at_the_same_step_of_one_job_are_all_kept(tmp_path: Path, offline: Path) -> None:
+    """The Trainer logs several times at one step (train loss, then the evaluation, then train()'s end), each with
+    ``epoch``; a callback may log a key twice. Only steps an earlier job logged are redone points, not these."""
+    out = tmp_path / "out"
+    callback = WandbCallback()
+    args = SimpleNamespace(to_dict=dict, run_name=None, output_dir=str(out))
+    state = SimpleNamespace(is_world_process_zero=True, global_step=2, trial_name=None, logging_steps=1)
+    logs = [{"loss": 1.0, "epoch": 0.5}, {"eval_loss": 2.0, "epoch": 0.5}, {"mine": 1.0}, {"mine": 2.0}]
+    with trackers.continue_wandb_run(_trainer(out, callback), None):
+        for log in logs:
+            callback.on_log(args, state, None, model=None, logs=log)
+    callback._wandb.finish()
+    [job] = read_wandb_offline(offline)
+    rows = [{k: v for k, v in row.items() if not k.startswith("_")} for row in job.history]
+    assert rows == [{"train/loss": 1.0, "train/epoch": 0.5, "train/global_step": 2},
+                    {"eval/loss": 2.0, "train/epoch": 0.5, "train/global_step": 2},
+                    {"train/mine": 1.0, "train/global_step": 2}, {"train/mine": 2.0, "train/global_step": 2}], rows

@@ -80,15 +80,17 @@ def _write_record(record: Path, data: dict[str, Any]) -> bool:
 
 
 def _skip_redone_points(callback: Any, record: Path, data: dict[str, Any]) -> None:
-    """Wrap the callback's on_log (this instance only): a key already logged at this step or later is dropped;
-    what is logged is written into the record."""
+    """Wrap the callback's on_log (this instance only): a key an earlier job logged at this step or later is
+    dropped; what is logged is written into the record. This job's own logs are never dropped: the Trainer logs
+    several times at one step (the loss, the evaluation, train()'s end), each with ``epoch``."""
     logged: dict[str, int] = data["logged"]
+    earlier_jobs = dict(logged)
     original = callback.on_log
     state = {"writable": True}
 
     def on_log(args: Any, trainer_state: Any, control: Any, logs: Any = None, **kwargs: Any) -> Any:
         step = int(trainer_state.global_step)
-        fresh = {k: v for k, v in (logs or {}).items() if logged.get(k, -1) < step}
+        fresh = {k: v for k, v in (logs or {}).items() if earlier_jobs.get(k, -1) < step}
         if logs and not fresh:
             return None  # every point of this log is there already, from the job that did this step first
         result = original(args, trainer_state, control, logs=fresh, **kwargs)
