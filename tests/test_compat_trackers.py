@@ -141,3 +141,43 @@ def test_a_tracker_that_cannot_log_the_stop_is_one_warning_not_a_crash(tmp_path:
         trackers.log_stop_to_trackers(trainer, "jit_stop", 4, "SIGTERM")
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and "HINT:" in warnings[0] and "\n" not in warnings[0], warnings
+
+
+def test_a_failure_after_the_stop_checkpoint_still_logs_the_jit_stop(tmp_path: Path) -> None:
+    """One process, no DeepSpeed (~10 s): a SIGTERM, the JIT checkpoint complete, then a callback's on_train_end
+    fails (a push, an upload). The stop record says jit_stop (error_after_stop: the requeue resumes); the trackers
+    must say the same, not leave the job looking like a crash of the run."""
+    import os
+    import signal
+
+    import transformers
+
+    from slurm_jit import demo_train
+    from slurm_jit.train import stop_record
+    from slurm_jit.train.trainer import JitConfig, JitTrainer
+
+    class TermAtStep2FailAtEnd(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            if state.global_step == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        def on_train_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            raise RuntimeError("upload failed")
+
+    out = tmp_path / "out"
+    targs = transformers.TrainingArguments(output_dir=str(out), use_cpu=True, report_to=["tensorboard"],
+                                           max_steps=6, save_steps=100, per_device_train_batch_size=2,
+                                           disable_tqdm=True, logging_steps=1)
+    trainer = JitTrainer(model=demo_train.build_model("gpt2", 16, 1), args=targs,
+                         train_dataset=demo_train._Tokens(8, seed=1), callbacks=[TermAtStep2FailAtEnd()],
+                         jit_config=JitConfig(kill_wait_s=0))
+    with pytest.raises(RuntimeError, match="upload failed"):
+        trainer.train()
+    record = stop_record.read(out)
+    assert record is not None and record["state"] == "jit_stop" and "upload failed" in record["error_after_stop"]
+    [run_dir] = (out / "runs").iterdir()
+    events = EventAccumulator(str(run_dir), size_guidance={"tensors": 0})
+    events.Reload()
+    texts = [e.tensor_proto.string_val[0].decode() for e in events.Tensors(f"{trackers.STOP_KEY}/text_summary")]
+    assert len(texts) == 1 and texts[0].startswith(f"stopped for a JIT checkpoint at step {record['step']} "), texts
+    assert texts[0].endswith("after the checkpoint: RuntimeError: upload failed"), texts

@@ -131,18 +131,21 @@ def continue_wandb_run(trainer: Any, resume_from: str | None) -> Iterator[None]:
         callback.__dict__.pop("on_log", None)
 
 
-def stop_text(state: str, step: int, signal_name: str | None) -> str:
+def stop_text(state: str, step: int, signal_name: str | None, error_after_stop: str | None = None) -> str:
     if state == "jit_stop":
-        return (f"stopped for a JIT checkpoint at step {step} after {signal_name or 'a stop signal'} (a time "
+        text = (f"stopped for a JIT checkpoint at step {step} after {signal_name or 'a stop signal'} (a time "
                 "limit or preemption, not a crash): a requeued job continues this run")
+        return text if error_after_stop is None else f"{text}; after the checkpoint: {error_after_stop}"
     return f"finished at step {step}"
 
 
-def log_stop_to_trackers(trainer: Any, state: str, step: int, signal_name: str | None) -> None:
-    """Rank 0, when ``train()`` returns: tell the trackers how this job ended (``jit_stop`` or ``finished``)."""
+def log_stop_to_trackers(trainer: Any, state: str, step: int, signal_name: str | None,
+                         error_after_stop: str | None = None) -> None:
+    """Rank 0, when ``train()`` returns (or fails after its stop checkpoint was complete, ``error_after_stop``):
+    tell the trackers how this job ended (``jit_stop`` or ``finished``)."""
     if not trainer.is_world_process_zero():
         return
-    text = stop_text(state, step, signal_name)
+    text = stop_text(state, step, signal_name, error_after_stop)
     for name, log in (("WandbCallback", _log_stop_wandb), ("TensorBoardCallback", _log_stop_tensorboard)):
         callback = _callback(trainer, name)
         if callback is None:
