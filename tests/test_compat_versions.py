@@ -9,6 +9,7 @@ Without network (pip cannot fetch it) the test skips with the reason: it never p
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -24,17 +25,28 @@ from slurm_jit.train import compat, stop_record
 
 PIP_TIMEOUT_S = 600  # a ~12 MB wheel; a stalled download fails the install (a skip), not the test run
 MAX_STEPS = 8
+OVERLAY_LOCK = ".overlay.lock"  # in the cache directory: one install at a time
 ARGS = ["--max-steps", str(MAX_STEPS), "--kill-wait", "0", "--step-sleep", "0.1", "--save-steps", "3"]
 
 
 def _overlay(version: str) -> Path:
-    """transformers==version alone in a directory (the venv supplies its dependencies), installed once."""
+    """transformers==version alone in a directory (the venv supplies its dependencies), installed once. Under a lock
+    on the cache: a concurrent run (another worktree, another CI job on the machine) waits for the install and
+    uses it; it never replaces an overlay another run's ranks are importing."""
     cache = Path(os.environ.get("SLURM_JIT_TEST_CACHE", Path.home() / ".cache" / "slurm-jit"))
+    cache.mkdir(parents=True, exist_ok=True)
+    with (cache / OVERLAY_LOCK).open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when the process dies
+        return _install_once(cache, version)
+
+
+def _install_once(cache: Path, version: str) -> Path:
     target = cache / f"transformers-{version}"
     if (target / "transformers" / "__init__.py").exists():
         return target
+    for stale in cache.glob(".transformers-*.partial-*"):  # a killed run's (installs run only under the lock)
+        shutil.rmtree(stale, ignore_errors=True)
     partial = cache / f".transformers-{version}.partial-{os.getpid()}"
-    shutil.rmtree(partial, ignore_errors=True)
     try:
         done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(partial),
                                f"transformers=={version}"], capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
@@ -74,3 +86,31 @@ def test_stop_and_resume_on_the_lowest_transformers_of_the_range(tmp_path: Path)
     record = stop_record.read(out)
     assert record is not None and record["state"] == "finished", record
     assert ckpt_check(out).returncode == 0
+
+
+OVERLAY_RACE = """
+import os, sys, time
+sys.path.insert(0, sys.argv[1])
+from test_compat_versions import _overlay
+init = _overlay(sys.argv[2]) / "transformers" / "__init__.py"
+print(os.stat(init).st_ino, flush=True)
+"""
+
+
+def test_concurrent_runs_install_the_overlay_once_and_never_replace_it_under_each_other(tmp_path: Path) -> None:
+    """Two runs on one machine (two worktrees, two CI jobs) start with an empty cache (~15 s: one pip install).
+    Before: both installed, and the later one deleted and replaced the overlay the first run's ranks were
+    importing; the .partial of a killed run stayed in the cache forever."""
+    cache = tmp_path / "cache"
+    (cache / ".transformers-0.0.partial-1" / "transformers").mkdir(parents=True)  # left by a killed run
+    env = {**os.environ, "SLURM_JIT_TEST_CACHE": str(cache)}
+    command = [sys.executable, "-c", OVERLAY_RACE, str(Path(__file__).parent), compat.LOWEST_TRANSFORMERS]
+    runs = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for _ in range(2)]
+    outputs = [run.communicate(timeout=PIP_TIMEOUT_S) for run in runs]
+    if any("Skipped" in err for _, err in outputs):
+        pytest.skip(f"cannot install transformers=={compat.LOWEST_TRANSFORMERS}: {outputs[0][1].strip()[-300:]}")
+    assert [run.returncode for run in runs] == [0, 0], outputs
+    final = os.stat(cache / f"transformers-{compat.LOWEST_TRANSFORMERS}" / "transformers" / "__init__.py").st_ino
+    assert [int(out) for out, _ in outputs] == [final, final], (outputs, final)
+    assert not list(cache.glob(".transformers-*.partial-*")), list(cache.iterdir())
