@@ -114,3 +114,18 @@ def test_logs_at_the_same_step_of_one_job_are_all_kept(tmp_path: Path, offline: 
     assert rows == [{"train/loss": 1.0, "train/epoch": 0.5, "train/global_step": 2},
                     {"eval/loss": 2.0, "train/epoch": 0.5, "train/global_step": 2},
                     {"train/mine": 1.0, "train/global_step": 2}, {"train/mine": 2.0, "train/global_step": 2}], rows
+
+
+@pytest.mark.parametrize("env", ["WANDB_FORK_FROM", "WANDB_RESUME_FROM"])
+def test_a_run_wandb_cannot_continue_leaves_the_run_to_upstream_with_one_warning_line(
+        env: str, tmp_path: Path, offline: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The user forks a run (W&B's rewind): wandb refuses that with resume=, and transformers' own init (no id)
+    takes it. Before: a multi-line pydantic ValidationError, and the training that upstream runs did not start."""
+    monkeypatch.setenv(env, "abcd1234?_step=10")
+    with caplog.at_level("WARNING", logger=trackers.__name__):
+        _job(tmp_path / "out", str(tmp_path / "out" / "checkpoint-5"), range(1, 3), offset=0.0)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "HINT:" in warnings[0] and "\n" not in warnings[0], warnings
+    [job] = read_wandb_offline(offline)
+    assert [row["train/loss"] for row in job.history] == [1.0, 2.0]

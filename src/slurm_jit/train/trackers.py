@@ -34,6 +34,7 @@ RUN_ID_ENV = "WANDB_RUN_ID"  # a run the user chose: wandb.init() reads it, JitT
 RUN_ID_CHARS = string.ascii_lowercase + string.digits  # wandb's own generate_id() alphabet
 RUN_ID_LEN = 8  # as wandb's generate_id(); W&B accepts ids up to 64 characters of [A-Za-z0-9_-]
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
+ERROR_TEXT_MAX_CHARS = 300  # of wandb's error in the one warning line (pydantic's run to several lines)
 STOP_KEY = "slurm_jit/stop"  # the W&B summary field and the TensorBoard text tag saying how the job ended
 
 
@@ -123,7 +124,14 @@ def continue_wandb_run(trainer: Any, resume_from: str | None) -> Iterator[None]:
     # transformers' own init (WandbCallback.setup), with the id: setup then finds the run and uses it. Not by
     # WANDB_RUN_ID: wandb reads its environment once per process, so a later train() would reuse the first id.
     name = {"name": trainer.args.run_name} if getattr(trainer.args, "run_name", None) is not None else {}
-    wandb.init(project=os.getenv("WANDB_PROJECT", "huggingface"), id=data["run_id"], resume="allow", **name)
+    try:
+        wandb.init(project=os.getenv("WANDB_PROJECT", "huggingface"), id=data["run_id"], resume="allow", **name)
+    except Exception as exc:  # refused (e.g. the user's WANDB_FORK_FROM with resume=): transformers' init decides
+        logger.warning("slurm_jit: W&B run %s not continued (%s: %s): the WandbCallback starts its own run. HINT: "
+                       "to continue a run across requeues, unset WANDB_FORK_FROM/WANDB_RESUME_FROM after the first "
+                       "job", data["run_id"], type(exc).__name__, " ".join(str(exc).split())[:ERROR_TEXT_MAX_CHARS])
+        yield
+        return
     _skip_redone_points(callback, record, data)
     try:
         yield
