@@ -127,9 +127,10 @@ def continue_wandb_run(trainer: Any, resume_from: str | None) -> Iterator[None]:
     try:
         wandb.init(project=os.getenv("WANDB_PROJECT", "huggingface"), id=data["run_id"], resume="allow", **name)
     except Exception as exc:  # refused (e.g. the user's WANDB_FORK_FROM with resume=): transformers' init decides
-        logger.warning("slurm_jit: W&B run %s not continued (%s: %s): the WandbCallback starts its own run. HINT: "
-                       "to continue a run across requeues, unset WANDB_FORK_FROM/WANDB_RESUME_FROM after the first "
-                       "job", data["run_id"], type(exc).__name__, " ".join(str(exc).split())[:ERROR_TEXT_MAX_CHARS])
+        logger.warning("slurm_jit: W&B run %s not continued (%s: %s): left to the WandbCallback's own init. HINT: "
+                       "wandb's message says why; WANDB_FORK_FROM/WANDB_RESUME_FROM exclude continuing a run (unset "
+                       "them after the first job)", data["run_id"], type(exc).__name__,
+                       " ".join(str(exc).split())[:ERROR_TEXT_MAX_CHARS])
         yield
         return
     _skip_redone_points(callback, record, data)
