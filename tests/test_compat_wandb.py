@@ -78,7 +78,8 @@ def test_a_run_the_user_chose_is_left_alone(tmp_path: Path, offline: Path, monke
 
 
 @pytest.mark.parametrize("content", [b"{not json", b"[1]", b'{"run_id": 7}', b'{"run_id": "a/../b"}', b"\xff",
-                                     b'{"run_id": "abc", "logged": {"loss": "x"}}', b"{" + b" " * 2**20 + b"}"],
+                                     b'{"run_id": "abc", "logged": {"loss": "x"}}',
+                                     b"{" + b" " * trackers.WANDB_RECORD_MAX_BYTES + b"}"],
                          ids=["corrupt", "not-a-dict", "not-a-string", "not-an-id", "not-utf8", "bad-steps", "huge"])
 def test_an_unusable_record_starts_a_new_run_with_one_warning_line(tmp_path: Path, content: bytes, offline: Path,
                                                                     caplog: pytest.LogCaptureFixture) -> None:
@@ -129,3 +130,21 @@ def test_a_run_wandb_cannot_continue_leaves_the_run_to_upstream_with_one_warning
     assert len(warnings) == 1 and "HINT:" in warnings[0] and "\n" not in warnings[0], warnings
     [job] = read_wandb_offline(offline)
     assert [row["train/loss"] for row in job.history] == [1.0, 2.0]
+
+
+def test_a_run_logging_many_keys_is_still_continued(tmp_path: Path, offline: Path) -> None:
+    """Per-parameter metrics (a grad norm per LoRA matrix of an 80-layer model: 1120 keys): the record of their
+    steps is ~100 KB. Before: the next job called its own record "not one we wrote" and started a new run."""
+    out = tmp_path / "out"
+    callback = WandbCallback()
+    args = SimpleNamespace(to_dict=dict, run_name=None, output_dir=str(out))
+    state = SimpleNamespace(is_world_process_zero=True, global_step=1, trial_name=None, logging_steps=1)
+    parts = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+             "mlp.up_proj", "mlp.down_proj")
+    logs = {f"grad_norm/base_model.model.model.layers.{layer}.{part}.lora_{ab}.default.weight": 1.0
+            for layer in range(80) for ab in "AB" for part in parts}
+    with trackers.continue_wandb_run(_trainer(out, callback), None):
+        callback.on_log(args, state, None, model=None, logs=logs)
+    callback._wandb.finish()
+    _job(out, str(out / "checkpoint-1"), range(2, 3), offset=0.0)
+    assert len({job.run_id for job in read_wandb_offline(offline)}) == 1

@@ -28,8 +28,10 @@ from slurm_jit.timing import TIMING_DIR
 logger = logging.getLogger(__name__)
 
 WANDB_RECORD = "wandb.json"  # the W&B run id a resumed job continues, and the last step logged per key
-# A record is a run id and one step per logged key (tens of keys, ~2 KB): a bigger file is not one we wrote.
-WANDB_RECORD_MAX_BYTES = 64 * 1024
+# A record is a run id and one step per logged key: tens of keys (~2 KB) usually, ~100 KB with per-parameter
+# metrics (a grad norm per LoRA matrix of an 80-layer model: 1120 keys). 16 MiB holds ~150,000 keys of ~100
+# characters: a bigger file is not one we wrote.
+WANDB_RECORD_MAX_BYTES = 16 * 1024 * 1024
 RUN_ID_ENV = "WANDB_RUN_ID"  # a run the user chose: wandb.init() reads it, JitTrainer leaves it alone
 RUN_ID_CHARS = string.ascii_lowercase + string.digits  # wandb's own generate_id() alphabet
 RUN_ID_LEN = 8  # as wandb's generate_id(); W&B accepts ids up to 64 characters of [A-Za-z0-9_-]
