@@ -148,3 +148,15 @@ def test_a_run_logging_many_keys_is_still_continued(tmp_path: Path, offline: Pat
     callback._wandb.finish()
     _job(out, str(out / "checkpoint-1"), range(2, 3), offset=0.0)
     assert len({job.run_id for job in read_wandb_offline(offline)}) == 1
+
+
+def test_an_unwritable_record_is_one_warning_line_and_the_run_goes_on(tmp_path: Path, offline: Path,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    out = tmp_path / "out"
+    (out / "slurm-jit" / "wandb.tmp").mkdir(parents=True)  # every write of the record fails (as a full disk)
+    with caplog.at_level("WARNING", logger=trackers.__name__):
+        _job(out, None, range(1, 4), offset=0.0)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "HINT:" in warnings[0] and "\n" not in warnings[0], warnings
+    [job] = read_wandb_offline(offline)
+    assert [row["train/loss"] for row in job.history] == [1.0, 2.0, 3.0]

@@ -82,14 +82,14 @@ def _write_record(record: Path, data: dict[str, Any]) -> bool:
     return True
 
 
-def _skip_redone_points(callback: Any, record: Path, data: dict[str, Any]) -> None:
+def _skip_redone_points(callback: Any, record: Path, data: dict[str, Any], writable: bool) -> None:
     """Wrap the callback's on_log (this instance only): a key an earlier job logged at this step or later is
     dropped; what is logged is written into the record. This job's own logs are never dropped: the Trainer logs
     several times at one step (the loss, the evaluation, train()'s end), each with ``epoch``."""
     logged: dict[str, int] = data["logged"]
     earlier_jobs = dict(logged)
     original = callback.on_log
-    state = {"writable": True}
+    state = {"writable": writable}  # False: the one warning was given already
 
     def on_log(args: Any, trainer_state: Any, control: Any, logs: Any = None, **kwargs: Any) -> Any:
         step = int(trainer_state.global_step)
@@ -118,9 +118,10 @@ def continue_wandb_run(trainer: Any, resume_from: str | None) -> Iterator[None]:
         return
     record = _record_path(trainer)
     data = _read_record(record) if resume_from is not None and (record.exists() or record.is_symlink()) else None
+    writable = True
     if data is None:
         data = {"run_id": "".join(secrets.choice(RUN_ID_CHARS) for _ in range(RUN_ID_LEN)), "logged": {}}
-        _write_record(record, data)
+        writable = _write_record(record, data)
     else:
         logger.info("slurm_jit: W&B run %s continued from %s", data["run_id"], resume_from)
     # transformers' own init (WandbCallback.setup), with the id: setup then finds the run and uses it. Not by
@@ -135,7 +136,7 @@ def continue_wandb_run(trainer: Any, resume_from: str | None) -> Iterator[None]:
                        " ".join(str(exc).split())[:ERROR_TEXT_MAX_CHARS])
         yield
         return
-    _skip_redone_points(callback, record, data)
+    _skip_redone_points(callback, record, data, writable)
     try:
         yield
     finally:
