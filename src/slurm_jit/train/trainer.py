@@ -46,6 +46,7 @@ from slurm_jit.train import compat, elastic, exact_resume, output_lock, runtime_
 from slurm_jit.train.agreement import SIDE_GROUP_TIMEOUT_S, Decision, StopAgreement
 from slurm_jit.train.refusals import JitRefusal, refused_settings, resume_refusal
 from slurm_jit.train.signals import IgnoreSignalsInWorker, SignalLatch, StartWorkersMasked
+from slurm_jit.train.trackers import continue_wandb_run, log_stop_to_trackers
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +140,7 @@ class _Run:
     resumed_from: str | None = None  # kept by rotation until this run has written a newer checkpoint
     load_from: str | None = None  # what the Trainer loads when not resumed_from: its universal copy (elastic.py)
     stop_recorded: bool = False  # rank 0 wrote jit_stop (right after the stop checkpoint's manifest)
+    trackers_told: bool = False  # the trackers (W&B, TensorBoard) were told how this job ended
     trial: Any = None
     ignore_keys_for_eval: list[str] | None = None
     grace_due: list[str] = field(default_factory=list)  # runtime grace checks to run at the next calm boundary
@@ -261,12 +263,16 @@ class JitTrainer(transformers.Trainer):
             if self._is_rank0:
                 stop_record.write(out_dir, "running", step=None, resumed_from=resume)
             try:
-                with compat.eval_on_start_once(self.args, resuming=resume is not None):
+                with (compat.eval_on_start_once(self.args, resuming=resume is not None),
+                      continue_wandb_run(self, resume)):
                     output = super().train(resume_from_checkpoint=run.load_from or resume, trial=trial,
                                            ignore_keys_for_eval=ignore_keys_for_eval)
             except _StopBeforeFirstStep:
                 output = TrainOutput(self.state.global_step, 0.0, {})
             self.jit_stopped = run.stopped
+            run.trackers_told = True
+            log_stop_to_trackers(self, "jit_stop" if run.stopped else "finished", self.state.global_step,
+                                 _signal_name(run.latch.first_signum))
             if self._is_rank0 and not run.stop_recorded:
                 state = "jit_stop" if run.stopped else "finished"
                 stop_record.write(out_dir, state, step=self.state.global_step, checkpoint=run.checkpoint,
@@ -306,6 +312,10 @@ class JitTrainer(transformers.Trainer):
             self._write_failure(run, error)
         except OSError as write_exc:  # a full disk: the record cannot be written; the error itself must go on
             logger.error("slurm_jit: stop record not written: %s", write_exc)
+        if run.stop_recorded and not run.trackers_told:  # the trackers say what the record says: a JIT stop
+            run.trackers_told = True
+            log_stop_to_trackers(self, "jit_stop", self.state.global_step, _signal_name(run.latch.first_signum),
+                                 error_after_stop=error)
 
     def _write_failure(self, run: _Run, error: str) -> None:
         if run.stop_recorded:  # the stop checkpoint is complete: still a JIT stop (requeue), with what went wrong
