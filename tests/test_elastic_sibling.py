@@ -82,7 +82,7 @@ def test_a_failed_conversion_is_one_line_and_the_original_stays_chosen(tmp_path:
     one_rank = SimpleNamespace(world_size=1, per_device_train_batch_size=4, gradient_accumulation_steps=1)
     manifest, _ = manifest_file.read(ckpt)
     assert manifest is not None
-    load_from, refusal = elastic.prepare(str(ckpt), one_rank, manifest, wait_s=120.0)
+    load_from, refusal, _ = elastic.prepare(str(ckpt), one_rank, manifest, convert_timeout_s=120.0)
     assert load_from is None and refusal is not None, refusal
     assert "conversion to DeepSpeed's universal format failed" in refusal and "HINT: resume with" in refusal
     assert "\n" not in refusal, refusal
@@ -107,7 +107,7 @@ def test_the_global_batch_of_a_bf16_run_is_checked_too(tmp_path: Path) -> None:
     manifest, _ = manifest_file.read(ckpt)
     assert manifest is not None
     half_the_batch = SimpleNamespace(world_size=1, per_device_train_batch_size=2, gradient_accumulation_steps=1)
-    load_from, refusal = elastic.prepare(str(ckpt), half_the_batch, manifest, wait_s=120.0)
+    load_from, refusal, _ = elastic.prepare(str(ckpt), half_the_batch, manifest, convert_timeout_s=120.0)
     assert refusal is not None and "4 samples per optimizer step when written, 2 in this run" in refusal, refusal
     assert load_from is None and not elastic_plan.universal_dir(ckpt).exists()
 

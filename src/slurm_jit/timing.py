@@ -99,6 +99,11 @@ class TimingLog:
         self._write({"event": "save", "step": step, "kind": kind, "dur_s": dur_s, "bytes": nbytes})
         self.flush()
 
+    def conversion(self, step: int, dur_s: float, bytes: int, from_world_size: int) -> None:  # noqa: A002
+        """Rank 0: an elastic resume's conversion to DeepSpeed's universal format (before the first step)."""
+        self._write({"event": "convert", "step": step, "dur_s": dur_s, "bytes": bytes,
+                     "from_world_size": from_world_size})
+
     def evaluation(self, step: int, dur_s: float, aborted: bool) -> None:
         self._write({"event": "eval", "step": step, "dur_s": dur_s, "aborted": aborted})
         self.flush()

@@ -20,10 +20,10 @@ UNIVERSAL_OF_KEY = "universal_of_world_size"  # in the universal copy's manifest
 # another version (a DeepSpeed upgrade between requeues) is converted again rather than loaded.
 CONVERTER_VERSION_KEY = "deepspeed_version"
 # ZeRO stages whose optimizer state is partitioned over the ranks: ds_to_universal handles 1 and 2 through
-# DeepSpeedCheckpoint and 3 through its own path; the JitTrainer verifies 1 and 2 (tests: test_elastic.py).
-CONVERTIBLE_STAGES = (1, 2)
-UNCONVERTED_STAGES = {3: "ZeRO-3 (ds_to_universal converts it, but its universal load through the Trainer is not "
-                         "verified here)"}
+# DeepSpeedCheckpoint and 3 through its own path; the JitTrainer verifies all three element for element
+# (tests: test_elastic.py).
+CONVERTIBLE_STAGES = (1, 2, 3)
+UNCONVERTED_STAGES: dict[int, str] = {}
 DIRECT, CONVERT, CONVERTED, SAME, REFUSED = "direct", "convert", "converted", "same", "refused"
 
 

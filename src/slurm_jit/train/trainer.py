@@ -81,9 +81,10 @@ class JitConfig:
     ignore_signals_in_workers: bool = True  # DataLoader workers ignore the stop signals
     grace_check: bool = True  # under Slurm, warn when the signal lead is shorter than the grace needed
     side_group_timeout_s: float = SIDE_GROUP_TIMEOUT_S  # timeout of the gloo side group's collectives
+    convert_timeout_s: float = elastic.CONVERT_TIMEOUT_S  # an elastic resume's conversion (train/elastic.py)
 
     def __post_init__(self) -> None:
-        for name in ("kill_wait_s", "side_group_timeout_s"):
+        for name in ("kill_wait_s", "side_group_timeout_s", "convert_timeout_s"):
             _check_seconds(name, getattr(self, name), allow_zero=name == "kill_wait_s")
         if isinstance(self.signals, str) or not isinstance(self.signals, tuple | list):
             raise ValueError(f"signals={self.signals!r} is not a tuple of names. HINT: signals=('TERM',)")
@@ -138,6 +139,7 @@ class _Run:
     lineage: str = ""  # the manifest's run_id: carried from the checkpoint resumed from, new on a fresh start
     resumed_from: str | None = None  # kept by rotation until this run has written a newer checkpoint
     load_from: str | None = None  # what the Trainer loads when not resumed_from: its universal copy (elastic.py)
+    conversion: dict[str, Any] | None = None  # rank 0: the conversion this start did, for the timing log
     stop_recorded: bool = False  # rank 0 wrote jit_stop (right after the stop checkpoint's manifest)
     trial: Any = None
     ignore_keys_for_eval: list[str] | None = None
@@ -258,6 +260,8 @@ class JitTrainer(transformers.Trainer):
             compat.continue_tensorboard_run(self, resume)
             run_id = self._agreement.broadcast(uuid.uuid4().hex[:12])  # one id for all ranks of this train()
             run.timing = TimingLog(out_dir, int(self.args.process_index), int(self.args.world_size), run_id)
+            if run.conversion and self._is_rank0:
+                run.timing.conversion(**run.conversion)
             if self._is_rank0:
                 stop_record.write(out_dir, "running", step=None, resumed_from=resume)
             try:
@@ -323,14 +327,14 @@ class JitTrainer(transformers.Trainer):
         if self._is_rank0:  # one training per output_dir, and a writable one (output_lock), before any step
             self._jit_output_lock, locked_out = output_lock.acquire(str(self.args.output_dir))
             decision = (None, locked_out, {}) if locked_out else self._pick_resume(resume_from_checkpoint)
-        path, refusal, carried = self._agreement.broadcast(decision)
+        path, refusal, carried = self._agreement.broadcast_after(decision, elastic.HEARTBEAT)
         if refusal:
             raise JitRefusal(f"slurm_jit: {refusal}")
         run = self._jit_run
         if run is not None:
             run.lineage = carried.get("run_id") or uuid.uuid4().hex[:LINEAGE_ID_CHARS]
             run.owed_eval_step = carried.get("owed_evaluation_step")
-            run.load_from = carried.get("load_from")
+            run.load_from, run.conversion = carried.get("load_from"), carried.get("conversion")
             if run.load_from:
                 elastic.install_universal_load()
         return path
@@ -361,8 +365,10 @@ class JitTrainer(transformers.Trainer):
                 carried["run_id"] = manifest["run_id"]
             if manifest.get("owed_evaluation") is True:
                 carried["owed_evaluation_step"] = manifest["step"]
-            carried["load_from"], refusal = elastic.prepare(path, self.args, manifest,
-                                                            self.jit_config.side_group_timeout_s)
+            beat = elastic.heartbeat_every(elastic.heartbeat_interval_s(self.jit_config.side_group_timeout_s),
+                                           lambda s: self._agreement.broadcast((elastic.HEARTBEAT, s)))
+            carried["load_from"], refusal, carried["conversion"] = elastic.prepare(
+                path, self.args, manifest, self.jit_config.convert_timeout_s, beat)
         return path, refusal, carried
 
     # ------------------------------------------------------------ the stop decision
