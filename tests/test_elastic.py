@@ -100,7 +100,7 @@ def killed_then_one_rank(stopped: Path, tmp_path_factory: pytest.TempPathFactory
         os.kill(pid, signal.SIGKILL)
     after_kill = _ckpt_check(out, "--world-size", "1").stdout
     log = _run(out, [*one_rank, "--signal-self-at-step", str(ONE_RANK_STOP_AT)], 1)
-    return out, after_kill + f"\norphaned converters: {orphans}", log
+    return out, f"{after_kill.rstrip()}\norphaned converters: {orphans}", log
 
 
 def _converters(universal: Path) -> list[int]:

@@ -304,3 +304,33 @@ def test_srun_python_train_and_the_launcher_task_set_the_same_rank_variables() -
     assert direct == through_task
     assert (direct["RANK"], direct["WORLD_SIZE"], direct["LOCAL_RANK"], direct["LOCAL_WORLD_SIZE"]) == \
         ("3", "4", "1", "2")
+
+
+def test_the_plan_says_when_the_resume_converts_and_refuses_what_cannot_resume_on_that_many_ranks(
+        tmp_path: Path) -> None:
+    """Issue 13: a ZeRO-2 checkpoint of 2 ranks submitted on 1 (crafted by the real protocol writer; a timing log
+    by the real writer with one earlier conversion): the plan names the conversion and its estimate, the job's gate
+    gets the world size; one whose ZeRO stage no manifest records is refused in one line."""
+    import ckpt_factory
+
+    from slurm_jit import timing
+
+    out = tmp_path / "out"
+    ckpt = ckpt_factory.checkpoint(out, 5, world=2, deepspeed=True)
+    log = timing.TimingLog(out, rank=0, world_size=2, run_id="r1")
+    log.conversion(3, 30.0, 1000, from_world_size=1)
+    log.close()
+    args = ["--output-dir", str(out), "--time", "30", "--signal-lead", "60", "--", "python", "t.py"]
+    one = submit(*args)
+    assert one.returncode == 0, one.stderr
+    assert f"elastic:  2 -> 1 ranks from {ckpt}: convert, once, at the start of the first job" in one.stderr
+    assert "1 conversion in the timing log" in one.stderr, one.stderr
+    assert f'gate "$OUT_DIR" --world-size 1 ||' in one.stdout
+    two = submit("--ntasks-per-node", "2", *args)
+    assert two.returncode == 0 and "elastic:" not in two.stderr, two.stderr
+    unknown = tmp_path / "unknown"
+    ckpt_factory.checkpoint(unknown, 5, world=2, deepspeed=True, zero_stage=None)
+    refused = submit("--output-dir", str(unknown), *args[2:])
+    assert refused.returncode == 1 and refused.stdout == "", refused
+    last = refused.stderr.strip().splitlines()[-1]
+    assert "ZeRO stage no manifest records" in last and "HINT: resume with 2 ranks" in last, refused.stderr

@@ -280,6 +280,12 @@ def _steps_by_mode(records: list[dict[str, Any]], run_steps: dict[str, list[floa
     return {mode: StepStats(n=len(d), max_s=max(d), p99_s=_percentile(sorted(d), 99)) for mode, d in grouped.items()}
 
 
+def conversions(records: Iterable[dict[str, Any]]) -> list[tuple[float, int]]:
+    """(seconds, bytes written) of every elastic-resume conversion recorded (any world size)."""
+    return [(float(r["dur_s"]), int(r["bytes"]) if isinstance(r.get("bytes"), int) else 0)
+            for r in records if r["event"] == "convert"]
+
+
 def load_summary(output_dir: str | os.PathLike[str]) -> TimingSummary:
     """Read and summarize ``OUT_DIR/slurm-jit/timing-rank*.jsonl``."""
     return summarize(read_records(output_dir))

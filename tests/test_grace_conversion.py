@@ -1,0 +1,74 @@
+"""grace-calc and an elastic resume: the next start on another number of ranks converts its checkpoint before its
+first step (issue 13). The estimate and the --time check are pure (calc.py); the CLI reads a real timing log
+(written by the real writer) and a checkpoint written by the real protocol (tests/ckpt_factory.py). Under 2 s."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import ckpt_factory
+from grace_helpers import grace_calc
+
+from slurm_jit import timing
+from slurm_jit.grace import calc as grace
+
+CONVERT_S, CONVERT_BYTES = 30.0, 3 * 10**9  # an earlier conversion: 10 ns per byte
+
+
+def _conversion(seconds: float | None) -> grace.Conversion:
+    return grace.Conversion(written_by=2, world_size=1, checkpoint="out/checkpoint-5", seconds=seconds,
+                            source="given")
+
+
+def test_the_estimate_scales_the_slowest_rate_by_the_checkpoint_bytes() -> None:
+    seconds, source = grace.conversion_estimate([(CONVERT_S, CONVERT_BYTES), (1.0, 10**9)], 6 * 10**9)
+    assert seconds == 60.0 and "2 conversions in the timing log" in source, source
+    assert grace.conversion_estimate([(CONVERT_S, 0)], 6 * 10**9) == (CONVERT_S, "longest of 1 conversion in "
+                                                                                  "the timing log")
+    seconds, source = grace.conversion_estimate([], 10**9)
+    assert seconds is None and "not estimated" in source
+
+
+def test_a_time_limit_that_cannot_fit_the_conversion_and_one_step_is_a_warning() -> None:
+    # --time 300 s, lead 100 s: 140 s before the signal can come (Slurm sends it up to 60 s early).
+    assert grace.conversion_finding(_conversion(120.0), 300, 100, step_s=10.0) is None  # 130 s fits
+    late = grace.conversion_finding(_conversion(135.0), 300, 100, step_s=10.0)
+    assert late is not None and "leaves 140 s before the signal" in late and "= 145 s" in late, late
+    assert "HINT: ask for a longer --time, or resume on 2 ranks" in late
+    assert grace.conversion_finding(_conversion(None), 300, 100, step_s=10.0) is None  # unknown: nothing said
+    assert grace.conversion_finding(_conversion(135.0), None, 100, step_s=10.0) is None  # no --time
+    assert "~120 s" in grace.conversion_note(_conversion(120.0))
+
+
+def _out_converting(tmp_path: Path) -> Path:
+    """OUT_DIR: a ZeRO-2 checkpoint of 2 ranks (a few KiB), and a timing log of a 1-rank run that converted one
+    of 1000 bytes in 30 s: the next one is estimated at about 90 s."""
+    out = tmp_path / "out"
+    ckpt_factory.checkpoint(out, 5, world=2, deepspeed=True)
+    log = timing.TimingLog(out, rank=0, world_size=1, run_id="r1")
+    log.conversion(3, CONVERT_S, 1000, from_world_size=2)
+    for step in range(4, 30):
+        log.step(step, 0.5)
+    log.save(29, "jit", 4.0, 123_456)
+    log.close()
+    return out
+
+
+def test_grace_calc_says_the_next_start_converts_and_check_warns_on_a_short_time(tmp_path: Path) -> None:
+    out = _out_converting(tmp_path)
+    proc = grace_calc("--from", str(out), "--world-size", "1", "--no-slurm")
+    assert proc.returncode == 0, proc.stderr
+    assert "the next start on 1 ranks converts" in proc.stdout and "(written by 2 ranks)" in proc.stdout
+    assert "1 conversion in the timing log" in proc.stdout and "~8" in proc.stdout, proc.stdout
+    as_json = json.loads(grace_calc("--from", str(out), "--world-size", "1", "--no-slurm", "--json").stdout)
+    assert as_json["conversion"]["written_by"] == 2 and as_json["conversion"]["seconds"] > 0, as_json
+    same = json.loads(grace_calc("--from", str(out), "--world-size", "2", "--step-time", "1s", "--save-time",
+                                 "5s", "--no-slurm", "--json").stdout or "{}")
+    assert same.get("conversion", "missing") is None or same == {}, same
+    script = tmp_path / "short.sbatch"
+    script.write_text("#!/bin/bash\n#SBATCH --time=1:40\n#SBATCH --signal=TERM@30\nexec srun python t.py\n")
+    check = grace_calc("check", str(script), "--from", str(out), "--world-size", "1", "--no-slurm")
+    # 100 s - lead 30 s - 60 s early = 10 s before the signal: not enough for ~90 s of conversion and a step.
+    assert "leaves 10 s before the signal" in check.stdout, check.stdout + check.stderr
+    assert "but the next start converts first" in check.stdout, check.stdout
