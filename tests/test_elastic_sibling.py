@@ -145,3 +145,18 @@ def test_a_conversion_by_another_deepspeed_version_is_redone(tmp_path: Path) -> 
     theirs = ckpt_factory.checkpoint(tmp_path / "b", 5, world=2, deepspeed=True)
     _complete_universal(theirs, "0.14.0")
     assert elastic_plan.plan(theirs, 1).action == elastic_plan.CONVERT
+
+
+def test_the_size_counts_hard_linked_files_once(tmp_path: Path) -> None:
+    """universal/ hard-links the Trainer's files of checkpoint-S (elastic._link_trainer_files): ckpt-check's size
+    (and grace-calc's checkpoint bytes) count each file once; the converter's own files add their bytes."""
+    ckpt = ckpt_factory.checkpoint(tmp_path, 5, world=2, deepspeed=True)
+    before = protocol.inspect(ckpt, 5).size_bytes
+    assert before is not None and before > 0
+    universal = elastic_plan.universal_dir(ckpt)
+    universal.mkdir()
+    elastic._link_trainer_files(ckpt, universal)
+    assert any(f.stat().st_nlink == 2 for f in universal.iterdir())  # linked, not copied
+    assert protocol.inspect(ckpt, 5).size_bytes == before
+    (universal / "fp32.pt").write_bytes(b"x" * 1000)
+    assert protocol.inspect(ckpt, 5).size_bytes == before + 1000

@@ -325,7 +325,7 @@ def test_the_plan_says_when_the_resume_converts_and_refuses_what_cannot_resume_o
     assert one.returncode == 0, one.stderr
     assert f"elastic:  2 -> 1 ranks from {ckpt}: convert, once, at the start of the first job" in one.stderr
     assert "1 conversion in the timing log" in one.stderr, one.stderr
-    assert f'gate "$OUT_DIR" --world-size 1 ||' in one.stdout
+    assert 'gate "$OUT_DIR" --world-size 1 ||' in one.stdout
     two = submit("--ntasks-per-node", "2", *args)
     assert two.returncode == 0 and "elastic:" not in two.stderr, two.stderr
     unknown = tmp_path / "unknown"
