@@ -45,8 +45,9 @@ ONE_RANK_STOP_AT = 6
 # The issue's bound; reduction order only (see the module docstring): measured 2e-7 relative.
 LOSS_REL_TOL = 1e-4
 ZERO3 = [*LLAMA[:-1], "3"]
-# From the rank's SIGKILL until its converter is gone: the kernel sends the parent-death signal at once; this
-# covers the scheduling of a loaded 2-core machine.
+# From the rank's death until its converter is gone: the kernel sends the parent-death signal at once (or the
+# converter, started just before, sees that its parent is gone); an orphan would finish the conversion in about
+# 2 s meanwhile. This covers the scheduling of a loaded 2-core machine.
 ORPHAN_DEADLINE_S = 5.0
 pytestmark = pytest.mark.deepspeed  # the timeout of DeepSpeed tests; the fixtures' runs count towards it
 
@@ -89,18 +90,30 @@ def killed_then_one_rank(stopped: Path, tmp_path_factory: pytest.TempPathFactory
     deadline = time.monotonic() + START_TIMEOUT_S
     while not _converters(universal) and ranks.procs[0].poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert _converters(universal), ranks.log(0)[-3000:]
+    converters = _converters(universal)
+    assert converters, ranks.log(0)[-3000:]
+    for pid in converters:  # held until the rank is dead: a converter that finished first would prove nothing
+        os.kill(pid, signal.SIGSTOP)
     os.kill(ranks.procs[0].pid, signal.SIGKILL)  # the rank alone: its converter must not outlive it
     ranks.wait(START_TIMEOUT_S)
+    written = _files(universal)
+    for pid in converters:  # stopped before or after it asked for the parent-death signal: either way it must end
+        os.kill(pid, signal.SIGCONT)
     deadline = time.monotonic() + ORPHAN_DEADLINE_S
     while _converters(universal) and time.monotonic() < deadline:
         time.sleep(0.05)
     orphans = _converters(universal)
     for pid in orphans:  # leave nothing running, then fail below
         os.kill(pid, signal.SIGKILL)
+    orphan_files = sorted(_files(universal) - written)  # what a converter wrote after its rank was dead
     after_kill = _ckpt_check(out, "--world-size", "1").stdout
     log = _run(out, [*one_rank, "--signal-self-at-step", str(ONE_RANK_STOP_AT)], 1)
-    return out, f"{after_kill.rstrip()}\norphaned converters: {orphans}", log
+    return out, f"{after_kill.rstrip()}\norphaned converters: {orphans}, files written after the kill: " \
+                f"{orphan_files}", log
+
+
+def _files(directory: Path) -> set[str]:
+    return {str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file()}
 
 
 def _converters(universal: Path) -> list[int]:
@@ -126,7 +139,7 @@ def test_sigkill_during_conversion_leaves_the_original_and_converts_again(
     out, after_kill, log = killed_then_one_rank
     ckpt = out / f"checkpoint-{STOP_AT + 1}"
     # The converter died with its rank (the kernel's parent-death signal), not left writing on its own.
-    assert after_kill.endswith("orphaned converters: []"), after_kill
+    assert after_kill.endswith("orphaned converters: [], files written after the kill: []"), after_kill
     # After the kill: the original is complete and chosen; the half conversion does not count.
     assert "on 1 ranks: yes (convert)" in after_kill, after_kill
     assert after_kill.strip().splitlines()[-2] == str(ckpt), after_kill
