@@ -64,11 +64,24 @@ def test_grace_calc_says_the_next_start_converts_and_check_warns_on_a_short_time
     as_json = json.loads(grace_calc("--from", str(out), "--world-size", "1", "--no-slurm", "--json").stdout)
     assert as_json["conversion"]["written_by"] == 2 and as_json["conversion"]["seconds"] > 0, as_json
     same = json.loads(grace_calc("--from", str(out), "--world-size", "2", "--step-time", "1s", "--save-time",
-                                 "5s", "--no-slurm", "--json").stdout or "{}")
-    assert same.get("conversion", "missing") is None or same == {}, same
+                                 "5s", "--no-slurm", "--json").stdout)
+    assert same["conversion"] is None, same  # on the 2 ranks that wrote it: nothing to convert
     script = tmp_path / "short.sbatch"
     script.write_text("#!/bin/bash\n#SBATCH --time=1:40\n#SBATCH --signal=TERM@30\nexec srun python t.py\n")
     check = grace_calc("check", str(script), "--from", str(out), "--world-size", "1", "--no-slurm")
     # 100 s - lead 30 s - 60 s early = 10 s before the signal: not enough for ~90 s of conversion and a step.
     assert "leaves 10 s before the signal" in check.stdout, check.stdout + check.stderr
     assert "but the next start converts first" in check.stdout, check.stdout
+
+
+def test_given_times_size_a_job_on_another_world_size_than_the_timing_log(tmp_path: Path) -> None:
+    """A job resubmitted on fewer ranks: the log's times are another world size's (refused as before without given
+    times), but --step-time and --save-time were refused too, against the error's own HINT."""
+    out = _out_converting(tmp_path)  # a timing log of 1 rank
+    refused = grace_calc("--from", str(out), "--world-size", "2", "--no-slurm")
+    assert refused.returncode == 2 and "give --step-time and --save-time" in refused.stderr, refused.stderr
+    given = grace_calc("--from", str(out), "--world-size", "2", "--step-time", "1s", "--save-time", "5s",
+                       "--no-slurm", "--json")
+    assert given.returncode == 0, given.stderr
+    terms = {t["name"]: t["seconds"] for t in json.loads(given.stdout)["terms"]}
+    assert (terms["step"], terms["save"]) == (1.0, 5.0), terms

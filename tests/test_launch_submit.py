@@ -326,6 +326,10 @@ def test_the_plan_says_when_the_resume_converts_and_refuses_what_cannot_resume_o
     assert f"elastic:  2 -> 1 ranks from {ckpt}: convert, once, at the start of the first job" in one.stderr
     assert "1 conversion in the timing log" in one.stderr, one.stderr
     assert 'gate "$OUT_DIR" --world-size 1 ||' in one.stdout
+    # The timing log is the 2 ranks' (another world size's): given times size the 1-rank job.
+    timed = submit("--output-dir", str(out), "--time", "30", "--step-time", "1s", "--save-time", "5s", "--",
+                   "python", "t.py")
+    assert timed.returncode == 0 and "elastic:  2 -> 1 ranks" in timed.stderr, timed.stderr
     two = submit("--ntasks-per-node", "2", *args)
     assert two.returncode == 0 and "elastic:" not in two.stderr, two.stderr
     unknown = tmp_path / "unknown"

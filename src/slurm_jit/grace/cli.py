@@ -162,7 +162,14 @@ def _measured(args: argparse.Namespace, world_size: int | None) -> tuple[grace.M
     """The terms of --from's timing log, and its sample counts; (None, {}) without --from."""
     if args.from_dir is None:
         return None, {}
-    summary = timing.summarize(grace.select_world_size(timing.read_records(args.from_dir), world_size))
+    records = timing.read_records(args.from_dir)
+    try:
+        selected = grace.select_world_size(records, world_size)
+    except GraceError:
+        if args.step_time is None or args.save_time is None:
+            raise
+        return None, {}  # another world size's log (an elastic resume's new job): the given times stand alone
+    summary = timing.summarize(selected)
     samples = {"steps": summary.n_steps, "runs": summary.n_runs, "evals": summary.n_evals,
                "saves": {k: v.count for k, v in summary.saves.items()},
                "world_sizes": sorted(summary.world_sizes), "stops": summary.n_stops,
