@@ -63,10 +63,10 @@ CONVERTER_BOOTSTRAP = (
     "sys.argv = [sys.argv[2], *sys.argv[3:]]\n"
     "runpy.run_module('deepspeed.checkpoint.ds_to_universal', run_name='__main__')\n"
 )
-# Where the engine saves its config (ds_config): the model states (engine._common_checkpoint_state), and rank 0's
-# ZeRO shard, named bf16_... under bf16 (engine._get_zero_ckpt_prefix).
-DS_CONFIG_FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
-                   "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")
+# Where the engine saves its config (ds_config): the model states (engine._common_checkpoint_state; ZeRO-3 writes
+# one per rank), and rank 0's ZeRO shard, named bf16_... under bf16 (engine._get_zero_ckpt_prefix).
+DS_CONFIG_FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt",
+                   "zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")
 CONVERT_POLL_S = 0.1  # how often the rank looks at its converter (and may send a heartbeat)
 CONVERT_OUTPUT_TAIL_CHARS = 400  # of the converter's output, in the refusal when it fails
 # ZeRO-3 offload (this run's DeepSpeed config): the universal load into offloaded partitions is not verified here
