@@ -125,7 +125,7 @@ def _complete_universal(ckpt: Path, deepspeed_version: str) -> None:
     universal = elastic_plan.universal_dir(ckpt)
     protocol.write_sentinel(universal, 5, "jit")
     ckpt_factory.torch_like_zip(universal / "global_step5" / "zero" / "lm_head.weight" / "fp32.pt")
-    (universal / "trainer_state.json").write_text('{"global_step": 5}')
+    elastic._link_trainer_files(ckpt, universal)
     (universal / elastic.LATEST_UNIVERSAL_NAME).write_text("global_step5")
     protocol.write_manifest(universal, step=5, kind="jit", world_size=2, zero_stage=2, deepspeed_tag="global_step5",
                             files=protocol.file_entries(universal, protocol.payload_files(universal)),
@@ -145,6 +145,25 @@ def test_a_conversion_by_another_deepspeed_version_is_redone(tmp_path: Path) -> 
     theirs = ckpt_factory.checkpoint(tmp_path / "b", 5, world=2, deepspeed=True)
     _complete_universal(theirs, "0.14.0")
     assert elastic_plan.plan(theirs, 1).action == elastic_plan.CONVERT
+
+
+def test_a_universal_copy_of_another_checkpoint_5_is_not_loaded(tmp_path: Path) -> None:
+    """checkpoint-5 replaced by another run's checkpoint-5 (rsync -a of a checkpoint from elsewhere onto it: new
+    files, new manifest, the old universal/ left inside): the copy converted from the old one verifies on its own,
+    but it is not this checkpoint's, so it is converted again instead of loaded (it would resume other weights)."""
+    import importlib.metadata
+
+    ckpt = ckpt_factory.checkpoint(tmp_path, 5, world=2, deepspeed=True)
+    _complete_universal(ckpt, importlib.metadata.version("deepspeed"))
+    assert elastic_plan.plan(ckpt, 1).action == elastic_plan.CONVERTED
+    (ckpt / "trainer_state.json").unlink()  # rsync writes a new file and renames it over the old one
+    protocol.write_sentinel(ckpt, 5, "periodic")
+    ckpt_factory.write_files(ckpt, 5, world=2, deepspeed=True,
+                             trainer_state={"global_step": 5, "log_history": [{"loss": 1.5, "step": 5}]})
+    protocol.write_manifest(ckpt, step=5, kind="periodic", world_size=2, zero_stage=2, deepspeed_tag="global_step5",
+                            files=protocol.file_entries(ckpt, protocol.payload_files(ckpt)))
+    assert protocol.inspect(ckpt, 5, deep=True).status is protocol.Status.COMPLETE
+    assert elastic_plan.plan(ckpt, 1).action == elastic_plan.CONVERT
 
 
 def test_the_size_counts_hard_linked_files_once(tmp_path: Path) -> None:

@@ -104,7 +104,20 @@ def universal_complete(ckpt_dir: Path, step: int) -> bool:
     installed = converter_version()
     if installed is not None and manifest.get(CONVERTER_VERSION_KEY) != installed:
         return False
+    if not _converted_from(ckpt_dir, manifest):
+        return False
     return manifest_file.verify(target, step, manifest, deep=False, progress=None) is None
+
+
+def _converted_from(ckpt_dir: Path, universal_manifest: dict[str, Any]) -> bool:
+    """The copy was converted from this very checkpoint: the trainer state it links is the one ``ckpt_dir``'s
+    manifest lists (size and checksum). Another checkpoint of the same step copied over the directory (rsync of
+    another run's checkpoint-S) leaves a universal/ that verifies on its own but holds other weights."""
+    parent, _ = manifest_file.read(ckpt_dir)
+    if parent is None:
+        return False
+    name = manifest_file.TRAINER_STATE_NAME
+    return bool(parent["files"].get(name) == universal_manifest["files"].get(name))
 
 
 def converter_version() -> str | None:
