@@ -208,6 +208,20 @@ def test_gate_refuses_only_non_resumable_checkpoints_unless_quarantine(tmp_path:
     assert (out / "checkpoint-4.incomplete").is_dir() and not (out / "checkpoint-4").exists()
 
 
+def test_the_gate_refuses_a_bad_world_size_in_one_line_before_moving_anything(tmp_path: Path) -> None:
+    """A job script edited by hand (--world-size 0 was taken as 'not asked', -1 planned a conversion to -1 ranks):
+    one line with a HINT, exit 2, and --quarantine renames nothing."""
+    out = tmp_path / "out"
+    (out / "checkpoint-4").mkdir(parents=True)
+    (out / "checkpoint-4" / "checkpoint-is-incomplete.txt").write_text("x")
+    for bad in ("0", "-1", "abc", "2.5", str(10**12), ""):
+        gate = subprocess.run([sys.executable, "-m", "slurm_jit.launch.gate", str(out), "--quarantine",
+                               f"--world-size={bad}"], capture_output=True, text=True, check=False, timeout=60)
+        assert gate.returncode == 2 and gate.stdout == "", (bad, gate)
+        assert len(gate.stderr.splitlines()) == 1 and "HINT:" in gate.stderr, (bad, gate.stderr)
+    assert (out / "checkpoint-4").is_dir()
+
+
 HOSTILE = ["a b", "it's", 'say "hi"', "$(touch /tmp/slurm-jit-pwned)", "x; rm -rf ~", "`id`", "$HOME", "*",
            "new\nline", ""]
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from slurm_jit.checkpoint import elastic_plan, protocol
-from slurm_jit.checkpoint.ckpt_check import printable
+from slurm_jit.checkpoint.ckpt_check import UsageError, parse_world_size, printable
 
 EXIT_OK = 0
 EXIT_REFUSED = 1
@@ -62,10 +62,15 @@ def main(argv: Sequence[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir")
     parser.add_argument("--quarantine", action="store_true")
-    parser.add_argument("--world-size", type=int, help="the ranks of the run that resumes (default: not checked)")
+    parser.add_argument("--world-size", metavar="N", help="the ranks of the run that resumes (default: not checked)")
     args = parser.parse_args(argv)
     try:
-        result = check(args.out_dir, args.quarantine, args.world_size)
+        world_size = parse_world_size(args.world_size)  # before anything is read or moved
+    except UsageError as exc:
+        print(f"ckpt-check gate: {exc}", file=sys.stderr)
+        sys.exit(EXIT_ERROR)
+    try:
+        result = check(args.out_dir, args.quarantine, world_size)
     except OSError as exc:
         print(f"ckpt-check gate: cannot read {args.out_dir}: {exc.strerror or exc}. HINT: check the path and its "
               "permissions", file=sys.stderr)
