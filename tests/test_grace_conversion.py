@@ -85,3 +85,17 @@ def test_given_times_size_a_job_on_another_world_size_than_the_timing_log(tmp_pa
     assert given.returncode == 0, given.stderr
     terms = {t["name"]: t["seconds"] for t in json.loads(given.stdout)["terms"]}
     assert (terms["step"], terms["save"]) == (1.0, 5.0), terms
+
+
+def test_a_conversion_record_with_odd_bytes_is_estimated_from_its_seconds_alone(tmp_path: Path) -> None:
+    """A hand-edited or foreign timing log: bytes true (taken as 1 byte: an estimate of a day), or larger than any
+    file (a traceback: int too large to convert to float). Such bytes are unknown: the longest conversion stands."""
+    for odd in (True, 10**400, -5, 1e3):
+        out = _out_converting(tmp_path / str(hash(odd)))
+        log = timing.TimingLog(out, rank=0, world_size=1, run_id="r2")
+        log.conversion(29, 40.0, odd, from_world_size=2)  # type: ignore[arg-type]
+        log.close()
+        proc = grace_calc("--from", str(out), "--world-size", "1", "--no-slurm", "--json")
+        assert proc.returncode == 0 and proc.stderr == "", (odd, proc.stderr)
+        seconds = json.loads(proc.stdout)["conversion"]["seconds"]
+        assert 80 < seconds < 100, (odd, seconds)  # the 30 s for 1000 bytes, scaled to the checkpoint

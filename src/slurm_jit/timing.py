@@ -280,10 +280,19 @@ def _steps_by_mode(records: list[dict[str, Any]], run_steps: dict[str, list[floa
     return {mode: StepStats(n=len(d), max_s=max(d), p99_s=_percentile(sorted(d), 99)) for mode, d in grouped.items()}
 
 
+# The largest file size there is (off_t, signed 64 bits): recorded bytes beyond it are not a measurement.
+MAX_RECORDED_BYTES = 2**63 - 1
+
+
 def conversions(records: Iterable[dict[str, Any]]) -> list[tuple[float, int]]:
-    """(seconds, bytes written) of every elastic-resume conversion recorded (any world size)."""
-    return [(float(r["dur_s"]), int(r["bytes"]) if isinstance(r.get("bytes"), int) else 0)
-            for r in records if r["event"] == "convert"]
+    """(seconds, bytes written) of every elastic-resume conversion recorded (any world size); bytes 0 (unknown)
+    where the record's are not a plain count of bytes (true, a float, negative, beyond any file)."""
+    return [(float(r["dur_s"]), _recorded_bytes(r.get("bytes"))) for r in records if r["event"] == "convert"]
+
+
+def _recorded_bytes(value: Any) -> int:
+    plain = isinstance(value, int) and not isinstance(value, bool)
+    return value if plain and 0 <= value <= MAX_RECORDED_BYTES else 0
 
 
 def load_summary(output_dir: str | os.PathLike[str]) -> TimingSummary:
