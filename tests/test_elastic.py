@@ -296,6 +296,13 @@ def test_zero3_offload_and_frozen_parameters_are_refused_with_one_line_each(
     load_from, refusal, _ = elastic.prepare(str(frozen), args, manifest, convert_timeout_s=60.0)
     assert refusal is not None and "ZeRO-3 with 1 frozen parameters (e.g. model.embed_tokens.weight)" in refusal
     assert load_from is None and not (frozen / elastic_plan.UNIVERSAL_DIR_NAME).exists()
+    # Frozen only in the resuming run's model (trained in the checkpoint): the universal load would leave them at
+    # the values the model was built with.
+    load_from, refusal, _ = elastic.prepare(str(ckpt), args, manifest, convert_timeout_s=60.0,
+                                            frozen_now=["model.embed_tokens.weight"])
+    assert refusal is not None and "1 parameters frozen in this run (e.g. model.embed_tokens.weight)" in refusal
+    assert "HINT: resume with 2 ranks" in refusal and "\n" not in refusal, refusal
+    assert load_from is None and not (ckpt / elastic_plan.UNIVERSAL_DIR_NAME).exists()
 
 
 def test_another_global_batch_is_refused_before_any_conversion(stopped: Path) -> None:

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -178,12 +178,13 @@ Prepared = tuple[str | None, str | None, dict[str, Any] | None]  # (load from, r
 
 
 def prepare(ckpt_dir: str, args: Any, manifest: dict[str, Any], convert_timeout_s: float,
-            heartbeat: Callable[[float], None] = lambda _s: None) -> Prepared:
+            heartbeat: Callable[[float], None] = lambda _s: None, frozen_now: Sequence[str] = ()) -> Prepared:
     """Rank 0, before the resume with ``args`` (TrainingArguments): the directory the Trainer loads from when it
     is not ``ckpt_dir``, the refusal, and what a conversion done now took (for the timing log: step, dur_s, bytes,
     from_world_size). Logs one line when the world size changed; converts when it must, within
     ``convert_timeout_s``, calling ``heartbeat(elapsed_s)`` meanwhile. This run's samples per optimizer step
-    (per-device batch x accumulation x world size) must be the checkpoint's."""
+    (per-device batch x accumulation x world size) must be the checkpoint's. ``frozen_now``: the names of this
+    run's parameters that do not require gradients."""
     world_size = int(args.world_size)
     decided = plan(ckpt_dir, world_size, manifest)
     if decided.action == SAME:
@@ -194,7 +195,7 @@ def prepare(ckpt_dir: str, args: Any, manifest: dict[str, Any], convert_timeout_
     written_by = int(decided.written_by or 0)  # not SAME: the plan knows who wrote it
     refusal = _batch_refusal(Path(ckpt_dir), args, manifest, written_by)
     if refusal is None and decided.zero_stage == 3:
-        refusal = _zero3_refusal(Path(ckpt_dir), args, manifest, written_by)
+        refusal = _zero3_refusal(Path(ckpt_dir), args, manifest, written_by, frozen_now)
     if refusal:
         return None, refusal, None
     try:
@@ -239,11 +240,18 @@ def heartbeat_interval_s(side_group_timeout_s: float) -> float:
     return min(HEARTBEAT_MAX_S, HEARTBEAT_SHARE_OF_TIMEOUT * side_group_timeout_s)
 
 
-def _zero3_refusal(ckpt_dir: Path, args: Any, manifest: dict[str, Any], written_by: int) -> str | None:
+def _zero3_refusal(ckpt_dir: Path, args: Any, manifest: dict[str, Any], written_by: int,
+                   frozen_now: Sequence[str]) -> str | None:
     """One line when a ZeRO-3 checkpoint uses what the conversion or the universal load does not carry: offload
-    in this run, frozen parameters (ds_to_universal converts the trainable ones' states only: the frozen ones would
-    keep the values the model was built with)."""
+    in this run, frozen parameters in the checkpoint or in this run (ds_to_universal converts the trainable ones'
+    states only, and the universal load fills this run's trainable ones only: a frozen one would keep the value the
+    model was built with)."""
     hint = f"HINT: resume with {written_by} ranks"
+    if frozen_now:
+        return (f"{ckpt_dir}: ZeRO-3 on another world size with {len(frozen_now)} parameters frozen in this run "
+                f"(e.g. {frozen_now[0]}): DeepSpeed's universal load restores the trainable parameters only, so "
+                f"the frozen ones would keep the values the model was built with, not the checkpoint's. {hint}, or "
+                "freeze them after this resume has saved a checkpoint")
     hf_config = getattr(args, "hf_deepspeed_config", None)
     config = getattr(hf_config, "config", None) if hf_config is not None else None
     zero = config.get("zero_optimization") if isinstance(config, dict) else None

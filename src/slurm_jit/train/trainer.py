@@ -367,8 +367,10 @@ class JitTrainer(transformers.Trainer):
                 carried["owed_evaluation_step"] = manifest["step"]
             beat = elastic.heartbeat_every(elastic.heartbeat_interval_s(self.jit_config.side_group_timeout_s),
                                            lambda s: self._agreement.broadcast((elastic.HEARTBEAT, s)))
+            params = self.model.named_parameters() if self.model is not None else ()
+            frozen = [name for name, p in params if not p.requires_grad]  # ZeRO-3's universal load skips them
             carried["load_from"], refusal, carried["conversion"] = elastic.prepare(
-                path, self.args, manifest, self.jit_config.convert_timeout_s, beat)
+                path, self.args, manifest, self.jit_config.convert_timeout_s, beat, frozen_now=frozen)
         return path, refusal, carried
 
     # ------------------------------------------------------------ the stop decision
