@@ -4,6 +4,9 @@ itself: crafted directories (tests/ckpt_factory.py), milliseconds, no torch."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -179,3 +182,39 @@ def test_the_size_counts_hard_linked_files_once(tmp_path: Path) -> None:
     assert protocol.inspect(ckpt, 5).size_bytes == before
     (universal / "fp32.pt").write_bytes(b"x" * 1000)
     assert protocol.inspect(ckpt, 5).size_bytes == before + 1000
+
+
+HOLD_LOCK = """
+import fcntl, os, sys, time
+from pathlib import Path
+ckpt = Path(sys.argv[1])
+fd = os.open(ckpt / "universal.lock", os.O_RDWR | os.O_CREAT)
+fcntl.lockf(fd, fcntl.LOCK_EX)
+(ckpt / "universal").mkdir()
+(ckpt / "universal" / "checkpoint-is-incomplete.txt").write_text("converting")
+(ckpt / "universal" / "being-written.pt").write_text("x")
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_conversion_in_progress_elsewhere_is_waited_for_not_removed(tmp_path: Path) -> None:
+    """Two runs with other output_dirs resuming the same checkpoint on 1 rank (a sweep branching from one
+    checkpoint): the second took the first's conversion in progress for a killed one and removed it under the
+    converter. It waits for the conversion lock instead (here held past its timeout: one line, nothing removed)."""
+    ckpt = ckpt_factory.checkpoint(tmp_path, 5, world=2, deepspeed=True)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(ckpt)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        manifest, _ = manifest_file.read(ckpt)
+        assert manifest is not None
+        one_rank = SimpleNamespace(world_size=1, per_device_train_batch_size=4, gradient_accumulation_steps=1)
+        started = time.monotonic()
+        load_from, refusal, _ = elastic.prepare(str(ckpt), one_rank, manifest, convert_timeout_s=1.0)
+        assert time.monotonic() - started < 10.0
+        assert load_from is None and refusal is not None and "\n" not in refusal, refusal
+        assert "another process" in refusal and "HINT:" in refusal, refusal
+        assert (elastic_plan.universal_dir(ckpt) / "being-written.pt").is_file()  # the other's, untouched
+    finally:
+        holder.kill()
+        holder.wait()

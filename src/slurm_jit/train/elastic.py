@@ -16,6 +16,8 @@ engine loads that on any world size when its ``load_universal_checkpoint`` is se
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import shutil
@@ -23,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,7 @@ from slurm_jit.checkpoint.elastic_plan import (
     universal_complete,
     universal_dir,
 )
+from slurm_jit.train import output_lock
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +70,7 @@ CONVERTER_BOOTSTRAP = (
 # one per rank), and rank 0's ZeRO shard, named bf16_... under bf16 (engine._get_zero_ckpt_prefix).
 DS_CONFIG_FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt",
                    "zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")
+CONVERT_LOCK_NAME = "universal.lock"  # in checkpoint-S, beside universal/ (which a conversion removes and remakes)
 CONVERT_POLL_S = 0.1  # how often the rank looks at its converter (and may send a heartbeat)
 CONVERT_OUTPUT_TAIL_CHARS = 400  # of the converter's output, in the refusal when it fails
 # ZeRO-3 offload (this run's DeepSpeed config): the universal load into offloaded partitions is not verified here
@@ -85,12 +89,57 @@ def ensure_universal(ckpt_dir: str | os.PathLike[str], manifest: dict[str, Any],
     """The complete universal copy of ``ckpt_dir`` (converted now unless one exists), the seconds spent and the
     bytes the converter wrote (0, 0 when it existed); ``written_by``: the ranks that wrote the shards (the plan's);
     ``heartbeat(elapsed_s)`` is called while the converter runs. Raises ElasticError (one line, HINT) when the
-    conversion fails; the original is never written."""
+    conversion fails; the original's files are never written (``universal.lock`` is created beside them)."""
     path = Path(ckpt_dir)
     step = int(manifest["step"])
     target = universal_dir(path)
     if universal_complete(path, step):
         return target, 0.0, 0
+    with _conversion_lock(path, timeout_s, heartbeat):
+        if universal_complete(path, step):  # converted meanwhile by the run that held the lock
+            return target, 0.0, 0
+        return _convert_locked(path, manifest, timeout_s, written_by, heartbeat)
+
+
+@contextlib.contextmanager
+def _conversion_lock(ckpt_dir: Path, timeout_s: float, heartbeat: Callable[[float], None]) -> Iterator[None]:
+    """Held while converting ``ckpt_dir``: another run resuming the same checkpoint (with another output_dir, so
+    not excluded by its output lock) waits for it, up to ``timeout_s``, instead of taking its conversion in
+    progress for a killed one and removing it. A POSIX lock (output_lock.py says why not flock): the kernel drops it
+    with its process. Where the file system cannot lock, the conversion goes on unlocked."""
+    lock = ckpt_dir / CONVERT_LOCK_NAME
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    try:
+        started = time.monotonic()
+        while not _try_lock(fd):
+            if time.monotonic() - started > timeout_s:
+                raise ElasticError(f"{ckpt_dir}: another process has been converting it to DeepSpeed's universal "
+                                   f"format for over {timeout_s:.0f} s (it holds {lock}). HINT: start again once "
+                                   "it is done (its copy is then loaded), or resume with the original number of "
+                                   "ranks")
+            heartbeat(time.monotonic() - started)
+            time.sleep(CONVERT_POLL_S)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in output_lock.HELD_ERRNOS:
+            return False
+        if exc.errno not in output_lock.UNSUPPORTED_ERRNOS:
+            raise
+        logger.warning("slurm_jit: the file system cannot lock (%s): converting without the conversion lock", exc)
+    return True
+
+
+def _convert_locked(path: Path, manifest: dict[str, Any], timeout_s: float, written_by: int,
+                    heartbeat: Callable[[float], None]) -> tuple[Path, float, int]:
+    step = int(manifest["step"])
+    target = universal_dir(path)
     started = time.monotonic()
     if os.path.lexists(target):  # a conversion killed half-way: its sentinel is still there
         logger.warning("slurm_jit: removing the unfinished conversion %s (or one by another DeepSpeed "
@@ -164,7 +213,7 @@ def _wait(child: subprocess.Popen[bytes], deadline: float, heartbeat: Callable[[
 def _link_trainer_files(source: Path, dest: Path) -> None:
     """The Trainer's own files (trainer state, scheduler, RNG, config) beside the universal shards: hard links
     where the file system allows (files of a complete checkpoint are never rewritten), copies elsewhere."""
-    skip = {protocol.MANIFEST_NAME, protocol.SENTINEL_NAME, "latest"}
+    skip = {protocol.MANIFEST_NAME, protocol.SENTINEL_NAME, "latest", CONVERT_LOCK_NAME}
     for entry in sorted(source.iterdir()):
         if entry.name in skip or entry.is_symlink() or not entry.is_file():
             continue
