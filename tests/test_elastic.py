@@ -366,3 +366,33 @@ def test_the_other_ranks_wait_out_a_conversion_longer_than_the_side_group_timeou
     assert conversion["dur_s"] > SHORT_SIDE_GROUP_TIMEOUT_S and conversion["bytes"] > 0, conversion
     assert conversion["from_world_size"] == 2 and len(results[0]["beats"]) >= 2, results[0]
     assert elastic_plan.universal_complete(ckpt, STOP_AT + 1)
+
+
+def _weights_sha256(safetensors_file: Path) -> str:
+    """demo_train's final-state digest (name, bytes of each parameter in name order) of a saved model file."""
+    import hashlib
+
+    from safetensors.torch import load_file
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(load_file(safetensors_file).items()):
+        digest.update(name.encode())
+        digest.update(tensor.contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def test_the_best_model_written_by_another_world_size_is_loaded_at_the_end(tmp_path: Path) -> None:
+    """load_best_model_at_end, the best checkpoint written by 2 ranks, the run finished on 1: upstream's
+    _load_best_model loads its ZeRO shards with DeepSpeed's own load, which refused ('used a DP world size of 2')
+    after the last save: a traceback, again at every requeue. It is loaded through its universal copy: the final
+    weights are the best checkpoint's, bit for bit (two runs, about 30 s)."""
+    out = tmp_path / "out"
+    best_args = [*LLAMA, "--save-steps", "2", "--eval-steps", "2", "--metric-for-best", "loss",
+                 "--targ", "load_best_model_at_end=true"]
+    _run(out, [*best_args, "--signal-self-at-step", str(STOP_AT)], 2)
+    log = _run(out, [*best_args, "--batch-size", str(2 * PER_RANK_BATCH), "--resume"], 1)
+    final = json.loads((out / "final-state.json").read_text())
+    best = out / str(final["best_model_checkpoint"])
+    assert protocol.inspect(best, int(best.name.split("-")[1])).world_size == 2, (final, log[-3000:])
+    assert final["weights_sha256"] == _weights_sha256(best / "model.safetensors"), log[-3000:]
+    assert final["weights_sha256"] != _weights_sha256(out / "checkpoint-8" / "model.safetensors")

@@ -356,7 +356,8 @@ def _saved_entry(path: Path, key: str) -> Any:
 def install_universal_load() -> None:
     """Until the Trainer's next DeepSpeed resume load (or :func:`uninstall_universal_load`), that load reads a
     universal checkpoint: the engine's ``load_universal_checkpoint`` is set for that one load and put back right
-    after, so later loads (the best model at the end) are the engine's own kind."""
+    after, so later loads are the engine's own kind (the best model at the end installs it again when that
+    checkpoint, too, was written by another number of ranks: JitTrainer._load_best_model)."""
     import transformers.trainer as hf_trainer
 
     original = getattr(hf_trainer.deepspeed_load_checkpoint, "slurm_jit_original", hf_trainer.deepspeed_load_checkpoint)

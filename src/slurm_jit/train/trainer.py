@@ -365,13 +365,17 @@ class JitTrainer(transformers.Trainer):
                 carried["run_id"] = manifest["run_id"]
             if manifest.get("owed_evaluation") is True:
                 carried["owed_evaluation_step"] = manifest["step"]
-            beat = elastic.heartbeat_every(elastic.heartbeat_interval_s(self.jit_config.side_group_timeout_s),
-                                           lambda s: self._agreement.broadcast((elastic.HEARTBEAT, s)))
-            params = self.model.named_parameters() if self.model is not None else ()
-            frozen = [name for name, p in params if not p.requires_grad]  # ZeRO-3's universal load skips them
-            carried["load_from"], refusal, carried["conversion"] = elastic.prepare(
-                path, self.args, manifest, self.jit_config.convert_timeout_s, beat, frozen_now=frozen)
+            carried["load_from"], refusal, carried["conversion"] = self._prepare_elastic(path, manifest)
         return path, refusal, carried
+
+    def _prepare_elastic(self, path: str, manifest: dict[str, Any]) -> elastic.Prepared:
+        """Rank 0: elastic.prepare for loading ``path`` on this run's world size, heartbeating to the others."""
+        beat = elastic.heartbeat_every(elastic.heartbeat_interval_s(self.jit_config.side_group_timeout_s),
+                                       lambda s: self._agreement.broadcast((elastic.HEARTBEAT, s)))
+        params = self.model.named_parameters() if self.model is not None else ()
+        frozen = [name for name, p in params if not p.requires_grad]  # ZeRO-3's universal load skips them
+        return elastic.prepare(path, self.args, manifest, self.jit_config.convert_timeout_s, beat,
+                               frozen_now=frozen)
 
     # ------------------------------------------------------------ the stop decision
 
@@ -579,7 +583,37 @@ class JitTrainer(transformers.Trainer):
             logger.warning("slurm_jit: JIT stop: not loading the best model (%s); the job is on its way out",
                            self.state.best_model_checkpoint)
             return
-        super()._load_best_model(*args, **kwargs)
+        best = self.state.best_model_checkpoint
+        verdict = self._best_model_elastic(best) if best and self.is_deepspeed_enabled else (None, None)
+        load_from, refusal = self._agreement.broadcast_after(verdict, elastic.HEARTBEAT)
+        if refusal:
+            logger.warning("slurm_jit: not loading the best model: %s", refusal)
+            return
+        if load_from is None:
+            super()._load_best_model(*args, **kwargs)
+            return
+        elastic.install_universal_load()  # the best checkpoint's ZeRO shards are another world size's
+        self.state.best_model_checkpoint = load_from
+        try:
+            super()._load_best_model(*args, **kwargs)
+        finally:
+            self.state.best_model_checkpoint = best
+            elastic.uninstall_universal_load()
+
+    def _best_model_elastic(self, best: str) -> tuple[str | None, str | None]:
+        """Rank 0 (None, None elsewhere): the best checkpoint's universal copy when it was written by another
+        number of ranks (DeepSpeed refuses its shards here: the run would end in a traceback after its last save,
+        and so would every requeue of it), or why it cannot be loaded."""
+        if not self._is_rank0:
+            return None, None
+        decided = elastic.plan(best, int(self.args.world_size))
+        if decided.action in (elastic.SAME, elastic.DIRECT) or not decided.resumable:
+            return None, None if decided.resumable else decided.reason
+        manifest, why = manifest_file.read(Path(best))
+        if manifest is None:
+            return None, f"{best}: {why}"
+        load_from, refusal, _ = self._prepare_elastic(best, manifest)
+        return load_from, refusal
 
     def _finish_current_push(self, *args: Any, **kwargs: Any) -> None:
         if self._jit_run is not None and self._jit_run.stopped:
