@@ -99,3 +99,16 @@ def test_a_conversion_record_with_odd_bytes_is_estimated_from_its_seconds_alone(
         assert proc.returncode == 0 and proc.stderr == "", (odd, proc.stderr)
         seconds = json.loads(proc.stdout)["conversion"]["seconds"]
         assert 80 < seconds < 100, (odd, seconds)  # the 30 s for 1000 bytes, scaled to the checkpoint
+
+
+def test_given_times_size_a_job_whose_output_dir_has_checkpoints_but_no_timing_log(tmp_path: Path) -> None:
+    """Checkpoints copied to a new OUT_DIR (no timing log there): --step-time and --save-time were refused with
+    the HINT to give them; they size the job, and the note still says the next start converts."""
+    out = tmp_path / "out"
+    ckpt_factory.checkpoint(out, 5, world=2, deepspeed=True)
+    given = grace_calc("--from", str(out), "--world-size", "1", "--step-time", "1s", "--save-time", "5s",
+                       "--no-slurm")
+    assert given.returncode == 0, given.stderr
+    assert "the next start on 1 ranks converts" in given.stdout and "time unknown" in given.stdout, given.stdout
+    alone = grace_calc("--from", str(out), "--world-size", "1", "--no-slurm")
+    assert alone.returncode == 2 and "no timing log" in alone.stderr and "HINT" in alone.stderr, alone.stderr

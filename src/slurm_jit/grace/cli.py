@@ -162,13 +162,14 @@ def _measured(args: argparse.Namespace, world_size: int | None) -> tuple[grace.M
     """The terms of --from's timing log, and its sample counts; (None, {}) without --from."""
     if args.from_dir is None:
         return None, {}
-    records = timing.read_records(args.from_dir)
     try:
-        selected = grace.select_world_size(records, world_size)
-    except GraceError:
+        selected = grace.select_world_size(timing.read_records(args.from_dir), world_size)
+    except (GraceError, timing.TimingLogError):
         if args.step_time is None or args.save_time is None:
             raise
-        return None, {}  # another world size's log (an elastic resume's new job): the given times stand alone
+        # another world size's log (an elastic resume's new job), or none (checkpoints copied to a new OUT_DIR):
+        # the given times stand alone; --from still says what the next start converts
+        return None, {}
     summary = timing.summarize(selected)
     samples = {"steps": summary.n_steps, "runs": summary.n_runs, "evals": summary.n_evals,
                "saves": {k: v.count for k, v in summary.saves.items()},

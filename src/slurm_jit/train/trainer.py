@@ -584,8 +584,10 @@ class JitTrainer(transformers.Trainer):
                            self.state.best_model_checkpoint)
             return
         best = self.state.best_model_checkpoint
-        verdict = self._best_model_elastic(best) if best and self.is_deepspeed_enabled else (None, None)
-        load_from, refusal = self._agreement.broadcast_after(verdict, elastic.HEARTBEAT)
+        if not (best and self.is_deepspeed_enabled):  # the same on every rank: all or none broadcast
+            super()._load_best_model(*args, **kwargs)
+            return
+        load_from, refusal = self._agreement.broadcast_after(self._best_model_elastic(best), elastic.HEARTBEAT)
         if refusal:
             logger.warning("slurm_jit: not loading the best model: %s", refusal)
             return
