@@ -11,8 +11,6 @@ import contextlib
 import io
 import json
 import os
-import pickle
-import shlex
 import signal
 import struct
 import zipfile
@@ -22,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from slurm_jit.checkpoint import ckpt_check, protocol
+from slurm_jit.faults import security
 
 TENSOR_BYTES = 16  # one small tensor in model.safetensors
 CHECK_TIMEOUT_S = 10.0  # a hang detector: a crafted directory is checked in milliseconds
@@ -35,22 +34,9 @@ def torch_like_zip(path: Path, payload: bytes = b"\x80\x02}q\x00.") -> None:
         archive.writestr("archive/version", "3\n")
 
 
-class _TouchOnUnpickle:
-    """Unpickling this runs ``touch MARKER``: proof that something was unpickled."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self) -> tuple[object, tuple[str]]:
-        return (os.system, (f"touch {shlex.quote(str(self.marker))}",))
-
-
 def write_evil_pt(path: Path, marker: Path) -> Path:
     """A zip laid out like ``torch.save`` output whose data.pkl touches ``marker`` when unpickled."""
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
-        archive.writestr("archive/data.pkl", pickle.dumps(_TouchOnUnpickle(marker), protocol=2))
-        archive.writestr("archive/byteorder", "little")
-        archive.writestr("archive/version", "3\n")
+    security.write_evil(path, marker)
     return path
 
 

@@ -286,3 +286,85 @@ def wait_for_path(ranks: local_ranks.Ranks, path: Path, timeout_s: float = START
             ranks.kill()
             raise AssertionError(f"{path} never appeared:\n{ranks.log(0)[-3000:]}")
         time.sleep(0.02)
+
+
+# wandb's transaction log (run-<id>.wandb): a 7-byte header, then LevelDB's log format (32 KiB blocks, each record
+# a 7-byte header: crc32 uint32, length uint16, type uint8) whose records are serialized wandb Record protobufs.
+# wandb 0.31 has no Python reader of its own (its Go core reads them), so this is the few lines it takes.
+WANDB_FILE_MAGIC = b":W&B"
+WANDB_FILE_HEADER_BYTES = 7
+LEVELDB_BLOCK_BYTES = 32 * 1024
+LEVELDB_RECORD_HEADER_BYTES = 7
+LEVELDB_FULL, LEVELDB_FIRST, LEVELDB_MIDDLE, LEVELDB_LAST = 1, 2, 3, 4
+
+
+def _leveldb_records(data: bytes) -> list[bytes]:
+    import struct
+
+    records, pending, pos = [], b"", WANDB_FILE_HEADER_BYTES
+    while pos + LEVELDB_RECORD_HEADER_BYTES <= len(data):
+        left = LEVELDB_BLOCK_BYTES - pos % LEVELDB_BLOCK_BYTES
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + LEVELDB_RECORD_HEADER_BYTES])
+        if left < LEVELDB_RECORD_HEADER_BYTES or (kind == 0 and length == 0):  # a block's zero-padded tail
+            pos += left
+            continue
+        if pos + LEVELDB_RECORD_HEADER_BYTES + length > len(data):
+            break  # still being written
+        chunk = data[pos + LEVELDB_RECORD_HEADER_BYTES:pos + LEVELDB_RECORD_HEADER_BYTES + length]
+        pos += LEVELDB_RECORD_HEADER_BYTES + length
+        if kind in (LEVELDB_FULL, LEVELDB_FIRST):
+            pending = chunk
+        elif kind in (LEVELDB_MIDDLE, LEVELDB_LAST):
+            pending += chunk
+        if kind in (LEVELDB_FULL, LEVELDB_LAST):
+            records.append(pending)
+    return records
+
+
+@dataclass
+class WandbJob:
+    """What one job wrote into its offline run directory."""
+    run_id: str
+    history: list[dict[str, object]]  # each wandb.log() row, values decoded from JSON
+    summary: dict[str, object]  # the last value of each summary key
+    preempting: bool  # run.mark_preempting() was called
+    exit_code: int | None
+
+
+WANDB_FLUSH_TIMEOUT_S = 30.0  # wandb.finish() and a rank's exit return before wandb's service process has written all
+
+
+def read_wandb_offline(wandb_dir: Path) -> list[WandbJob]:
+    """Every offline run under ``wandb_dir`` (WANDB_DIR/wandb), oldest first, read through wandb's own protobuf;
+    each once its file is complete (its exit record is there)."""
+    deadline = time.monotonic() + WANDB_FLUSH_TIMEOUT_S
+    while True:
+        jobs = [_read_wandb_file(path) for path in sorted(wandb_dir.glob("offline-run-*/run-*.wandb"))]
+        if all(job.exit_code is not None for job in jobs) or time.monotonic() > deadline:
+            return jobs
+        time.sleep(POLL_S)
+
+
+def _read_wandb_file(path: Path) -> WandbJob:
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    job = WandbJob(run_id="", history=[], summary={}, preempting=False, exit_code=None)
+    if data.startswith(WANDB_FILE_MAGIC):  # else still empty: no exit record, read again
+        for raw in _leveldb_records(data):
+            record = pb.Record()
+            record.ParseFromString(raw)
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                job.run_id = record.run.run_id
+            elif kind == "history":
+                job.history.append({i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                                    for i in record.history.item})
+            elif kind == "summary":
+                job.summary.update({i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                                    for i in record.summary.update})
+            elif kind == "preempting":
+                job.preempting = True
+            elif kind == "exit":
+                job.exit_code = record.exit.exit_code
+    return job

@@ -96,6 +96,13 @@ def test_pyproject_declares_the_supported_range() -> None:
         assert name and requirement.replace(" ", "") in deps, (requirement, deps)
 
 
+def test_the_lowest_version_tested_is_the_lower_bound_of_the_range() -> None:
+    """tests/test_compat_versions.py runs the stop/resume scenario on LOWEST_TRANSFORMERS: it must be the range's
+    lowest (a widened range whose new lower end is not tested fails here)."""
+    lowest = re.search(r"transformers>=([0-9.]+)", compat.SUPPORTED_RANGE)
+    assert lowest and compat.LOWEST_TRANSFORMERS in (lowest.group(1), f"{lowest.group(1)}.0"), compat.SUPPORTED_RANGE
+
+
 def test_a_new_optional_parameter_reaches_upstream_through_a_pass_through_hook(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A newer Trainer adds an optional parameter and passes it from its own callers: not refused, and JitTrainer's

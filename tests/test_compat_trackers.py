@@ -15,7 +15,7 @@ pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 from transformers.integrations.integration_utils import TensorBoardCallback  # noqa: E402
 
-from slurm_jit.train import compat  # noqa: E402
+from slurm_jit.train import compat, trackers  # noqa: E402
 
 
 def _job(out: Path, resume_from: str | None, steps: range, offset: float) -> str:
@@ -102,3 +102,82 @@ def test_a_fresh_train_after_a_resumed_one_in_the_same_process_purges_nothing(tm
     compat.continue_tensorboard_run(trainer, str(tmp_path / "out" / "checkpoint-5"))
     compat.continue_tensorboard_run(trainer, None)  # a second training in the same process
     assert callback._SummaryWriter is original
+
+
+# ---------------------------------------------------------------- how a job ended, in TensorBoard (issue 12)
+
+def _texts(log_dir: str) -> list[tuple[int, str]]:
+    events = EventAccumulator(log_dir)
+    events.Reload()
+    return [(e.step, e.tensor_proto.string_val[0].decode())
+            for e in events.Tensors(f"{trackers.STOP_KEY}/text_summary")]
+
+
+def test_tensorboard_says_a_jit_stop_is_a_stop_and_the_end_is_the_end(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    log_dir = _job(out, None, range(1, 5), offset=0.0)
+    trainer = SimpleNamespace(callback_handler=SimpleNamespace(callbacks=[_callback_at(log_dir)]),
+                              is_world_process_zero=lambda: True)
+    trackers.log_stop_to_trackers(trainer, "jit_stop", 4, "SIGTERM")
+    assert _job(out, str(out / "checkpoint-4"), range(5, 7), offset=0.0) == log_dir
+    trackers.log_stop_to_trackers(trainer, "finished", 6, None)
+    texts = _texts(log_dir)
+    assert texts == [(4, trackers.stop_text("jit_stop", 4, "SIGTERM")), (6, "finished at step 6")], texts
+    assert "SIGTERM" in texts[0][1] and "not a crash" in texts[0][1]
+
+
+def _callback_at(log_dir: str) -> TensorBoardCallback:
+    callback = TensorBoardCallback()
+    callback.logging_dir = log_dir
+    return callback
+
+
+def test_a_tracker_that_cannot_log_the_stop_is_one_warning_not_a_crash(tmp_path: Path,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "a-file").write_text("")
+    trainer = SimpleNamespace(callback_handler=SimpleNamespace(callbacks=[_callback_at(str(tmp_path / "a-file/x"))]),
+                              is_world_process_zero=lambda: True)
+    with caplog.at_level("WARNING", logger=trackers.__name__):
+        trackers.log_stop_to_trackers(trainer, "jit_stop", 4, "SIGTERM")
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "HINT:" in warnings[0] and "\n" not in warnings[0], warnings
+
+
+def test_a_failure_after_the_stop_checkpoint_still_logs_the_jit_stop(tmp_path: Path) -> None:
+    """One process, no DeepSpeed (~10 s): a SIGTERM, the JIT checkpoint complete, then a callback's on_train_end
+    fails (a push, an upload). The stop record says jit_stop (error_after_stop: the requeue resumes); the trackers
+    must say the same, not leave the job looking like a crash of the run."""
+    import os
+    import signal
+
+    import transformers
+
+    from slurm_jit import demo_train
+    from slurm_jit.train import stop_record
+    from slurm_jit.train.trainer import JitConfig, JitTrainer
+
+    class TermAtStep2FailAtEnd(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            if state.global_step == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        def on_train_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            raise RuntimeError("upload failed")
+
+    out = tmp_path / "out"
+    targs = transformers.TrainingArguments(output_dir=str(out), use_cpu=True, report_to=["tensorboard"],
+                                           max_steps=6, save_steps=100, per_device_train_batch_size=2,
+                                           disable_tqdm=True, logging_steps=1)
+    trainer = JitTrainer(model=demo_train.build_model("gpt2", 16, 1), args=targs,
+                         train_dataset=demo_train._Tokens(8, seed=1), callbacks=[TermAtStep2FailAtEnd()],
+                         jit_config=JitConfig(kill_wait_s=0))
+    with pytest.raises(RuntimeError, match="upload failed"):
+        trainer.train()
+    record = stop_record.read(out)
+    assert record is not None and record["state"] == "jit_stop" and "upload failed" in record["error_after_stop"]
+    [run_dir] = (out / "runs").iterdir()
+    events = EventAccumulator(str(run_dir), size_guidance={"tensors": 0})
+    events.Reload()
+    texts = [e.tensor_proto.string_val[0].decode() for e in events.Tensors(f"{trackers.STOP_KEY}/text_summary")]
+    assert len(texts) == 1 and texts[0].startswith(f"stopped for a JIT checkpoint at step {record['step']} "), texts
+    assert texts[0].endswith("after the checkpoint: RuntimeError: upload failed"), texts

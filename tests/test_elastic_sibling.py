@@ -4,6 +4,9 @@ itself: crafted directories (tests/ckpt_factory.py), milliseconds, no torch."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -82,7 +85,7 @@ def test_a_failed_conversion_is_one_line_and_the_original_stays_chosen(tmp_path:
     one_rank = SimpleNamespace(world_size=1, per_device_train_batch_size=4, gradient_accumulation_steps=1)
     manifest, _ = manifest_file.read(ckpt)
     assert manifest is not None
-    load_from, refusal = elastic.prepare(str(ckpt), one_rank, manifest, wait_s=120.0)
+    load_from, refusal, _ = elastic.prepare(str(ckpt), one_rank, manifest, convert_timeout_s=120.0)
     assert load_from is None and refusal is not None, refusal
     assert "conversion to DeepSpeed's universal format failed" in refusal and "HINT: resume with" in refusal
     assert "\n" not in refusal, refusal
@@ -107,7 +110,7 @@ def test_the_global_batch_of_a_bf16_run_is_checked_too(tmp_path: Path) -> None:
     manifest, _ = manifest_file.read(ckpt)
     assert manifest is not None
     half_the_batch = SimpleNamespace(world_size=1, per_device_train_batch_size=2, gradient_accumulation_steps=1)
-    load_from, refusal = elastic.prepare(str(ckpt), half_the_batch, manifest, wait_s=120.0)
+    load_from, refusal, _ = elastic.prepare(str(ckpt), half_the_batch, manifest, convert_timeout_s=120.0)
     assert refusal is not None and "4 samples per optimizer step when written, 2 in this run" in refusal, refusal
     assert load_from is None and not elastic_plan.universal_dir(ckpt).exists()
 
@@ -125,7 +128,7 @@ def _complete_universal(ckpt: Path, deepspeed_version: str) -> None:
     universal = elastic_plan.universal_dir(ckpt)
     protocol.write_sentinel(universal, 5, "jit")
     ckpt_factory.torch_like_zip(universal / "global_step5" / "zero" / "lm_head.weight" / "fp32.pt")
-    (universal / "trainer_state.json").write_text('{"global_step": 5}')
+    elastic._link_trainer_files(ckpt, universal)
     (universal / elastic.LATEST_UNIVERSAL_NAME).write_text("global_step5")
     protocol.write_manifest(universal, step=5, kind="jit", world_size=2, zero_stage=2, deepspeed_tag="global_step5",
                             files=protocol.file_entries(universal, protocol.payload_files(universal)),
@@ -145,3 +148,73 @@ def test_a_conversion_by_another_deepspeed_version_is_redone(tmp_path: Path) -> 
     theirs = ckpt_factory.checkpoint(tmp_path / "b", 5, world=2, deepspeed=True)
     _complete_universal(theirs, "0.14.0")
     assert elastic_plan.plan(theirs, 1).action == elastic_plan.CONVERT
+
+
+def test_a_universal_copy_of_another_checkpoint_5_is_not_loaded(tmp_path: Path) -> None:
+    """checkpoint-5 replaced by another run's checkpoint-5 (rsync -a of a checkpoint from elsewhere onto it: new
+    files, new manifest, the old universal/ left inside): the copy converted from the old one verifies on its own,
+    but it is not this checkpoint's, so it is converted again instead of loaded (it would resume other weights)."""
+    import importlib.metadata
+
+    ckpt = ckpt_factory.checkpoint(tmp_path, 5, world=2, deepspeed=True)
+    _complete_universal(ckpt, importlib.metadata.version("deepspeed"))
+    assert elastic_plan.plan(ckpt, 1).action == elastic_plan.CONVERTED
+    (ckpt / "trainer_state.json").unlink()  # rsync writes a new file and renames it over the old one
+    protocol.write_sentinel(ckpt, 5, "periodic")
+    ckpt_factory.write_files(ckpt, 5, world=2, deepspeed=True,
+                             trainer_state={"global_step": 5, "log_history": [{"loss": 1.5, "step": 5}]})
+    protocol.write_manifest(ckpt, step=5, kind="periodic", world_size=2, zero_stage=2, deepspeed_tag="global_step5",
+                            files=protocol.file_entries(ckpt, protocol.payload_files(ckpt)))
+    assert protocol.inspect(ckpt, 5, deep=True).status is protocol.Status.COMPLETE
+    assert elastic_plan.plan(ckpt, 1).action == elastic_plan.CONVERT
+
+
+def test_the_size_counts_hard_linked_files_once(tmp_path: Path) -> None:
+    """universal/ hard-links the Trainer's files of checkpoint-S (elastic._link_trainer_files): ckpt-check's size
+    (and grace-calc's checkpoint bytes) count each file once; the converter's own files add their bytes."""
+    ckpt = ckpt_factory.checkpoint(tmp_path, 5, world=2, deepspeed=True)
+    before = protocol.inspect(ckpt, 5).size_bytes
+    assert before is not None and before > 0
+    universal = elastic_plan.universal_dir(ckpt)
+    universal.mkdir()
+    elastic._link_trainer_files(ckpt, universal)
+    assert any(f.stat().st_nlink == 2 for f in universal.iterdir())  # linked, not copied
+    assert protocol.inspect(ckpt, 5).size_bytes == before
+    (universal / "fp32.pt").write_bytes(b"x" * 1000)
+    assert protocol.inspect(ckpt, 5).size_bytes == before + 1000
+
+
+HOLD_LOCK = """
+import fcntl, os, sys, time
+from pathlib import Path
+ckpt = Path(sys.argv[1])
+fd = os.open(ckpt / "universal.lock", os.O_RDWR | os.O_CREAT)
+fcntl.lockf(fd, fcntl.LOCK_EX)
+(ckpt / "universal").mkdir()
+(ckpt / "universal" / "checkpoint-is-incomplete.txt").write_text("converting")
+(ckpt / "universal" / "being-written.pt").write_text("x")
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_conversion_in_progress_elsewhere_is_waited_for_not_removed(tmp_path: Path) -> None:
+    """Two runs with other output_dirs resuming the same checkpoint on 1 rank (a sweep branching from one
+    checkpoint): the second took the first's conversion in progress for a killed one and removed it under the
+    converter. It waits for the conversion lock instead (here held past its timeout: one line, nothing removed)."""
+    ckpt = ckpt_factory.checkpoint(tmp_path, 5, world=2, deepspeed=True)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(ckpt)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        manifest, _ = manifest_file.read(ckpt)
+        assert manifest is not None
+        one_rank = SimpleNamespace(world_size=1, per_device_train_batch_size=4, gradient_accumulation_steps=1)
+        started = time.monotonic()
+        load_from, refusal, _ = elastic.prepare(str(ckpt), one_rank, manifest, convert_timeout_s=1.0)
+        assert time.monotonic() - started < 10.0
+        assert load_from is None and refusal is not None and "\n" not in refusal, refusal
+        assert "another process" in refusal and "HINT:" in refusal, refusal
+        assert (elastic_plan.universal_dir(ckpt) / "being-written.pt").is_file()  # the other's, untouched
+    finally:
+        holder.kill()
+        holder.wait()

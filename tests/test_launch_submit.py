@@ -208,6 +208,20 @@ def test_gate_refuses_only_non_resumable_checkpoints_unless_quarantine(tmp_path:
     assert (out / "checkpoint-4.incomplete").is_dir() and not (out / "checkpoint-4").exists()
 
 
+def test_the_gate_refuses_a_bad_world_size_in_one_line_before_moving_anything(tmp_path: Path) -> None:
+    """A job script edited by hand (--world-size 0 was taken as 'not asked', -1 planned a conversion to -1 ranks):
+    one line with a HINT, exit 2, and --quarantine renames nothing."""
+    out = tmp_path / "out"
+    (out / "checkpoint-4").mkdir(parents=True)
+    (out / "checkpoint-4" / "checkpoint-is-incomplete.txt").write_text("x")
+    for bad in ("0", "-1", "abc", "2.5", str(10**12), ""):
+        gate = subprocess.run([sys.executable, "-m", "slurm_jit.launch.gate", str(out), "--quarantine",
+                               f"--world-size={bad}"], capture_output=True, text=True, check=False, timeout=60)
+        assert gate.returncode == 2 and gate.stdout == "", (bad, gate)
+        assert len(gate.stderr.splitlines()) == 1 and "HINT:" in gate.stderr, (bad, gate.stderr)
+    assert (out / "checkpoint-4").is_dir()
+
+
 HOSTILE = ["a b", "it's", 'say "hi"', "$(touch /tmp/slurm-jit-pwned)", "x; rm -rf ~", "`id`", "$HOME", "*",
            "new\nline", ""]
 
@@ -304,3 +318,37 @@ def test_srun_python_train_and_the_launcher_task_set_the_same_rank_variables() -
     assert direct == through_task
     assert (direct["RANK"], direct["WORLD_SIZE"], direct["LOCAL_RANK"], direct["LOCAL_WORLD_SIZE"]) == \
         ("3", "4", "1", "2")
+
+
+def test_the_plan_says_when_the_resume_converts_and_refuses_what_cannot_resume_on_that_many_ranks(
+        tmp_path: Path) -> None:
+    """Issue 13: a ZeRO-2 checkpoint of 2 ranks submitted on 1 (crafted by the real protocol writer; a timing log
+    by the real writer with one earlier conversion): the plan names the conversion and its estimate, the job's gate
+    gets the world size; one whose ZeRO stage no manifest records is refused in one line."""
+    import ckpt_factory
+
+    from slurm_jit import timing
+
+    out = tmp_path / "out"
+    ckpt = ckpt_factory.checkpoint(out, 5, world=2, deepspeed=True)
+    log = timing.TimingLog(out, rank=0, world_size=2, run_id="r1")
+    log.conversion(3, 30.0, 1000, from_world_size=1)
+    log.close()
+    args = ["--output-dir", str(out), "--time", "30", "--signal-lead", "60", "--", "python", "t.py"]
+    one = submit(*args)
+    assert one.returncode == 0, one.stderr
+    assert f"elastic:  2 -> 1 ranks from {ckpt}: convert, once, at the start of the first job" in one.stderr
+    assert "1 conversion in the timing log" in one.stderr, one.stderr
+    assert 'gate "$OUT_DIR" --world-size 1 ||' in one.stdout
+    # The timing log is the 2 ranks' (another world size's): given times size the 1-rank job.
+    timed = submit("--output-dir", str(out), "--time", "30", "--step-time", "1s", "--save-time", "5s", "--",
+                   "python", "t.py")
+    assert timed.returncode == 0 and "elastic:  2 -> 1 ranks" in timed.stderr, timed.stderr
+    two = submit("--ntasks-per-node", "2", *args)
+    assert two.returncode == 0 and "elastic:" not in two.stderr, two.stderr
+    unknown = tmp_path / "unknown"
+    ckpt_factory.checkpoint(unknown, 5, world=2, deepspeed=True, zero_stage=None)
+    refused = submit("--output-dir", str(unknown), *args[2:])
+    assert refused.returncode == 1 and refused.stdout == "", refused
+    last = refused.stderr.strip().splitlines()[-1]
+    assert "ZeRO stage no manifest records" in last and "HINT: resume with 2 ranks" in last, refused.stderr

@@ -99,6 +99,11 @@ class TimingLog:
         self._write({"event": "save", "step": step, "kind": kind, "dur_s": dur_s, "bytes": nbytes})
         self.flush()
 
+    def conversion(self, step: int, dur_s: float, bytes: int, from_world_size: int) -> None:  # noqa: A002
+        """Rank 0: an elastic resume's conversion to DeepSpeed's universal format (before the first step)."""
+        self._write({"event": "convert", "step": step, "dur_s": dur_s, "bytes": bytes,
+                     "from_world_size": from_world_size})
+
     def evaluation(self, step: int, dur_s: float, aborted: bool) -> None:
         self._write({"event": "eval", "step": step, "dur_s": dur_s, "aborted": aborted})
         self.flush()
@@ -273,6 +278,21 @@ def _steps_by_mode(records: list[dict[str, Any]], run_steps: dict[str, list[floa
     for run_id, durations in run_steps.items():
         grouped.setdefault(modes.get(run_id, "unknown"), []).extend(durations)
     return {mode: StepStats(n=len(d), max_s=max(d), p99_s=_percentile(sorted(d), 99)) for mode, d in grouped.items()}
+
+
+# The largest file size there is (off_t, signed 64 bits): recorded bytes beyond it are not a measurement.
+MAX_RECORDED_BYTES = 2**63 - 1
+
+
+def conversions(records: Iterable[dict[str, Any]]) -> list[tuple[float, int]]:
+    """(seconds, bytes written) of every elastic-resume conversion recorded (any world size); bytes 0 (unknown)
+    where the record's are not a plain count of bytes (true, a float, negative, beyond any file)."""
+    return [(float(r["dur_s"]), _recorded_bytes(r.get("bytes"))) for r in records if r["event"] == "convert"]
+
+
+def _recorded_bytes(value: Any) -> int:
+    plain = isinstance(value, int) and not isinstance(value, bool)
+    return value if plain and 0 <= value <= MAX_RECORDED_BYTES else 0
 
 
 def load_summary(output_dir: str | os.PathLike[str]) -> TimingSummary:

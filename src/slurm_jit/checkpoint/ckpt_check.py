@@ -78,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _world_size(text: str | None) -> int | None:
+def parse_world_size(text: str | None) -> int | None:
     """``--world-size``'s value, or UsageError (one line, HINT): argparse's own error prints its usage lines."""
     if text is None:
         return None
@@ -183,7 +183,7 @@ def _exit_code(resolution: protocol.Resolution, on_world: elastic_plan.Plan | No
 
 def run(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    world_size = _world_size(args.world_size)  # before anything is read or moved
+    world_size = parse_world_size(args.world_size)  # before anything is read or moved
     _check_out_dir(args.out_dir)
     progress, close = _deep_progress(args.out_dir) if args.deep else (None, lambda: None)
     try:

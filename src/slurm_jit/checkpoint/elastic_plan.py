@@ -20,10 +20,10 @@ UNIVERSAL_OF_KEY = "universal_of_world_size"  # in the universal copy's manifest
 # another version (a DeepSpeed upgrade between requeues) is converted again rather than loaded.
 CONVERTER_VERSION_KEY = "deepspeed_version"
 # ZeRO stages whose optimizer state is partitioned over the ranks: ds_to_universal handles 1 and 2 through
-# DeepSpeedCheckpoint and 3 through its own path; the JitTrainer verifies 1 and 2 (tests: test_elastic.py).
-CONVERTIBLE_STAGES = (1, 2)
-UNCONVERTED_STAGES = {3: "ZeRO-3 (ds_to_universal converts it, but its universal load through the Trainer is not "
-                         "verified here)"}
+# DeepSpeedCheckpoint and 3 through its own path; the JitTrainer verifies all three element for element
+# (tests: test_elastic.py).
+CONVERTIBLE_STAGES = (1, 2, 3)
+UNCONVERTED_STAGES: dict[int, str] = {}
 DIRECT, CONVERT, CONVERTED, SAME, REFUSED = "direct", "convert", "converted", "same", "refused"
 
 
@@ -104,7 +104,20 @@ def universal_complete(ckpt_dir: Path, step: int) -> bool:
     installed = converter_version()
     if installed is not None and manifest.get(CONVERTER_VERSION_KEY) != installed:
         return False
+    if not _converted_from(ckpt_dir, manifest):
+        return False
     return manifest_file.verify(target, step, manifest, deep=False, progress=None) is None
+
+
+def _converted_from(ckpt_dir: Path, universal_manifest: dict[str, Any]) -> bool:
+    """The copy was converted from this very checkpoint: the trainer state it links is the one ``ckpt_dir``'s
+    manifest lists (size and checksum). Another checkpoint of the same step copied over the directory (rsync of
+    another run's checkpoint-S) leaves a universal/ that verifies on its own but holds other weights."""
+    parent, _ = manifest_file.read(ckpt_dir)
+    if parent is None:
+        return False
+    name = manifest_file.TRAINER_STATE_NAME
+    return bool(parent["files"].get(name) == universal_manifest["files"].get(name))
 
 
 def converter_version() -> str | None:

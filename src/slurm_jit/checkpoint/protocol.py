@@ -154,14 +154,18 @@ def _present(path: Path) -> bool:
 
 
 def _tree_size(directory: Path) -> int:
+    """Bytes of the regular files under ``directory``, each inode once (the universal/ copy of an elastic resume
+    hard-links the Trainer's files: they take their space once)."""
     total = 0
+    seen: set[tuple[int, int]] = set()
     for root, _dirs, files in formats.walk(directory, onerror=_raise):  # symlinked dirs are not followed
         for name in files:
             try:
                 st = os.lstat(os.path.join(root, name))
             except OSError:
                 continue
-            if stat.S_ISREG(st.st_mode):
+            if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
                 total += st.st_size
     return total
 

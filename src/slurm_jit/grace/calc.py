@@ -589,3 +589,57 @@ def estimate_save_s(nbytes: int, bandwidth_bps: float) -> float:
     if not (math.isfinite(bandwidth_bps) and bandwidth_bps > 0):
         raise GraceError(f"write bandwidth {bandwidth_bps!r} B/s. HINT: measure it with --probe DIR")
     return nbytes / bandwidth_bps
+
+
+# --- an elastic resume's conversion, paid at the start of the next job -----------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Conversion:
+    """The next start converts its checkpoint to DeepSpeed's universal format (another world size) before its
+    first step: not part of the grace period (the end of a job), but of the next job's time limit."""
+
+    written_by: int  # the ranks that wrote the checkpoint
+    world_size: int  # the ranks of the job being sized
+    checkpoint: str
+    seconds: float | None  # estimated; None: no conversion in the timing log to estimate from
+    source: str  # where the estimate came from, in words
+
+
+def conversion_estimate(converts: list[tuple[float, int]], ckpt_bytes: int | None) -> tuple[float | None, str]:
+    """(seconds, source) of converting a checkpoint of ``ckpt_bytes``, from earlier conversions ((dur_s, bytes
+    written) in the timing log): the slowest seconds per byte seen, times the bytes (the converter reads the
+    shards and writes as many bytes again); the longest one where bytes are unknown; (None, ...) without any."""
+    if not converts:
+        return None, "no conversion in the timing log yet: not estimated (seconds for small models, minutes for " \
+                     "billions of parameters)"
+    rates = [dur_s / nbytes for dur_s, nbytes in converts if nbytes > 0]
+    n = f"{len(converts)} conversion{'s' if len(converts) != 1 else ''} in the timing log"
+    if rates and ckpt_bytes:
+        return max(rates) * ckpt_bytes, f"the slowest seconds per byte of {n} x {format_bytes(ckpt_bytes)}"
+    return max(dur_s for dur_s, _ in converts), f"longest of {n}"
+
+
+def conversion_note(conversion: Conversion) -> str:
+    """One line for grace-calc's notes (and the launcher's plan)."""
+    took = f"~{conversion.seconds:.0f} s" if conversion.seconds is not None else "time unknown"
+    return (f"the next start on {conversion.world_size} ranks converts {conversion.checkpoint} (written by "
+            f"{conversion.written_by} ranks) to DeepSpeed's universal format before its first step: {took} "
+            f"({conversion.source}); it comes out of that job's --time, not out of the --signal lead")
+
+
+def conversion_finding(conversion: Conversion, time_limit_s: int | None, lead_s: int,
+                       step_s: float) -> str | None:
+    """A warning when the job's --time cannot fit the conversion and one step before the signal can come (lead +
+    Slurm's early minute; the save after it is inside the lead): that job would end without saving progress (the
+    converted copy is kept, so the start after it does not convert again). None when it fits or is unknown."""
+    if time_limit_s is None or conversion.seconds is None:
+        return None
+    needed_s = conversion.seconds + step_s
+    available_s = time_limit_s - lead_s - SLURM_SIGNAL_EARLY_S
+    if needed_s <= available_s:
+        return None
+    return (f"--time {time_limit_s} s leaves {max(available_s, 0)} s before the signal (lead {lead_s} s + "
+            f"{SLURM_SIGNAL_EARLY_S} s early), but the next start converts first: ~{conversion.seconds:.0f} s + one "
+            f"step {step_s:.3g} s = {needed_s:.0f} s: that job would end without saving any progress. HINT: ask for "
+            f"a longer --time, or resume on {conversion.written_by} ranks")

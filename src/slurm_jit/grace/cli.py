@@ -24,7 +24,14 @@ from typing import Any, NoReturn
 from slurm_jit import slurm, timing
 from slurm_jit.grace import calc as grace
 from slurm_jit.grace.calc import ClusterFacts, GraceError, GraceInputs, GraceResult
-from slurm_jit.grace.sbatch_script import CheckReport, SbatchScript, check_script, parse_script, read_script
+from slurm_jit.grace.sbatch_script import (
+    CheckReport,
+    Finding,
+    SbatchScript,
+    check_script,
+    parse_script,
+    read_script,
+)
 
 PROG = "grace-calc"
 EXIT_OK, EXIT_NOT_ENOUGH, EXIT_ERROR = 0, 1, 2
@@ -155,7 +162,15 @@ def _measured(args: argparse.Namespace, world_size: int | None) -> tuple[grace.M
     """The terms of --from's timing log, and its sample counts; (None, {}) without --from."""
     if args.from_dir is None:
         return None, {}
-    summary = timing.summarize(grace.select_world_size(timing.read_records(args.from_dir), world_size))
+    try:
+        selected = grace.select_world_size(timing.read_records(args.from_dir), world_size)
+    except (GraceError, timing.TimingLogError):
+        if args.step_time is None or args.save_time is None:
+            raise
+        # another world size's log (an elastic resume's new job), or none (checkpoints copied to a new OUT_DIR):
+        # the given times stand alone; --from still says what the next start converts
+        return None, {}
+    summary = timing.summarize(selected)
     samples = {"steps": summary.n_steps, "runs": summary.n_runs, "evals": summary.n_evals,
                "saves": {k: v.count for k, v in summary.saves.items()},
                "world_sizes": sorted(summary.world_sizes), "stops": summary.n_stops,
@@ -275,6 +290,27 @@ def newest_checkpoint_bytes(output_dir: str | os.PathLike[str]) -> tuple[int, st
     return int(ckpt.size_bytes), f"newest resumable checkpoint {ckpt.path}, step {ckpt.step}, {status}"
 
 
+def next_conversion(output_dir: str | os.PathLike[str], world_size: int | None) -> grace.Conversion | None:
+    """The conversion the next start on ``world_size`` ranks does before its first step (its newest resumable
+    checkpoint written by another number of ranks, not converted yet), estimated from the timing log's
+    conversions; None when it converts nothing (or the world size is unknown)."""
+    from slurm_jit.checkpoint import elastic_plan, protocol  # lazily, as newest_checkpoint_bytes
+
+    ckpt = getattr(protocol.find_resumable(output_dir, strict=False), "checkpoint", None)
+    if ckpt is None or world_size is None:
+        return None
+    decided = elastic_plan.plan(ckpt.path, world_size)
+    if decided.action != elastic_plan.CONVERT or decided.written_by is None:
+        return None
+    try:
+        converts = timing.conversions(timing.read_records(output_dir))
+    except timing.TimingLogError:
+        converts = []
+    seconds, source = grace.conversion_estimate(converts, ckpt.size_bytes)
+    return grace.Conversion(written_by=decided.written_by, world_size=world_size, checkpoint=str(ckpt.path),
+                            seconds=seconds, source=source)
+
+
 # --- output ---------------------------------------------------------------------------------------------
 
 
@@ -303,12 +339,14 @@ def render_text(
 
 
 def render_json(result: GraceResult, facts: ClusterFacts, notes: list[str], warnings: list[str],
-                samples: dict[str, Any], report: CheckReport | None) -> str:
+                samples: dict[str, Any], report: CheckReport | None,
+                conversion: grace.Conversion | None = None) -> str:
     out: dict[str, Any] = {
         "signal_lead_s": result.lead_s, "option": result.option, "sbatch_line": result.sbatch_line,
         "export_line": result.export_line, "needed_s": result.needed_s,
         "terms": [asdict(t) for t in result.terms], "cluster": asdict(facts),
         "samples": samples, "notes": notes, "warnings": warnings,
+        "conversion": asdict(conversion) if conversion is not None else None,
     }
     if report is not None:
         out["check"] = {"script": report.script.path, "exit_code": report.exit_code,
@@ -339,16 +377,23 @@ def run(argv: Sequence[str], env: Mapping[str, str]) -> tuple[int, str]:
     result = grace.compute_grace(inputs)
     report: CheckReport | None = None
     notes: list[str] = []
+    conversion = next_conversion(args.from_dir, _world_size(args, env)) if args.from_dir else None
     if checking:
         script, notes = _job_script(args.job) if args.job else (read_script(args.script), [])
         facts = cluster_facts(args, script.partition)
         report = check_script(script, result, facts)
+        lead_s = script.signal.lead_s if script.signal is not None else result.lead_s
+        late = conversion and grace.conversion_finding(conversion, script.time_limit_s, lead_s, inputs.step_s)
+        if late:
+            report = replace(report, findings=(*report.findings, Finding(level="warn", message=late)))
     else:
         facts = cluster_facts(args, None)
         warnings += grace.cluster_notes(result, facts)[1]
     notes += grace.cluster_notes(result, facts)[0]
+    if conversion is not None:
+        notes.append(grace.conversion_note(conversion))
     if args.json:
-        text = render_json(result, facts, notes, warnings, samples, report)
+        text = render_json(result, facts, notes, warnings, samples, report, conversion)
     else:
         text = render_text(result, notes, warnings, report)
     return (report.exit_code if report is not None else EXIT_OK), text

@@ -14,8 +14,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from slurm_jit.checkpoint import protocol
-from slurm_jit.checkpoint.ckpt_check import printable
+from slurm_jit.checkpoint import elastic_plan, protocol
+from slurm_jit.checkpoint.ckpt_check import UsageError, parse_world_size, printable
 
 EXIT_OK = 0
 EXIT_REFUSED = 1
@@ -27,10 +27,12 @@ class GateResult:
     ok: bool
     resume_point: str | None  # the checkpoint the next run resumes from; None: a fresh start
     message: str  # one line
+    elastic: elastic_plan.Plan | None = None  # resuming on another world size (None: the same, or not asked)
 
 
-def check(out_dir: str | os.PathLike[str], quarantine: bool = False) -> GateResult:
-    """Run the gate; raises OSError when ``out_dir`` cannot be read."""
+def check(out_dir: str | os.PathLike[str], quarantine: bool = False, world_size: int | None = None) -> GateResult:
+    """Run the gate (for a run on ``world_size`` ranks: a checkpoint written by another number of ranks is
+    resumable only where elastic_plan says so); raises OSError when ``out_dir`` cannot be read."""
     resolution = protocol.find_resumable(out_dir)
     # reasons may quote undecodable file names: escaped, so that printing the message can never fail
     newer = [f"checkpoint-{c.step} {c.status.value} ({printable(c.reason)})" for c in resolution.passed_over]
@@ -38,14 +40,21 @@ def check(out_dir: str | os.PathLike[str], quarantine: bool = False) -> GateResu
         return GateResult(ok=False, resume_point=None, message=(
             f"ckpt-check gate: no resumable checkpoint in {out_dir}, only {'; '.join(newer)}. HINT: inspect with "
             f"ckpt-check {out_dir}; --quarantine renames them aside (never deletes) and starts over"))
-    moved = protocol.quarantine(resolution) if quarantine and resolution.passed_over else []
     point = str(resolution.checkpoint.path) if resolution.checkpoint else None
+    elastic = elastic_plan.plan(point, world_size) if point and world_size else None
+    if elastic is not None and not elastic.resumable:
+        return GateResult(ok=False, resume_point=point, message=f"ckpt-check gate: {elastic.reason}", elastic=elastic)
+    if elastic is not None and elastic.action == elastic_plan.SAME:
+        elastic = None
+    moved = protocol.quarantine(resolution) if quarantine and resolution.passed_over else []
     parts = [f"resume from {point}" if point else "fresh start (no resumable checkpoint)"]
+    if elastic is not None:
+        parts.append(elastic.reason)
     if moved:
         parts.append("quarantined " + ", ".join(f"{src.name} -> {dst.name}" for src, dst in moved))
     elif newer:
         parts.append("passed over " + "; ".join(newer))
-    return GateResult(ok=True, resume_point=point, message="ckpt-check gate: " + "; ".join(parts))
+    return GateResult(ok=True, resume_point=point, message="ckpt-check gate: " + "; ".join(parts), elastic=elastic)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -53,9 +62,15 @@ def main(argv: Sequence[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir")
     parser.add_argument("--quarantine", action="store_true")
+    parser.add_argument("--world-size", metavar="N", help="the ranks of the run that resumes (default: not checked)")
     args = parser.parse_args(argv)
     try:
-        result = check(args.out_dir, args.quarantine)
+        world_size = parse_world_size(args.world_size)  # before anything is read or moved
+    except UsageError as exc:
+        print(f"ckpt-check gate: {exc}", file=sys.stderr)
+        sys.exit(EXIT_ERROR)
+    try:
+        result = check(args.out_dir, args.quarantine, world_size)
     except OSError as exc:
         print(f"ckpt-check gate: cannot read {args.out_dir}: {exc.strerror or exc}. HINT: check the path and its "
               "permissions", file=sys.stderr)

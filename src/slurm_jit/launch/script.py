@@ -96,7 +96,7 @@ def render(job: JobSpec) -> str:
         'echo "slurm-jit: job ${SLURM_JOB_ID} restart ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NODELIST}"',
         "",
         "# The ckpt-check gate: refuse to start when checkpoints exist but none is resumable.",
-        f'{py} -m slurm_jit.launch.gate "$OUT_DIR"{gate_flags} || exit 1',
+        f'{py} -m slurm_jit.launch.gate "$OUT_DIR" --world-size {job.world_size}{gate_flags} || exit 1',
         "",
         f'srun --kill-on-bad-exit=1 {py} -m slurm_jit.launch.task "$OUT_DIR"/slurm-jit/{SPEC_NAME}',
         "srun_exit=$?",

@@ -22,6 +22,7 @@ from typing import Any, NoReturn
 import tomllib
 
 from slurm_jit import slurm, timing
+from slurm_jit.checkpoint import elastic_plan
 from slurm_jit.grace import cli as grace_cli
 from slurm_jit.grace.calc import GraceError, GraceResult, Term, compute_grace
 from slurm_jit.grace.sbatch_script import ScriptError, parse_time_limit
@@ -267,7 +268,21 @@ def plan_lines(job: script.JobSpec, result: GraceResult, spec: Mapping[str, Any]
         f"export SLURM_JIT_SIGNAL_LEAD_S={result.lead_s}",
         f"  requeue:  {requeue}",
         f"  resume:   {checked.message.removeprefix('ckpt-check gate: ')}",
+        *([f"  elastic:  {_elastic_line(job, checked)}"] if checked.elastic is not None else []),
     ]
+
+
+def _elastic_line(job: script.JobSpec, checked: gate.GateResult) -> str:
+    """What the resume does about the world size change, with the conversion's estimated time."""
+    elastic = checked.elastic
+    assert elastic is not None
+    line = f"{elastic.written_by} -> {job.world_size} ranks from {checked.resume_point}: {elastic.action}"
+    if elastic.action != elastic_plan.CONVERT:
+        return line
+    conversion = grace_cli.next_conversion(job.output_dir, job.world_size)
+    took = f"~{conversion.seconds:.0f} s ({conversion.source})" if conversion and conversion.seconds is not None \
+        else "time not estimated (no conversion in the timing log yet)"
+    return f"{line}, once, at the start of the first job, before its first step: {took}"
 
 
 def _submit(job: script.JobSpec, spec: Mapping[str, Any]) -> str:
@@ -297,7 +312,7 @@ def submit_main(argv: Sequence[str]) -> int:
     try:
         job, result = build_job(args)
         spec = training_spec(args)
-        checked = gate.check(job.output_dir, quarantine=False)
+        checked = gate.check(job.output_dir, quarantine=False, world_size=job.world_size)
     except (ValueError, GraceError, ScriptError) as exc:
         _fail(str(exc))
     except OSError as exc:

@@ -167,6 +167,14 @@ class StopAgreement:
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
+    def broadcast_after(self, obj: Any, heartbeat: str) -> Any:
+        """Rank 0's ``obj`` on every rank, after any number of heartbeats rank 0 broadcasts first (tuples whose
+        first item is ``heartbeat``): each wait is one broadcast, bounded by the side group's timeout."""
+        while True:
+            got = self.broadcast(obj)
+            if not (isinstance(got, tuple) and got and got[0] == heartbeat):
+                return got
+
     def gather(self, obj: Any) -> list[Any] | None:
         """Every rank's ``obj`` on rank 0 (None elsewhere)."""
         if not self.distributed:

@@ -33,8 +33,12 @@ TENSORBOARD_RECORD_MAX_BYTES = 64 * 1024
 PROGRESS_BARS_ENV = "SLURM_JIT_PROGRESS_BARS"  # "1": tqdm bars even when stderr is a file (a Slurm job log)
 
 # The range tested (keep equal to pyproject.toml's dependencies; tests/test_compat_hooks.py checks it).
-SUPPORTED_RANGE = "transformers>=5.24,<6, accelerate>=1.15,<2, deepspeed>=0.19.8,<0.20"
-TESTED_TRANSFORMERS = "5.24.0"  # the one version the stop/resume tests ran on (README "Versions")
+SUPPORTED_RANGE = "transformers>=5.18,<6, accelerate>=1.15,<2, deepspeed>=0.19.8,<0.20"
+# The stop/resume scenario runs on both ends of the transformers range (README "Versions"): the newest is what a
+# fresh install resolves (every DeepSpeed test runs on it), the lowest is installed as an overlay by
+# tests/test_compat_versions.py. Below 5.18 transformers requires huggingface_hub<2, outside the tested set.
+LOWEST_TRANSFORMERS = "5.18.0"
+TESTED_TRANSFORMERS = "5.24.0"  # the newest tested: the version the refusal's HINT names
 # Every Trainer method JitTrainer overrides or calls by a private name, with the parameters (after self) that
 # transformers 5.24 gives it, in order. Upstream may add parameters after these, with defaults.
 TRAINER_HOOKS: dict[str, tuple[str, ...]] = {

@@ -16,12 +16,16 @@ engine loads that on any world size when its ``load_universal_checkpoint`` is se
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,20 +41,43 @@ from slurm_jit.checkpoint.elastic_plan import (
     universal_complete,
     universal_dir,
 )
+from slurm_jit.train import output_lock
 
 logger = logging.getLogger(__name__)
 
 LATEST_UNIVERSAL_NAME = "latest_universal"  # engine.load_checkpoint reads the tag here when load_universal is set
 # A conversion reads every shard and writes each parameter's states once: seconds for the demo model, minutes for
-# billions of parameters. The other ranks wait for it in a side-group broadcast bounded by the side group's
-# timeout; the conversion gets this share of it (the rest: the broadcast of the verdict), and past that it is taken
-# as hung and the resume is refused (the original stays).
-CONVERT_SHARE_OF_WAIT = 0.9
-# Where the engine saves its config (ds_config): the model states (engine._common_checkpoint_state), and rank 0's
-# ZeRO shard, named bf16_... under bf16 (engine._get_zero_ckpt_prefix).
-DS_CONFIG_FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
-                   "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")
+# billions of parameters. It is bounded by JitConfig.convert_timeout_s (past that it is taken as hung and the resume
+# is refused; the original stays). The other ranks wait in side-group broadcasts: rank 0 sends one at least every
+# HEARTBEAT_SHARE_OF_TIMEOUT x side_group_timeout_s while the converter runs (and at most every HEARTBEAT_MAX_S), so
+# that no single wait comes near the side group's timeout however long the conversion takes, and a dead rank 0
+# still ends the others' wait within that timeout.
+CONVERT_TIMEOUT_S = 3600.0  # the default JitConfig.convert_timeout_s: a hung converter, not a slow one
+HEARTBEAT_SHARE_OF_TIMEOUT = 0.25
+HEARTBEAT_MAX_S = 10.0
+HEARTBEAT = "slurm_jit: converting"  # the first item of a heartbeat broadcast (the verdict is a 3-tuple of others)
+# The converter runs ``python -c`` this: it asks the kernel for SIGKILL when its parent (the rank) dies, checks that
+# the parent did not die before that, and runs DeepSpeed's converter as its __main__.
+CONVERTER_BOOTSTRAP = (
+    "import ctypes, os, runpy, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (linux/prctl.h)\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit('slurm_jit: the rank that started this conversion is gone')\n"
+    "sys.argv = [sys.argv[2], *sys.argv[3:]]\n"
+    "runpy.run_module('deepspeed.checkpoint.ds_to_universal', run_name='__main__')\n"
+)
+# Where the engine saves its config (ds_config): the model states (engine._common_checkpoint_state; ZeRO-3 writes
+# one per rank), and rank 0's ZeRO shard, named bf16_... under bf16 (engine._get_zero_ckpt_prefix).
+DS_CONFIG_FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt",
+                   "zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")
+CONVERT_LOCK_NAME = "universal.lock"  # in checkpoint-S, beside universal/ (which a conversion removes and remakes)
+CONVERT_POLL_S = 0.1  # how often the rank looks at its converter (and may send a heartbeat)
 CONVERT_OUTPUT_TAIL_CHARS = 400  # of the converter's output, in the refusal when it fails
+# ZeRO-3 offload (this run's DeepSpeed config): the universal load into offloaded partitions is not verified here
+# (test_elastic.py runs ZeRO-3 without offload); stage3_gather_16bit_weights_on_model_save is verified (the 16-bit
+# weights file is a Trainer file beside the shards, linked into universal/ and not read by the resume).
+ZERO3_OFFLOAD_KEYS = ("offload_optimizer", "offload_param")
+ZERO3_MODEL_STATES = "zero_pp_rank_0_mp_rank_00_model_states.pt"  # param_shapes, frozen_param_shapes (ZeRO-3)
 
 
 class ElasticError(RuntimeError):
@@ -58,15 +85,61 @@ class ElasticError(RuntimeError):
 
 
 def ensure_universal(ckpt_dir: str | os.PathLike[str], manifest: dict[str, Any], timeout_s: float,
-                     written_by: int) -> tuple[Path, float]:
-    """The complete universal copy of ``ckpt_dir`` (converted now unless one exists) and the seconds spent;
-    ``written_by``: the ranks that wrote the shards (the plan's). Raises ElasticError (one line, HINT) when the
-    conversion fails; the original is never written."""
+                     written_by: int, heartbeat: Callable[[float], None] = lambda _s: None) -> tuple[Path, float, int]:
+    """The complete universal copy of ``ckpt_dir`` (converted now unless one exists), the seconds spent and the
+    bytes the converter wrote (0, 0 when it existed); ``written_by``: the ranks that wrote the shards (the plan's);
+    ``heartbeat(elapsed_s)`` is called while the converter runs. Raises ElasticError (one line, HINT) when the
+    conversion fails; the original's files are never written (``universal.lock`` is created beside them)."""
     path = Path(ckpt_dir)
     step = int(manifest["step"])
     target = universal_dir(path)
     if universal_complete(path, step):
-        return target, 0.0
+        return target, 0.0, 0
+    with _conversion_lock(path, timeout_s, heartbeat):
+        if universal_complete(path, step):  # converted meanwhile by the run that held the lock
+            return target, 0.0, 0
+        return _convert_locked(path, manifest, timeout_s, written_by, heartbeat)
+
+
+@contextlib.contextmanager
+def _conversion_lock(ckpt_dir: Path, timeout_s: float, heartbeat: Callable[[float], None]) -> Iterator[None]:
+    """Held while converting ``ckpt_dir``: another run resuming the same checkpoint (with another output_dir, so
+    not excluded by its output lock) waits for it, up to ``timeout_s``, instead of taking its conversion in
+    progress for a killed one and removing it. A POSIX lock (output_lock.py says why not flock): the kernel drops it
+    with its process. Where the file system cannot lock, the conversion goes on unlocked."""
+    lock = ckpt_dir / CONVERT_LOCK_NAME
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    try:
+        started = time.monotonic()
+        while not _try_lock(fd):
+            if time.monotonic() - started > timeout_s:
+                raise ElasticError(f"{ckpt_dir}: another process has been converting it to DeepSpeed's universal "
+                                   f"format for over {timeout_s:.0f} s (it holds {lock}). HINT: start again once "
+                                   "it is done (its copy is then loaded), or resume with the original number of "
+                                   "ranks")
+            heartbeat(time.monotonic() - started)
+            time.sleep(CONVERT_POLL_S)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in output_lock.HELD_ERRNOS:
+            return False
+        if exc.errno not in output_lock.UNSUPPORTED_ERRNOS:
+            raise
+        logger.warning("slurm_jit: the file system cannot lock (%s): converting without the conversion lock", exc)
+    return True
+
+
+def _convert_locked(path: Path, manifest: dict[str, Any], timeout_s: float, written_by: int,
+                    heartbeat: Callable[[float], None]) -> tuple[Path, float, int]:
+    step = int(manifest["step"])
+    target = universal_dir(path)
     started = time.monotonic()
     if os.path.lexists(target):  # a conversion killed half-way: its sentinel is still there
         logger.warning("slurm_jit: removing the unfinished conversion %s (or one by another DeepSpeed "
@@ -74,7 +147,8 @@ def ensure_universal(ckpt_dir: str | os.PathLike[str], manifest: dict[str, Any],
         _remove(target)
     tag = str(manifest.get("deepspeed_tag") or f"global_step{step}")
     protocol.write_sentinel(target, step, str(manifest.get("kind") or "jit"))
-    _convert(path / tag, target / tag, timeout_s)
+    _convert(path / tag, target / tag, timeout_s, heartbeat)
+    converted_bytes = sum(f.stat().st_size for f in (target / tag).rglob("*") if f.is_file())
     _link_trainer_files(path, target)
     (target / LATEST_UNIVERSAL_NAME).write_text(tag, encoding="utf-8")
     protocol.fsync_tree(target)
@@ -86,7 +160,7 @@ def ensure_universal(ckpt_dir: str | os.PathLike[str], manifest: dict[str, Any],
         run_id=manifest.get("run_id") if isinstance(manifest.get("run_id"), str) else None,
         extra={UNIVERSAL_OF_KEY: written_by, CONVERTER_VERSION_KEY: converter_version(),
                "convert_s": round(elapsed_s, 3)})
-    return target, elapsed_s
+    return target, elapsed_s, converted_bytes
 
 
 def _remove(target: Path) -> None:
@@ -96,27 +170,50 @@ def _remove(target: Path) -> None:
         shutil.rmtree(target)
 
 
-def _convert(source: Path, dest: Path, timeout_s: float) -> None:
-    """Run DeepSpeed's converter in a child process (its process pools and prints stay out of the rank)."""
-    argv = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(source),
-            "--output_folder", str(dest), "--num_extract_workers", "1", "--num_merge_workers", "1",
+def _convert(source: Path, dest: Path, timeout_s: float, heartbeat: Callable[[float], None]) -> None:
+    """Run DeepSpeed's converter in a child process (its process pools and prints stay out of the rank) that the
+    kernel kills when the rank dies; ``heartbeat(elapsed_s)`` while it runs."""
+    argv = [sys.executable, "-c", CONVERTER_BOOTSTRAP, str(os.getpid()), "ds_to_universal", "--input_folder",
+            str(source), "--output_folder", str(dest), "--num_extract_workers", "1", "--num_merge_workers", "1",
             "--inject_missing_state"]  # HF models carry no universal-checkpoint info; DeepSpeed's default is fine
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
-    except subprocess.TimeoutExpired:
+    started = time.monotonic()
+    with tempfile.TemporaryFile() as output:  # a file, not a pipe: a chatty converter never blocks on it
+        child = subprocess.Popen(argv, stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            returncode = _wait(child, started + timeout_s, heartbeat)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        output.seek(0)
+        text = output.read().decode("utf-8", "replace")
+    if returncode is None:
         raise ElasticError(f"{source}: the conversion to DeepSpeed's universal format took over {timeout_s:.0f} s "
-                           "(a share of JitConfig.side_group_timeout_s, the other ranks' wait). HINT: raise "
-                           "side_group_timeout_s, or resume with the original number of ranks") from None
-    if done.returncode != 0:
-        tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])[-CONVERT_OUTPUT_TAIL_CHARS:]
+                           "(JitConfig.convert_timeout_s). HINT: raise convert_timeout_s, or resume with the "
+                           "original number of ranks")
+    if returncode != 0:
+        tail = " | ".join(text.strip().splitlines()[-3:])[-CONVERT_OUTPUT_TAIL_CHARS:]
         raise ElasticError(f"{source}: the conversion to DeepSpeed's universal format failed (exit "
-                           f"{done.returncode}): {tail}. HINT: resume with the original number of ranks")
+                           f"{returncode}): {tail}. HINT: resume with the original number of ranks")
+
+
+def _wait(child: subprocess.Popen[bytes], deadline: float, heartbeat: Callable[[float], None]) -> int | None:
+    """The child's exit code, None past ``deadline``; ``heartbeat`` between polls."""
+    started = time.monotonic()
+    while True:
+        left_s = deadline - time.monotonic()
+        if left_s <= 0:
+            return None
+        try:
+            return child.wait(timeout=min(left_s, CONVERT_POLL_S))
+        except subprocess.TimeoutExpired:
+            heartbeat(time.monotonic() - started)
 
 
 def _link_trainer_files(source: Path, dest: Path) -> None:
     """The Trainer's own files (trainer state, scheduler, RNG, config) beside the universal shards: hard links
     where the file system allows (files of a complete checkpoint are never rewritten), copies elsewhere."""
-    skip = {protocol.MANIFEST_NAME, protocol.SENTINEL_NAME, "latest"}
+    skip = {protocol.MANIFEST_NAME, protocol.SENTINEL_NAME, "latest", CONVERT_LOCK_NAME}
     for entry in sorted(source.iterdir()):
         if entry.name in skip or entry.is_symlink() or not entry.is_file():
             continue
@@ -126,36 +223,100 @@ def _link_trainer_files(source: Path, dest: Path) -> None:
             shutil.copy2(entry, dest / entry.name)
 
 
-def prepare(ckpt_dir: str, args: Any, manifest: dict[str, Any], wait_s: float) -> tuple[str | None, str | None]:
-    """Rank 0, before the resume with ``args`` (TrainingArguments): (the directory the Trainer loads from when it
-    is not ``ckpt_dir``, refusal). Logs one line when the world size changed; converts when it must. This run's
-    samples per optimizer step (per-device batch x accumulation x world size) must be the checkpoint's. ``wait_s``:
-    how long the other ranks wait for the verdict."""
+Prepared = tuple[str | None, str | None, dict[str, Any] | None]  # (load from, refusal, the conversion's record)
+
+
+def prepare(ckpt_dir: str, args: Any, manifest: dict[str, Any], convert_timeout_s: float,
+            heartbeat: Callable[[float], None] = lambda _s: None, frozen_now: Sequence[str] = ()) -> Prepared:
+    """Rank 0, before the resume with ``args`` (TrainingArguments): the directory the Trainer loads from when it
+    is not ``ckpt_dir``, the refusal, and what a conversion done now took (for the timing log: step, dur_s, bytes,
+    from_world_size). Logs one line when the world size changed; converts when it must, within
+    ``convert_timeout_s``, calling ``heartbeat(elapsed_s)`` meanwhile. This run's samples per optimizer step
+    (per-device batch x accumulation x world size) must be the checkpoint's. ``frozen_now``: the names of this
+    run's parameters that do not require gradients."""
     world_size = int(args.world_size)
-    global_batch = int(args.per_device_train_batch_size) * int(args.gradient_accumulation_steps) * world_size
     decided = plan(ckpt_dir, world_size, manifest)
     if decided.action == SAME:
-        return None, None
+        return None, None, None
     logger.warning("slurm_jit: world size %s -> %d: %s", decided.written_by, world_size, decided.reason)
     if decided.action in (DIRECT, REFUSED):
-        return None, None if decided.resumable else decided.reason
+        return None, None if decided.resumable else decided.reason, None
     written_by = int(decided.written_by or 0)  # not SAME: the plan knows who wrote it
-    written_batch = _global_batch(Path(ckpt_dir), manifest, written_by)
-    if written_batch is not None and written_batch != global_batch:
-        return None, (f"{ckpt_dir}: {written_batch} samples per optimizer step when written, {global_batch} in "
-                      "this run: the Trainer skips global_step batches on resume, so the data position (samples "
-                      "consumed) and the learning-rate schedule would not carry over. HINT: keep "
-                      "per_device_train_batch_size x gradient_accumulation_steps x world size at "
-                      f"{written_batch}")
+    refusal = _batch_refusal(Path(ckpt_dir), args, manifest, written_by)
+    if refusal is None and decided.zero_stage == 3:
+        refusal = _zero3_refusal(Path(ckpt_dir), args, manifest, written_by, frozen_now)
+    if refusal:
+        return None, refusal, None
     try:
-        target, elapsed_s = ensure_universal(ckpt_dir, manifest, CONVERT_SHARE_OF_WAIT * wait_s, written_by)
+        target, elapsed_s, nbytes = ensure_universal(ckpt_dir, manifest, convert_timeout_s, written_by, heartbeat)
     except (ElasticError, OSError, protocol.ProtocolError) as exc:
         return None, f"{exc}" if isinstance(exc, ElasticError) else (
             f"{ckpt_dir}: converting to DeepSpeed's universal format failed: {exc}. HINT: resume with "
-            f"{decided.written_by} ranks; the checkpoint itself is untouched")
-    if elapsed_s:
-        logger.warning("slurm_jit: converted %s to %s in %.1f s", ckpt_dir, target, elapsed_s)
-    return str(target), None
+            f"{decided.written_by} ranks; the checkpoint itself is untouched"), None
+    if not elapsed_s:
+        return str(target), None, None
+    logger.warning("slurm_jit: converted %s to %s in %.1f s (%d bytes written)", ckpt_dir, target, elapsed_s,
+                   nbytes)
+    return str(target), None, {"step": int(manifest["step"]), "dur_s": elapsed_s, "bytes": nbytes,
+                               "from_world_size": written_by}
+
+
+def _batch_refusal(ckpt_dir: Path, args: Any, manifest: dict[str, Any], written_by: int) -> str | None:
+    global_batch = int(args.per_device_train_batch_size) * int(args.gradient_accumulation_steps) * int(
+        args.world_size)
+    written_batch = _global_batch(ckpt_dir, manifest, written_by)
+    if written_batch is None or written_batch == global_batch:
+        return None
+    return (f"{ckpt_dir}: {written_batch} samples per optimizer step when written, {global_batch} in this run: the "
+            "Trainer skips global_step batches on resume, so the data position (samples consumed) and the "
+            "learning-rate schedule would not carry over. HINT: keep per_device_train_batch_size x "
+            f"gradient_accumulation_steps x world size at {written_batch}")
+
+
+def heartbeat_every(interval_s: float, send: Callable[[float], None]) -> Callable[[float], None]:
+    """A heartbeat that calls ``send(elapsed_s)`` at most once per ``interval_s``."""
+    last = [time.monotonic()]
+
+    def beat(elapsed_s: float) -> None:
+        if time.monotonic() - last[0] >= interval_s:
+            last[0] = time.monotonic()
+            send(elapsed_s)
+
+    return beat
+
+
+def heartbeat_interval_s(side_group_timeout_s: float) -> float:
+    return min(HEARTBEAT_MAX_S, HEARTBEAT_SHARE_OF_TIMEOUT * side_group_timeout_s)
+
+
+def _zero3_refusal(ckpt_dir: Path, args: Any, manifest: dict[str, Any], written_by: int,
+                   frozen_now: Sequence[str]) -> str | None:
+    """One line when a ZeRO-3 checkpoint uses what the conversion or the universal load does not carry: offload
+    in this run, frozen parameters in the checkpoint or in this run (ds_to_universal converts the trainable ones'
+    states only, and the universal load fills this run's trainable ones only: a frozen one would keep the value the
+    model was built with)."""
+    hint = f"HINT: resume with {written_by} ranks"
+    if frozen_now:
+        return (f"{ckpt_dir}: ZeRO-3 on another world size with {len(frozen_now)} parameters frozen in this run "
+                f"(e.g. {frozen_now[0]}): DeepSpeed's universal load restores the trainable parameters only, so "
+                f"the frozen ones would keep the values the model was built with, not the checkpoint's. {hint}, or "
+                "freeze them after this resume has saved a checkpoint")
+    hf_config = getattr(args, "hf_deepspeed_config", None)
+    config = getattr(hf_config, "config", None) if hf_config is not None else None
+    zero = config.get("zero_optimization") if isinstance(config, dict) else None
+    for key in ZERO3_OFFLOAD_KEYS:
+        section = zero.get(key) if isinstance(zero, dict) else None
+        device = section.get("device") if isinstance(section, dict) else None
+        if device not in (None, "none"):
+            return (f"{ckpt_dir}: ZeRO-3 with {key} (device {device}) on another world size: the universal load "
+                    f"into offloaded partitions is not verified. {hint}, or without {key} for this resume")
+    states = ckpt_dir / str(manifest.get("deepspeed_tag") or "") / ZERO3_MODEL_STATES
+    frozen = _saved_entry(states, "frozen_param_shapes")
+    if isinstance(frozen, dict) and frozen:
+        return (f"{ckpt_dir}: ZeRO-3 with {len(frozen)} frozen parameters (e.g. {next(iter(frozen))}) on another "
+                "world size: DeepSpeed's universal format carries the trainable parameters only, so the frozen "
+                f"ones would not be restored from the checkpoint. {hint}")
+    return None
 
 
 def _global_batch(ckpt_dir: Path, manifest: dict[str, Any], written_by: int) -> int | None:
@@ -175,21 +336,28 @@ def _global_batch(ckpt_dir: Path, manifest: dict[str, Any], written_by: int) -> 
 
 
 def _saved_ds_config(path: Path) -> dict[str, Any]:
+    config = _saved_entry(path, "ds_config")
+    return config if isinstance(config, dict) else {}
+
+
+def _saved_entry(path: Path, key: str) -> Any:
+    """``key`` of a DeepSpeed state file (memory-mapped: no tensor is read); None when missing or unreadable."""
     import torch
 
     if not path.is_file():
-        return {}
+        return None
     try:
-        config = torch.load(path, map_location="cpu", weights_only=False, mmap=True).get("ds_config")
-    except Exception:  # noqa: BLE001 - another layout or a newer DeepSpeed: the next file is asked
-        return {}
-    return config if isinstance(config, dict) else {}
+        saved = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception:  # noqa: BLE001 - another layout or a newer DeepSpeed: the caller asks the next file
+        return None
+    return saved.get(key) if isinstance(saved, dict) else None
 
 
 def install_universal_load() -> None:
     """Until the Trainer's next DeepSpeed resume load (or :func:`uninstall_universal_load`), that load reads a
     universal checkpoint: the engine's ``load_universal_checkpoint`` is set for that one load and put back right
-    after, so later loads (the best model at the end) are the engine's own kind."""
+    after, so later loads are the engine's own kind (the best model at the end installs it again when that
+    checkpoint, too, was written by another number of ranks: JitTrainer._load_best_model)."""
     import transformers.trainer as hf_trainer
 
     original = getattr(hf_trainer.deepspeed_load_checkpoint, "slurm_jit_original", hf_trainer.deepspeed_load_checkpoint)

@@ -55,6 +55,7 @@ from slurm_jit.train import (
 from slurm_jit.train.agreement import SIDE_GROUP_TIMEOUT_S, Decision, StopAgreement
 from slurm_jit.train.refusals import JitRefusal, refused_settings, resume_refusal
 from slurm_jit.train.signals import IgnoreSignalsInWorker, SignalLatch, StartWorkersMasked
+from slurm_jit.train.trackers import continue_wandb_run, log_stop_to_trackers
 
 logger = logging.getLogger(__name__)
 
@@ -102,9 +103,10 @@ class JitConfig:
     ignore_signals_in_workers: bool = True  # DataLoader workers ignore the stop signals
     grace_check: bool = True  # under Slurm, warn when the signal lead is shorter than the grace needed
     side_group_timeout_s: float = SIDE_GROUP_TIMEOUT_S  # timeout of the gloo side group's collectives
+    convert_timeout_s: float = elastic.CONVERT_TIMEOUT_S  # an elastic resume's conversion (train/elastic.py)
 
     def __post_init__(self) -> None:
-        for name in ("kill_wait_s", "side_group_timeout_s"):
+        for name in ("kill_wait_s", "side_group_timeout_s", "convert_timeout_s"):
             _check_seconds(name, getattr(self, name), allow_zero=name == "kill_wait_s")
         if isinstance(self.signals, str) or not isinstance(self.signals, tuple | list):
             raise ValueError(f"signals={self.signals!r} is not a tuple of names. HINT: signals=('TERM',)")
@@ -159,7 +161,9 @@ class _Run:
     lineage: str = ""  # the manifest's run_id: carried from the checkpoint resumed from, new on a fresh start
     resumed_from: str | None = None  # kept by rotation until this run has written a newer checkpoint
     load_from: str | None = None  # what the Trainer loads when not resumed_from: its universal copy (elastic.py)
+    conversion: dict[str, Any] | None = None  # rank 0: the conversion this start did, for the timing log
     stop_recorded: bool = False  # rank 0 wrote jit_stop (right after the stop checkpoint's manifest)
+    trackers_told: bool = False  # the trackers (W&B, TensorBoard) were told how this job ended
     trial: Any = None
     ignore_keys_for_eval: list[str] | None = None
     grace_due: list[str] = field(default_factory=list)  # runtime grace checks to run at the next calm boundary
@@ -282,15 +286,21 @@ class JitTrainer(transformers.Trainer):
             compat.continue_tensorboard_run(self, resume)
             run_id = self._agreement.broadcast(uuid.uuid4().hex[:12])  # one id for all ranks of this train()
             run.timing = TimingLog(out_dir, int(self.args.process_index), int(self.args.world_size), run_id)
+            if run.conversion and self._is_rank0:
+                run.timing.conversion(**run.conversion)
             if self._is_rank0:
                 stop_record.write(out_dir, "running", step=None, resumed_from=resume)
             try:
-                with compat.eval_on_start_once(self.args, resuming=resume is not None):
+                with (compat.eval_on_start_once(self.args, resuming=resume is not None),
+                      continue_wandb_run(self, resume)):
                     output = super().train(resume_from_checkpoint=run.load_from or resume, trial=trial,
                                            ignore_keys_for_eval=ignore_keys_for_eval)
             except _StopBeforeFirstStep:
                 output = TrainOutput(self.state.global_step, 0.0, {})
             self.jit_stopped = run.stopped
+            run.trackers_told = True
+            log_stop_to_trackers(self, "jit_stop" if run.stopped else "finished", self.state.global_step,
+                                 _signal_name(run.latch.first_signum))
             if self._is_rank0 and not run.stop_recorded:
                 state = "jit_stop" if run.stopped else "finished"
                 stop_record.write(out_dir, state, step=self.state.global_step, checkpoint=run.checkpoint,
@@ -331,6 +341,10 @@ class JitTrainer(transformers.Trainer):
             self._write_failure(run, error)
         except OSError as write_exc:  # a full disk: the record cannot be written; the error itself must go on
             logger.error("slurm_jit: stop record not written: %s", write_exc)
+        if run.stop_recorded and not run.trackers_told:  # the trackers say what the record says: a JIT stop
+            run.trackers_told = True
+            log_stop_to_trackers(self, "jit_stop", self.state.global_step, _signal_name(run.latch.first_signum),
+                                 error_after_stop=error)
 
     def _write_failure(self, run: _Run, error: str) -> None:
         if run.stop_recorded:  # the stop checkpoint is complete: still a JIT stop (requeue), with what went wrong
@@ -348,14 +362,14 @@ class JitTrainer(transformers.Trainer):
         if self._is_rank0:  # one training per output_dir, and a writable one (output_lock), before any step
             self._jit_output_lock, locked_out = output_lock.acquire(str(self.args.output_dir))
             decision = (None, locked_out, {}) if locked_out else self._pick_resume(resume_from_checkpoint)
-        path, refusal, carried = self._agreement.broadcast(decision)
+        path, refusal, carried = self._agreement.broadcast_after(decision, elastic.HEARTBEAT)
         if refusal:
             raise JitRefusal(f"slurm_jit: {refusal}")
         run = self._jit_run
         if run is not None:
             run.lineage = carried.get("run_id") or uuid.uuid4().hex[:LINEAGE_ID_CHARS]
             run.owed_eval_step = carried.get("owed_evaluation_step")
-            run.load_from = carried.get("load_from")
+            run.load_from, run.conversion = carried.get("load_from"), carried.get("conversion")
             if run.load_from:
                 elastic.install_universal_load()
         return path
@@ -386,11 +400,19 @@ class JitTrainer(transformers.Trainer):
                 carried["run_id"] = manifest["run_id"]
             if manifest.get("owed_evaluation") is True:
                 carried["owed_evaluation_step"] = manifest["step"]
-            carried["load_from"], refusal = elastic.prepare(path, self.args, manifest,
-                                                            self.jit_config.side_group_timeout_s)
+            carried["load_from"], refusal, carried["conversion"] = self._prepare_elastic(path, manifest)
             if not refusal and not carried["load_from"]:  # a universal load rebuilds the weights itself
                 refusal = slim_save.resume_refusal(path, manifest, self._ds_config())
         return path, refusal, carried
+
+    def _prepare_elastic(self, path: str, manifest: dict[str, Any]) -> elastic.Prepared:
+        """Rank 0: elastic.prepare for loading ``path`` on this run's world size, heartbeating to the others."""
+        beat = elastic.heartbeat_every(elastic.heartbeat_interval_s(self.jit_config.side_group_timeout_s),
+                                       lambda s: self._agreement.broadcast((elastic.HEARTBEAT, s)))
+        params = self.model.named_parameters() if self.model is not None else ()
+        frozen = [name for name, p in params if not p.requires_grad]  # ZeRO-3's universal load skips them
+        return elastic.prepare(path, self.args, manifest, self.jit_config.convert_timeout_s, beat,
+                               frozen_now=frozen)
 
     # ------------------------------------------------------------ the stop decision
 
@@ -598,7 +620,39 @@ class JitTrainer(transformers.Trainer):
             logger.warning("slurm_jit: JIT stop: not loading the best model (%s); the job is on its way out",
                            self.state.best_model_checkpoint)
             return
-        super()._load_best_model(*args, **kwargs)
+        best = self.state.best_model_checkpoint
+        if not (best and self.is_deepspeed_enabled):  # the same on every rank: all or none broadcast
+            super()._load_best_model(*args, **kwargs)
+            return
+        load_from, refusal = self._agreement.broadcast_after(self._best_model_elastic(best), elastic.HEARTBEAT)
+        if refusal:
+            logger.warning("slurm_jit: not loading the best model: %s", refusal)
+            return
+        if load_from is None:
+            super()._load_best_model(*args, **kwargs)
+            return
+        elastic.install_universal_load()  # the best checkpoint's ZeRO shards are another world size's
+        self.state.best_model_checkpoint = load_from
+        try:
+            super()._load_best_model(*args, **kwargs)
+        finally:
+            self.state.best_model_checkpoint = best
+            elastic.uninstall_universal_load()
+
+    def _best_model_elastic(self, best: str) -> tuple[str | None, str | None]:
+        """Rank 0 (None, None elsewhere): the best checkpoint's universal copy when it was written by another
+        number of ranks (DeepSpeed refuses its shards here: the run would end in a traceback after its last save,
+        and so would every requeue of it), or why it cannot be loaded."""
+        if not self._is_rank0:
+            return None, None
+        decided = elastic.plan(best, int(self.args.world_size))
+        if decided.action in (elastic.SAME, elastic.DIRECT) or not decided.resumable:
+            return None, None if decided.resumable else decided.reason
+        manifest, why = manifest_file.read(Path(best))
+        if manifest is None:
+            return None, f"{best}: {why}"
+        load_from, refusal, _ = self._prepare_elastic(best, manifest)
+        return load_from, refusal
 
     def _finish_current_push(self, *args: Any, **kwargs: Any) -> None:
         if self._jit_run is not None and self._jit_run.stopped:
