@@ -175,8 +175,9 @@ def _sizes_on_disk(ckpt: Path) -> dict[str, int]:
 
 def assert_byte_report_matches_disk(ckpt: Path) -> None:
     """The manifest's byte report against the files on disk: the total is what is there (less the manifest);
-    the duplicate is exactly the DeepSpeed model-states file(s) that hold the whole model (ZeRO-0/1/2), and
-    nothing under ZeRO-3, whose per-rank model-states files hold no weights (they are in the optimizer shards)."""
+    the duplicate is exactly the DeepSpeed model-states file(s) that hold the whole model (ZeRO-0/1/2 periodic and
+    final saves), and nothing for a slim JIT save under ZeRO-1/2 (its model-states file leaves the weights out)
+    nor under ZeRO-3, whose per-rank model-states files hold no weights (they are in the optimizer shards)."""
     manifest = json.loads((ckpt / protocol.MANIFEST_NAME).read_text())
     sizes = _sizes_on_disk(ckpt)
     assert protocol.SENTINEL_NAME not in sizes
@@ -185,7 +186,11 @@ def assert_byte_report_matches_disk(ckpt: Path) -> None:
     whole_model = sorted(ckpt.glob(MODEL_STATES_GLOB))
     partitioned = sorted(ckpt.glob(ZERO3_MODEL_STATES_GLOB))
     assert bool(whole_model) != bool(partitioned), f"model-states files in {ckpt}: {whole_model + partitioned}"
-    duplicate = sum(p.stat().st_size for p in whole_model)
+    # a JIT save under ZeRO-1/2 (slim: weights "fp32-master-only") leaves the weights out of the model states
+    slim = manifest.get("weights") == protocol.WEIGHTS_MASTER_ONLY
+    expect_slim = bool(partitioned) or (manifest["kind"] == "jit" and manifest["zero_stage"] in (1, 2))
+    assert slim == expect_slim, (manifest.get("weights"), manifest["kind"], manifest["zero_stage"])
+    duplicate = 0 if slim else sum(p.stat().st_size for p in whole_model)
     assert manifest["bytes_weights_duplicate"] == duplicate, (manifest["bytes_weights_duplicate"], duplicate)
     assert manifest["bytes_needed_for_resume"] == on_disk - duplicate
 
@@ -201,6 +206,10 @@ def assert_jit_stop(out: Path, result: StopResult) -> Path:
     assert check.stdout.splitlines()[-1] == str(ckpt)
     info = protocol.inspect(ckpt, record["step"], deep=True)
     assert info.status is protocol.Status.COMPLETE and info.kind == "jit", info
+    if info.zero_stage:  # ZeRO-1/2: the slim JIT save; ZeRO-3: DeepSpeed's own layout. ckpt-check says so.
+        assert info.weights == protocol.WEIGHTS_MASTER_ONLY, info
+        row = next(line for line in check.stdout.splitlines() if line.split()[:1] == [str(record["step"])])
+        assert " master " in row, row
     assert (ckpt / "latest").read_text().strip() == f"global_step{record['step']}"
     # what resume needs, once: no consolidated weights beside the DeepSpeed shards, and the excess is reported
     assert not (ckpt / "model.safetensors").exists()

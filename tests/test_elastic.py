@@ -209,7 +209,7 @@ def test_same_world_size_is_no_conversion(stopped: Path) -> None:
     assert refusals.resume_refusal(ckpt, world_size=2) is None
     check = _ckpt_check(stopped, "--world-size", "2")
     assert "on 2 ranks: yes (same)" in check.stdout and check.returncode == 0, check.stdout
-    assert "      2     2  ok  <- resume" in check.stdout, check.stdout  # world size and ZeRO stage columns
+    assert "      2     2  master   ok  <- resume" in check.stdout, check.stdout  # world, ZeRO stage, weights
 
 
 @pytest.fixture(scope="module")

@@ -12,15 +12,18 @@ RNG-neutral evaluation the GPT-2 run (dropout, evaluation at the stop step) does
 from __future__ import annotations
 
 import copy
+import json
 import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from jit_helpers import assert_jit_stop, assert_same_losses, losses, run_and_signal, run_to_end
 
 from slurm_jit import exactness
+from slurm_jit.checkpoint import protocol
 
 # The issue's tiny Llama: vocab 96, hidden 64, intermediate 128, 2 layers, 4 heads, 2 kv heads, lr 3e-3, batch 2.
 LLAMA = ["--model", "llama", "--vocab", "96", "--width", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2",
@@ -44,8 +47,14 @@ CONFIGS = {
 SIGNAL_AFTER_STEPS = 13
 
 
-def _args(name: str) -> list[str]:
-    return [*RUN, *CONFIGS[name], "--max-steps", str(MAX_STEPS), "--dump-state-at", str(MAX_STEPS)]
+def _args(name: str, dump_steps: str = str(MAX_STEPS)) -> list[str]:
+    return [*RUN, *CONFIGS[name], "--max-steps", str(MAX_STEPS), "--dump-state-at", dump_steps]
+
+
+# The reference dumps every step a stop can land on: the resumed run's state right after its load is compared
+# with the reference's at the stop step.
+REFERENCE_DUMPS = ",".join(str(step) for step in range(SIGNAL_AFTER_STEPS, MAX_STEPS + 1))
+AFTER_LOAD_PREFIXES = ("module/", "optimizer/")  # the RNGs are restored later, at the first epoch
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +63,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     class Lazy(dict[str, Path]):
         def __missing__(self, name: str) -> Path:
             out = tmp_path_factory.mktemp(f"ref-{name}") / "out"
-            codes = run_to_end(out, _args(name))
+            codes = run_to_end(out, _args(name, REFERENCE_DUMPS))
             assert codes == [0, 0], (out.parent / f"logs-{out.name}" / "rank0.log").read_text()[-3000:]
             self[name] = out
             return out
@@ -62,14 +71,55 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return Lazy()
 
 
-def _stop_resume(out: Path, name: str) -> str:
-    """JIT stop by SIGTERM to both ranks, then resume to the end; returns the resumed ranks' logs."""
+def _stop_resume(out: Path, name: str, reference: Path) -> str:
+    """JIT stop by SIGTERM to both ranks, then resume to the end; returns the resumed ranks' logs. The JIT
+    checkpoint is slim (ZeRO-1/2: the weights only in the fp32 master partitions), and the state right after the
+    resume's load, module weights included, is bit for bit the reference's at the stop step."""
     result = run_and_signal(out, _args(name), [(0, 0.0), (1, 0.1)], after_steps=SIGNAL_AFTER_STEPS)
     ckpt = assert_jit_stop(out, result)
-    assert SIGNAL_AFTER_STEPS <= int(ckpt.name.split("-")[1]) < MAX_STEPS
-    assert run_to_end(out, [*_args(name), "--resume"]) == [0, 0]
+    step = int(ckpt.name.split("-")[1])
+    assert SIGNAL_AFTER_STEPS <= step < MAX_STEPS
+    manifest = json.loads((ckpt / protocol.MANIFEST_NAME).read_text())
+    assert manifest["weights"] == protocol.WEIGHTS_MASTER_ONLY, manifest["weights"]
+    if manifest["zero_stage"] == 2:
+        _assert_zero_to_fp32_rebuilds(ckpt, reference, step)
+    assert run_to_end(out, [*_args(name, f"{step},{MAX_STEPS}"), "--resume"]) == [0, 0]
+    _assert_same_after_load(reference, out, step)
     logs = out.parent / f"logs-{out.name}"
     return (logs / "rank0.log").read_text() + (logs / "rank1.log").read_text()
+
+
+def _assert_same_after_load(reference: Path, out: Path, step: int) -> None:
+    result = exactness.Comparison()
+    for rank in (0, 1):
+        ref, resumed = ({k: v for k, v in _dump(root, step, rank).items() if k.startswith(AFTER_LOAD_PREFIXES)}
+                        for root in (reference, out))
+        exactness.compare_states(ref, resumed, f"rank{rank} after load: ", result)
+    assert result.equal, exactness.report(result)
+    assert sum(1 for k in ref if k.startswith("module/")) > 5
+
+
+def _assert_zero_to_fp32_rebuilds(ckpt: Path, reference: Path, step: int) -> None:
+    """DeepSpeed's zero_to_fp32 still reads a slim checkpoint (buffers by buffer_names from the slim module, the
+    weights from the fp32 master partitions) and gives the weights the uninterrupted run had at that step."""
+    import torch
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    tag_dir = ckpt / f"global_step{step}"
+    states = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    assert set(states["module"]) == set(states["buffer_names"]), sorted(states["module"])[:5]  # no weights
+    assert states["param_shapes"] and states["global_steps"] == step and states["ds_config"]
+    rebuilt = get_fp32_state_dict_from_zero_checkpoint(str(ckpt))
+    weights = {k.removeprefix("module/"): v for k, v in _dump(reference, step, 0).items() if k.startswith("module/")}
+    assert set(rebuilt) == set(weights), sorted(set(rebuilt) ^ set(weights))[:5]
+    assert all(torch.equal(rebuilt[name], weights[name]) for name in weights)
+
+
+def _dump(root: Path, step: int, rank: int) -> dict[str, Any]:
+    import torch
+
+    path = root / exactness.STATE_DIR / f"step-{step}" / f"rank{rank}.pt"
+    return dict(torch.load(path, map_location="cpu", weights_only=False))
 
 
 @pytest.mark.deepspeed
@@ -77,7 +127,7 @@ def _stop_resume(out: Path, name: str) -> str:
 def test_zero2_jit_resume_is_bitwise_the_uninterrupted_run(tmp_path: Path, reference: dict[str, Path],
                                                            name: str) -> None:
     out = tmp_path / "out"
-    log = _stop_resume(out, name)
+    log = _stop_resume(out, name, reference[name])
     assert_same_losses(losses(out), losses(reference[name]))
     result = exactness.compare(reference[name], out)
     assert result.equal, exactness.report(result)
@@ -93,7 +143,7 @@ def test_zero3_jit_resume_is_bitwise_on_two_ranks(tmp_path: Path, reference: dic
     adds the same either way, so the resumed run is bitwise here. With more ranks the collective's summation
     order decides the last bits (README: the bound)."""
     out = tmp_path / "out"
-    _stop_resume(out, "llama-zero3-ds-adamw")
+    _stop_resume(out, "llama-zero3-ds-adamw", reference["llama-zero3-ds-adamw"])
     assert_same_losses(losses(out), losses(reference["llama-zero3-ds-adamw"]))
     result = exactness.compare(reference["llama-zero3-ds-adamw"], out)
     assert result.equal, exactness.report(result)

@@ -6,12 +6,21 @@ bitwise under ZeRO-2, within 1e-6 relative under ZeRO-3. Also across epoch bound
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from jit_helpers import assert_jit_stop, assert_stop_timing, losses, resume_and_compare, run_and_signal
+from jit_helpers import (
+    assert_jit_stop,
+    assert_stop_timing,
+    losses,
+    resume_and_compare,
+    run_and_signal,
+    run_logged,
+)
 
+from slurm_jit.checkpoint import protocol
 from slurm_jit.train import stop_record
 
 pytestmark = pytest.mark.deepspeed
@@ -69,6 +78,32 @@ def test_zero2_stop_in_epoch_1_resumes_bitwise_into_epoch_3(tmp_path: Path, refe
                                 after_steps=2, kill_wait_s=0.0)
     assert step < STEPS_PER_EPOCH, f"stopped at step {step}: not inside epoch 1"
     assert losses(out)[-1][0] > 2 * STEPS_PER_EPOCH  # the resumed run reached epoch 3
+    _assert_slim_needs_every_shard(out / f"checkpoint-{step}", step, tmp_path / "copy")
+    # a slim ZeRO-2 checkpoint resumed under ZeRO-3: one line with a HINT before any load (was a traceback)
+    refused = run_logged(out, [*ZERO2_EPOCHS, "--zero-stage", "3", "--resume-from", str(out / f"checkpoint-{step}")])
+    assert refused.codes == [2, 2], refused.log[-3000:]
+    line = next(line for line in refused.log.splitlines() if line.startswith("demo_train: "))
+    assert "only in the ZeRO-2 optimizer shards" in line and "HINT: resume with ZeRO stage 2" in line, line
+    assert "Traceback" not in refused.log, refused.log[-3000:]
+    # the same model with its embeddings frozen now: a weight neither saved nor held by the optimizer
+    frozen = run_logged(out, [*ZERO2_EPOCHS, "--freeze-embeddings", "--resume-from", str(out / f"checkpoint-{step}")])
+    assert frozen.codes == [2, 2], frozen.log[-3000:]
+    line = next(line for line in frozen.log.splitlines() if line.startswith("demo_train: "))
+    assert "not held by the optimizer: ['lm_head.weight', 'transformer.wte.weight']" in line, line
+    assert "HINT: resume with the model the checkpoint was written with" in line, line
+
+
+def _assert_slim_needs_every_shard(ckpt: Path, step: int, scratch: Path) -> None:
+    """A slim JIT checkpoint holds the weights only in the optimizer shards: without one rank's it is never
+    resumable, with its manifest (the file is listed) or without (the structure needs every rank's shard)."""
+    copy = scratch / ckpt.name
+    shutil.copytree(ckpt, copy)
+    (copy / f"global_step{step}" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    listed = protocol.inspect(copy, step)
+    assert listed.status is protocol.Status.CORRUPT and "zero_pp_rank_1" in listed.reason, listed
+    (copy / protocol.MANIFEST_NAME).unlink()
+    bare = protocol.inspect(copy, step)
+    assert bare.status is protocol.Status.INCOMPLETE and "optimizer shard of rank 1 missing" in bare.reason, bare
 
 
 def test_zero3_dropout_stop_in_epoch_1_resumes_exactly_into_epoch_3(tmp_path: Path,

@@ -112,9 +112,37 @@ def test_run_id_is_shown(tmp_path: Path) -> None:
     ckpt_factory.checkpoint(tmp_path, 6, run_id="3f2a9c1e-77")
     run = run_ckpt_check(tmp_path)
     row = run.stdout.decode().splitlines()[1]
-    assert "  3f2a9c1e      1     -  ok" in row and "3f2a9c1e-" not in row, row  # run: 8 characters, world, zero
+    assert "  3f2a9c1e      1     -  full     ok" in row and "3f2a9c1e-" not in row, row  # run, world, zero, weights
     data = json.loads(run_ckpt_check(tmp_path, "--json").stdout)
     assert (data["checkpoints"][0]["run_id"], data["checkpoints"][0]["world_size"]) == ("3f2a9c1e-77", 1)
+
+
+def test_manifest_weights_layout(tmp_path: Path) -> None:
+    """The manifest says where the module weights are; ckpt-check shows it; an old manifest without the field
+    means full (ZeRO-3: master-only, DeepSpeed's own layout); an unknown layout is not trusted."""
+    ckpt = ckpt_factory.checkpoint(tmp_path, 6, deepspeed=True, world=2)
+    assert json.loads((ckpt / MANIFEST_NAME).read_text())["weights"] == protocol.WEIGHTS_FULL
+    assert protocol.inspect(ckpt, 6).weights == protocol.WEIGHTS_FULL
+    ckpt_factory.edit_manifest(ckpt, weights=protocol.WEIGHTS_MASTER_ONLY)
+    info = protocol.inspect(ckpt, 6)
+    assert (info.status, info.weights) == (Status.COMPLETE, protocol.WEIGHTS_MASTER_ONLY)
+    run = run_ckpt_check(tmp_path, "--json")
+    assert json.loads(run.stdout)["checkpoints"][0]["weights"] == protocol.WEIGHTS_MASTER_ONLY
+    assert "  master   ok" in run_ckpt_check(tmp_path).stdout.decode().splitlines()[1]
+    manifest = json.loads((ckpt / MANIFEST_NAME).read_text())
+    for stage, layout in ((2, protocol.WEIGHTS_FULL), (3, protocol.WEIGHTS_MASTER_ONLY)):
+        manifest.pop("weights", None)
+        manifest["zero_stage"] = stage
+        (ckpt / MANIFEST_NAME).write_text(json.dumps(manifest))
+        assert protocol.inspect(ckpt, 6).weights == layout, stage
+    for bad in ("half", None, 1):
+        ckpt_factory.edit_manifest(ckpt, weights=bad)
+        info = protocol.inspect(ckpt, 6)
+        assert info.status is Status.CORRUPT and "manifest weights" in info.reason, (bad, info)
+    protocol.write_sentinel(tmp_path / "checkpoint-7", 7, "jit")
+    with pytest.raises(protocol.ProtocolError, match="unknown weights layout 'half'"):
+        protocol.write_manifest(tmp_path / "checkpoint-7", step=7, kind="jit", world_size=1, zero_stage=None,
+                                deepspeed_tag=None, files={}, weights="half")
 
 
 # ---------------------------------------------------------------- item 8: the DeepSpeed tag is this step's

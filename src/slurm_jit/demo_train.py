@@ -78,6 +78,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--jit-save-weights", action="store_true",
                    help="JitConfig(jit_save_model_weights=True): JIT saves also write model.safetensors (ZeRO-3: "
                         "the consolidated 16-bit gather)")
+    p.add_argument("--freeze-embeddings", action="store_true", help="the input embeddings do not train")
+    p.add_argument("--full-jit-save", action="store_true",
+                   help="JitConfig(slim_jit_save=False): JIT saves write DeepSpeed's full model-states file")
     p.add_argument("--step-times", action="store_true",
                    help="rank 0 appends each step's end time to OUT/step-times-rank0.jsonl (the benchmarks)")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -210,6 +213,11 @@ def _state_dump_callback(args: argparse.Namespace, rank: int) -> Any:
     class DumpState(transformers.TrainerCallback):
         trainer: Any = None  # set once the trainer exists
 
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            # a resume at a listed step: the state right after the load (RNGs are restored later, at the epoch)
+            if state.global_step in steps:
+                exactness.dump(self.trainer, state_dir, state.global_step, rank)
+
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if state.global_step in steps:
                 exactness.dump(self.trainer, state_dir, state.global_step, rank)
@@ -336,6 +344,8 @@ def main(argv: Sequence[str] | None = None, trainer_cls: Any = None) -> None:
     )
     targs = transformers.TrainingArguments(**{**base, **_extra_training_args(args.targ)})  # --targ wins
     model = build_model(args.model, args.width, args.layers, args.dropout, args.vocab, args.heads, args.kv_heads)
+    if args.freeze_embeddings:
+        model.get_input_embeddings().weight.requires_grad_(False)
     common: dict[str, Any] = dict(
         model=model, args=targs, train_dataset=_Tokens(args.samples, args.seed, args.vocab),
         eval_dataset=_Tokens(args.eval_samples, args.seed + 1, args.vocab) if args.eval_steps else None,
@@ -385,7 +395,8 @@ def _train(args: argparse.Namespace, common: dict[str, Any], trainer_cls: Any = 
 
         try:
             config = JitConfig(kill_wait_s=args.kill_wait, ignore_signals_in_workers=not args.workers_take_signals,
-                               signals=tuple(args.signals.split(",")), jit_save_model_weights=args.jit_save_weights)
+                               signals=tuple(args.signals.split(",")), jit_save_model_weights=args.jit_save_weights,
+                               slim_jit_save=not args.full_jit_save)
         except ValueError as exc:  # one line with its HINT, as every refusal
             raise JitRefusal(f"JitConfig: {exc}") from None
         trainer: Any = (trainer_cls or JitTrainer)(**common, jit_config=config)

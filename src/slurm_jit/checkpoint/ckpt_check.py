@@ -24,6 +24,8 @@ EXIT_NO_CHECKPOINT = 3
 UNKNOWN = "-"  # a size or age that could not be read
 MAX_WORLD_SIZE = structure.MAX_WORLD_SIZE
 RUN_ID_SHOWN_CHARS = 8  # enough to tell runs apart in the table; --json has the whole id
+# The weights layout in the table's narrow column; --json has the manifest's words
+WEIGHTS_SHOWN = {protocol.WEIGHTS_FULL: "full", protocol.WEIGHTS_MASTER_ONLY: "master"}
 
 EPILOG = f"""\
 exit status:
@@ -32,6 +34,11 @@ exit status:
   {EXIT_NO_CHECKPOINT}  no checkpoint at all: a fresh start (last line empty)
   {EXIT_USAGE}  usage or I/O error (missing directory, not a directory, permission denied), or ckpt-check's
      own failure: never a verdict
+
+weights (where the module weights are; from the manifest, '-' without one):
+  full        in DeepSpeed's model-states file too, beside the fp32 master copy in the optimizer shards
+  master      only in the fp32 master partitions of the optimizer shards (JitTrainer's JIT saves under ZeRO-1/2,
+              every ZeRO-3 save): every rank's shard is needed, and a ZeRO-1/2 one is resumed by JitTrainer only
 
 statuses (newest written first; only complete and unverified are resumable):
   complete    manifest verified (sizes; checksums too with --deep) and everything a resume needs is there
@@ -139,7 +146,7 @@ def printable(text: str, stream: TextIO | None = None) -> str:
 
 def _table(resolution: protocol.Resolution, now: float) -> list[str]:
     header = (f"{'step':>8}  {'status':<10}  {'kind':<8}  {'size':>10}  {'age':>6}  {'run':<8}  {'world':>5}  "
-              f"{'zero':>4}  reason")
+              f"{'zero':>4}  {'weights':<7}  reason")
     lines = [header]
     for ckpt in resolution.checkpoints:
         reason = ckpt.reason or "ok"
@@ -149,7 +156,8 @@ def _table(resolution: protocol.Resolution, now: float) -> list[str]:
         lines.append(printable(
             f"{ckpt.step:>8}  {ckpt.status.value:<10}  {ckpt.kind or UNKNOWN:<8}  "
             f"{_human_bytes(ckpt.size_bytes):>10}  {_human_age(ckpt.written_at, now):>6}  {run:<8}  "
-            f"{_shown(ckpt.world_size):>5}  {_shown(ckpt.zero_stage):>4}  {reason}"
+            f"{_shown(ckpt.world_size):>5}  {_shown(ckpt.zero_stage):>4}  "
+            f"{WEIGHTS_SHOWN.get(ckpt.weights or '', UNKNOWN):<7}  {reason}"
         ))
     return lines
 
@@ -231,7 +239,7 @@ def _as_json(out_dir: str, resolution: protocol.Resolution, moved: list[tuple[Pa
         "resume_from": resume or None,
         "checkpoints": [
             {"path": str(c.path), "step": c.step, "status": c.status.value, "kind": c.kind,
-             "world_size": c.world_size, "zero_stage": c.zero_stage,
+             "world_size": c.world_size, "zero_stage": c.zero_stage, "weights": c.weights,
              "size_bytes": c.size_bytes, "mtime": c.mtime, "written_at": c.written_at or None,
              "run_id": c.run_id, "save_seq": c.save_seq, "reason": c.reason,
              "resumable": resolution.checkpoint is not None and c.path == resolution.checkpoint.path}

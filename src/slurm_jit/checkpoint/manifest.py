@@ -23,6 +23,12 @@ MANIFEST_MAX_BYTES = 64 * 1024 * 1024
 CONTENTS_FULL = "full"  # everything an exact resume needs
 CONTENTS_MODEL_ONLY = "model_only"  # a save_only_model save: weights for inference, never resumed
 CONTENTS = (CONTENTS_FULL, CONTENTS_MODEL_ONLY)
+# "weights": where the trainable module weights of a DeepSpeed checkpoint are. An absent field (manifests written
+# before it) means WEIGHTS_FULL, except under ZeRO-3, whose model-states files never hold them.
+WEIGHTS_FULL = "full"  # DeepSpeed's model-states file holds the module weights (beside the fp32 master copy)
+WEIGHTS_MASTER_ONLY = "fp32-master-only"  # only the optimizer shards' fp32 master partitions hold them
+WEIGHTS_LAYOUTS = (WEIGHTS_FULL, WEIGHTS_MASTER_ONLY)
+ZERO3 = 3  # ZeRO stage 3: partitioned parameters, model-states files with placeholders for the weights
 HASH_NAME = "xxh3_128"
 HASH_CHUNK_BYTES = 8 * 1024 * 1024
 MAX_EPOCH_S = 2**33  # year 2242: a manifest's "created" beyond it is not a time (clocks differ, not by centuries)
@@ -77,7 +83,17 @@ def read(ckpt_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
         return None, f"manifest does not list {TRAINER_STATE_NAME}"
     if manifest.get("contents", CONTENTS_FULL) not in CONTENTS:
         return None, f"manifest contents {manifest.get('contents')!r} unknown (want one of {CONTENTS})"
+    if manifest.get("weights", WEIGHTS_FULL) not in WEIGHTS_LAYOUTS:
+        return None, f"manifest weights {manifest.get('weights')!r} unknown (want one of {WEIGHTS_LAYOUTS})"
     return manifest, None
+
+
+def weights_layout(manifest: dict[str, Any]) -> str:
+    """The checkpoint's weights layout (WEIGHTS_LAYOUTS) from a manifest :func:`read` accepted."""
+    recorded = manifest.get("weights")
+    if isinstance(recorded, str):
+        return recorded
+    return WEIGHTS_MASTER_ONLY if manifest.get("zero_stage") == ZERO3 else WEIGHTS_FULL
 
 
 def verify(

@@ -55,6 +55,9 @@ from slurm_jit.checkpoint.manifest import (  # the manifest's names, used by the
     MANIFEST_FORMAT,
     MANIFEST_NAME,
     TRAINER_STATE_NAME,
+    WEIGHTS_FULL,
+    WEIGHTS_LAYOUTS,
+    WEIGHTS_MASTER_ONLY,  # noqa: F401 - re-exported for the trainer and ckpt-check
     hash_file,
 )
 
@@ -95,6 +98,7 @@ class CheckpointInfo:
     world_size: int | None = None  # the number of ranks that wrote it, from a verified manifest
     save_seq: int | None = None  # the order of writes in the output directory, from a verified manifest
     zero_stage: int | None = None  # the DeepSpeed ZeRO stage it was written with, from a verified manifest
+    weights: str | None = None  # where the module weights are (manifest.WEIGHTS_LAYOUTS), from a verified manifest
 
     def resumable(self, strict: bool = False) -> bool:
         return self.status is Status.COMPLETE or (self.status is Status.UNVERIFIED and not strict)
@@ -233,7 +237,7 @@ def _inspect(path: Path, step: int, deep: bool, progress: Callable[[int], None] 
     mtime = _dir_mtime(path)
 
     def info(status: Status, reason: str, manifest: dict[str, Any] | None = None) -> CheckpointInfo:
-        kind = run_id = world = seq = stage = None
+        kind = run_id = world = seq = stage = weights = None
         written_at = mtime
         if manifest is not None:
             kind = manifest.get("kind") if isinstance(manifest.get("kind"), str) else None
@@ -243,9 +247,10 @@ def _inspect(path: Path, step: int, deep: bool, progress: Callable[[int], None] 
             written_at = manifest_mod.created(manifest) or mtime
             seq = manifest_mod.save_seq(manifest)
             stage = manifest.get("zero_stage") if manifest_mod.plain_int(manifest.get("zero_stage")) else None
+            weights = manifest_mod.weights_layout(manifest)
         return CheckpointInfo(path=path, step=step, status=status, reason=reason, kind=kind,
                               size_bytes=_tree_size_or_none(path), mtime=mtime, written_at=written_at,
-                              run_id=run_id, world_size=world, save_seq=seq, zero_stage=stage)
+                              run_id=run_id, world_size=world, save_seq=seq, zero_stage=stage, weights=weights)
 
     if not stat.S_ISDIR(os.lstat(path).st_mode):
         return info(Status.CORRUPT, "the checkpoint directory is a symlink: not trusted")
@@ -491,17 +496,21 @@ def write_manifest(
     files: dict[str, dict[str, Any]],
     contents: str = CONTENTS_FULL,
     run_id: str | None = None,
+    weights: str = WEIGHTS_FULL,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Step 3 and 4: write the manifest atomically, then remove the sentinel. Global rank 0 only.
 
     ``contents``: "full" (everything an exact resume needs) or "model_only" (a save_only_model save: never
-    resumed); ``run_id``: the training run's lineage id, shown by ckpt-check.
+    resumed); ``run_id``: the training run's lineage id, shown by ckpt-check; ``weights``: where the module
+    weights are ("full", or "fp32-master-only": only in the optimizer shards' fp32 master partitions).
     """
     if kind not in SAVE_KINDS:
         raise ProtocolError(f"unknown save kind {kind!r}; expected one of {SAVE_KINDS}")
     if contents not in CONTENTS:
         raise ProtocolError(f"unknown contents {contents!r}; expected one of {CONTENTS}")
+    if weights not in WEIGHTS_LAYOUTS:
+        raise ProtocolError(f"unknown weights layout {weights!r}; expected one of {WEIGHTS_LAYOUTS}")
     root = Path(ckpt_dir)
     if not (root / SENTINEL_NAME).exists():
         raise ProtocolError(f"{root}: no sentinel; write_sentinel() must run before the checkpoint is written")
@@ -515,6 +524,7 @@ def write_manifest(
         "deepspeed_tag": deepspeed_tag,
         "contents": contents,
         "run_id": run_id,
+        "weights": weights,
         "hash": HASH_NAME,
         "created": time.time(),
         "save_seq": next_save_seq(root.parent),

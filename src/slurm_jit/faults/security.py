@@ -71,7 +71,7 @@ def rewrite_manifest(ckpt: Path) -> None:
     protocol.write_manifest(ckpt, step=manifest["step"], kind=manifest["kind"], world_size=manifest["world_size"],
                             zero_stage=manifest["zero_stage"], deepspeed_tag=manifest["deepspeed_tag"],
                             files=manifest["files"], contents=manifest.get("contents", "full"),
-                            run_id=manifest.get("run_id"))
+                            run_id=manifest.get("run_id"), weights=manifest_file.weights_layout(manifest))
 
 
 def _audited_check(out: Path, log: Path, *flags: str) -> int:

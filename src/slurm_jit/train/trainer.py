@@ -42,7 +42,16 @@ from slurm_jit.checkpoint import protocol
 from slurm_jit.grace.calc import AGREE_BLOCKING, SLURM_SIGNAL_LEAD_MAX_S
 from slurm_jit.signal_names import parse_signal
 from slurm_jit.timing import WARMUP_STEPS, TimingLog
-from slurm_jit.train import compat, elastic, exact_resume, output_lock, runtime_grace, save_errors, stop_record
+from slurm_jit.train import (
+    compat,
+    elastic,
+    exact_resume,
+    output_lock,
+    runtime_grace,
+    save_errors,
+    slim_save,
+    stop_record,
+)
 from slurm_jit.train.agreement import SIDE_GROUP_TIMEOUT_S, Decision, StopAgreement
 from slurm_jit.train.refusals import JitRefusal, refused_settings, resume_refusal
 from slurm_jit.train.signals import IgnoreSignalsInWorker, SignalLatch, StartWorkersMasked
@@ -70,6 +79,15 @@ DEFAULT_KILL_WAIT_S = 3.0  # transformers' kill_wait: a SIGKILL this soon after 
 DUPLICATE_WEIGHT_RE = re.compile(
     r"^(mp_rank_\d+_model_states\.pt|model(-\d+-of-\d+)?\.safetensors|pytorch_model(-\d+-of-\d+)?\.bin)$"
 )
+MODEL_STATES_RE = re.compile(r"^mp_rank_\d+_model_states\.pt$")  # without the weights in a slim JIT save
+
+
+def _duplicate_weights(rel: str, weights: str) -> bool:
+    """Whether a checkpoint file holds the model weights again (a slim model-states file holds no such copy)."""
+    name = rel.rsplit("/", 1)[-1]
+    if weights == protocol.WEIGHTS_MASTER_ONLY and MODEL_STATES_RE.match(name):
+        return False
+    return DUPLICATE_WEIGHT_RE.match(name) is not None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,6 +97,9 @@ class JitConfig:
     kill_wait_s: float = DEFAULT_KILL_WAIT_S  # a checkpoint is started only this long after the first signal
     signals: tuple[str, ...] = ("TERM",)  # signal names that request a JIT stop (e.g. ("TERM", "USR1"))
     jit_save_model_weights: bool = False  # also write model.safetensors (under ZeRO-3: gather 16-bit weights)
+    # Under ZeRO-1/2 a JIT save writes the module weights once, in the optimizer shards' fp32 master copy, not again
+    # in DeepSpeed's model-states file (train/slim_save.py); False: DeepSpeed's layout (a plain Trainer resumes it)
+    slim_jit_save: bool = True
     ignore_signals_in_workers: bool = True  # DataLoader workers ignore the stop signals
     grace_check: bool = True  # under Slurm, warn when the signal lead is shorter than the grace needed
     side_group_timeout_s: float = SIDE_GROUP_TIMEOUT_S  # timeout of the gloo side group's collectives
@@ -196,8 +217,7 @@ class JitTrainer(transformers.Trainer):
         self._jit_run: _Run | None = None
         self.jit_stopped = False  # after train(): did it stop for a JIT checkpoint?
         self._drop_upstream_jit()
-        ds_config = self.accelerator.state.deepspeed_plugin.deepspeed_config if self.is_deepspeed_enabled else None
-        refusal = refused_settings(save_on_each_node=bool(self.args.save_on_each_node), ds_config=ds_config)
+        refusal = refused_settings(save_on_each_node=bool(self.args.save_on_each_node), ds_config=self._ds_config())
         if refusal:
             raise JitRefusal(f"slurm_jit: {refusal}")
         self.add_callback(_JitCallback(self))
@@ -220,6 +240,9 @@ class JitTrainer(transformers.Trainer):
                 signal.signal(signal.SIGTERM, previous)
             self.callback_handler.remove_callback(callback)
             logger.warning("slurm_jit: replaced transformers' JIT checkpoint callback (enable_jit_checkpoint=True)")
+
+    def _ds_config(self) -> dict[str, Any] | None:
+        return self.accelerator.state.deepspeed_plugin.deepspeed_config if self.is_deepspeed_enabled else None
 
     @property
     def _agreement(self) -> StopAgreement:
@@ -257,6 +280,7 @@ class JitTrainer(transformers.Trainer):
         run.latch.install()
         clean = False
         try:
+            slim_save.install_load()  # before elastic's universal load, which goes on top of it
             resume = self._resolve_resume(resume_from_checkpoint)
             run.checkpoint = run.resumed_from = resume
             compat.continue_tensorboard_run(self, resume)
@@ -302,6 +326,7 @@ class JitTrainer(transformers.Trainer):
                 run.timing.close()
             self._jit_run = None
             elastic.uninstall_universal_load()
+            slim_save.uninstall_load()
 
     def _close_agreement(self, clean: bool) -> None:
         agreement, self._jit_agreement = self._jit_agreement, None
@@ -376,6 +401,8 @@ class JitTrainer(transformers.Trainer):
             if manifest.get("owed_evaluation") is True:
                 carried["owed_evaluation_step"] = manifest["step"]
             carried["load_from"], refusal, carried["conversion"] = self._prepare_elastic(path, manifest)
+            if not refusal and not carried["load_from"]:  # a universal load rebuilds the weights itself
+                refusal = slim_save.resume_refusal(path, manifest, self._ds_config())
         return path, refusal, carried
 
     def _prepare_elastic(self, path: str, manifest: dict[str, Any]) -> elastic.Prepared:
@@ -688,7 +715,7 @@ class JitTrainer(transformers.Trainer):
                 protocol.write_sentinel(ckpt, step, kind)
         self._agreement.barrier()
         with save_errors.disk_full_is_one_line(ckpt):  # one clear line; the sentinel stays, nothing rotates
-            contents = self._upstream_save(model, trial, kind)
+            contents, weights = self._upstream_save(model, trial, kind)
             # Callbacks run on every save (JIT too) before the manifest: what they add or rewrite is in it.
             self.control = self._upstream_on_save(self.args, self.state, self.control)
             fault_sleep_s = float(os.environ.get(FAULT_SAVE_SLEEP_ENV, "0") or 0)
@@ -697,7 +724,7 @@ class JitTrainer(transformers.Trainer):
             protocol.fsync_tree(ckpt)
             self._agreement.barrier()
             nbytes = self._write_manifest(ckpt, step, kind, {
-                "contents": contents, "run_id": run.lineage if run and run.lineage else None,
+                "contents": contents, "weights": weights, "run_id": run.lineage if run and run.lineage else None,
                 "owed_evaluation": bool(run and run.eval_owed),
             })
         if run is not None:
@@ -715,16 +742,22 @@ class JitTrainer(transformers.Trainer):
             run.grace_due.append("first save")
         logger.info("slurm_jit: %s checkpoint %s complete in %.2f s", kind, ckpt, dur_s)
 
-    def _upstream_save(self, model: Any, trial: Any, kind: str) -> str:
+    def _upstream_save(self, model: Any, trial: Any, kind: str) -> tuple[str, str]:
         """Upstream's save, without its rotation; a JIT save always holds what an exact resume needs
-        (optimizer, scheduler, RNG, DeepSpeed shards) whatever save_only_model says. Returns the contents."""
+        (optimizer, scheduler, RNG, DeepSpeed shards) whatever save_only_model says, and under ZeRO-1/2 the module
+        weights only once (slim_save.py). Returns the contents and the weights layout."""
         limit, only_model = self.args.save_total_limit, self.args.save_only_model
         self.args.save_total_limit = None  # rotation runs after the manifest, protocol-aware
         if kind == "jit":
             self.args.save_only_model = False
+        engine = self.model_wrapped if self.is_deepspeed_enabled else None
+        slim_engine = engine if kind == "jit" and self.jit_config.slim_jit_save else None
         try:
-            super()._save_checkpoint(model, trial)
-            return "model_only" if self.args.save_only_model else "full"
+            with slim_save.slim_model_states(slim_engine) as slim:
+                super()._save_checkpoint(model, trial)
+            if self.args.save_only_model:  # model.safetensors, whole: no DeepSpeed files at all
+                return protocol.CONTENTS_MODEL_ONLY, protocol.WEIGHTS_FULL
+            return protocol.CONTENTS_FULL, slim_save.layout(engine, slim)
         finally:
             self.args.save_total_limit, self.args.save_only_model = limit, only_model
 
@@ -736,22 +769,23 @@ class JitTrainer(transformers.Trainer):
         if not self._is_rank0 or parts is None:
             return 0
         files = {rel: entry for part in parts for rel, entry in part.items()}
-        duplicate = sum(e["size"] for rel, e in files.items()
-                        if DUPLICATE_WEIGHT_RE.match(rel.rsplit("/", 1)[-1]))
+        fields = dict(fields)
+        weights = fields.pop("weights")
+        duplicate = sum(e["size"] for rel, e in files.items() if _duplicate_weights(rel, weights))
         total = sum(e["size"] for e in files.values())
         latest = ckpt / "latest"
         tag = latest.read_text().strip() if latest.is_file() else None
         engine: Any = self.model_wrapped
         zero_stage = engine.zero_optimization_stage() if self.is_deepspeed_enabled else None
-        fields = dict(fields)
         protocol.write_manifest(
             ckpt, step=step, kind=kind, world_size=int(self.args.world_size), zero_stage=zero_stage,
             deepspeed_tag=tag, files=files, contents=fields.pop("contents"), run_id=fields.pop("run_id"),
+            weights=weights,
             extra={"bytes_weights_duplicate": duplicate, "bytes_needed_for_resume": total - duplicate, **fields},
         )
-        logger.info("slurm_jit: %s checkpoint-%d: %d bytes written, %d needed for resume, %d over (model "
-                    "weights again beside the fp32 master copy in the optimizer shards)",
-                    kind, step, total, total - duplicate, duplicate)
+        logger.info("slurm_jit: %s checkpoint-%d (weights: %s): %d bytes written, %d needed for resume, %d over "
+                    "(model weights again beside the fp32 master copy in the optimizer shards)",
+                    kind, step, weights, total, total - duplicate, duplicate)
         return total
 
     def _rotate_checkpoints_safely(self, run_dir: Path, just_written: Path) -> None:

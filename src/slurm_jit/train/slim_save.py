@@ -1,0 +1,191 @@
+"""The slim JIT save: DeepSpeed's model-states file without the module weights the ZeRO optimizer already holds.
+
+Under ZeRO-1/2 DeepSpeed's ``save_checkpoint`` writes ``mp_rank_00_model_states.pt`` with the whole
+``module_state_dict()`` beside the fp32 master partitions every rank writes into its optimizer shard: the trainable
+weights twice (issue 10 measured 405 MB written for 304 MB needed). A JIT save races SIGKILL, so it writes them
+once: :func:`slim_model_states` leaves out of that file's ``module`` every tensor the optimizer holds, and keeps
+what it does not (persistent buffers, frozen parameters) and every other key (``buffer_names``,
+``param_shapes``, ``ds_config``, scheduler, steps, ...), so that DeepSpeed's ``zero_to_fp32`` still rebuilds the
+whole model from it. The manifest records the layout (``weights: fp32-master-only``).
+
+Resuming it takes a load path of our own around DeepSpeed's (:func:`install_load`): ``load_checkpoint`` with a
+module load that accepts exactly the left-out keys (any other missing key is refused), DeepSpeed restoring the
+fp32 master partitions from the shards (``load_from_fp32_weights``, its default), then the module weights rebuilt
+from them as the end of an optimizer step does (``update_lp_params``: each rank copies its fp32 partition into its
+16-bit partition, then all-gather). The copy is the optimizer step's own, so the weights are bit for bit the ones
+at the stop. A plain ``transformers.Trainer`` cannot resume such a checkpoint (DeepSpeed's strict module load
+refuses it: README). ZeRO-3's model-states files hold placeholders only: its every save is master-only already,
+and DeepSpeed's own load restores it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from slurm_jit.checkpoint import manifest as manifest_file
+from slurm_jit.checkpoint.manifest import WEIGHTS_FULL, WEIGHTS_MASTER_ONLY, ZERO3
+from slurm_jit.train.refusals import JitRefusal
+
+logger = logging.getLogger(__name__)
+
+SLIM_STAGES = (1, 2)  # the stages whose model-states file holds the weights again (stage_1_and_2's optimizer)
+SHOWN_KEYS = 3  # of the keys a refusal names
+
+
+def slim_capable(engine: Any) -> bool:
+    """Whether this engine's JIT save can leave the weights out: a ZeRO-1/2 optimizer that rebuilds the module
+    weights from its fp32 partitions (MoE engines write their own files: left as they are)."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    optimizer = getattr(engine, "optimizer", None)
+    return (isinstance(optimizer, DeepSpeedZeroOptimizer) and hasattr(optimizer, "update_lp_params")
+            and hasattr(optimizer, "bit16_groups") and not getattr(engine, "has_moe_layers", False))
+
+
+def layout(engine: Any, slim: bool) -> str:
+    """The weights layout of a save by ``engine`` (None: no DeepSpeed); ``slim``: :func:`slim_model_states` wrote it."""
+    if engine is not None and engine.zero_optimization_stage() == ZERO3:
+        return WEIGHTS_MASTER_ONLY
+    return WEIGHTS_MASTER_ONLY if slim else WEIGHTS_FULL
+
+
+def held_names(engine: Any) -> set[str]:
+    """The module's state-dict names of the parameters the ZeRO-1/2 optimizer holds (tied names included)."""
+    held = {id(p) for group in engine.optimizer.bit16_groups for p in group}
+    return {name for name, p in engine.module.named_parameters(remove_duplicate=False) if id(p) in held}
+
+
+@contextmanager
+def slim_model_states(engine: Any) -> Iterator[bool]:
+    """While inside, the engine's ``save_checkpoint`` writes a model-states file whose ``module`` leaves out the
+    weights the optimizer holds; yields whether it does (False: not a ZeRO-1/2 engine, the save is DeepSpeed's)."""
+    if engine is None or not slim_capable(engine):
+        yield False
+        return
+    names = held_names(engine)
+    save = engine.save_checkpoint
+
+    def slim_save(*args: Any, **kwargs: Any) -> Any:
+        full = engine.module_state_dict
+
+        def module_state_dict(*sd_args: Any, **sd_kwargs: Any) -> Any:
+            state = full(*sd_args, **sd_kwargs)
+            prefix = sd_kwargs.get("prefix", "")
+            for name in names:
+                state.pop(prefix + name, None)
+            return state
+
+        with _swapped(engine, "module_state_dict", module_state_dict):
+            return save(*args, **kwargs)
+
+    with _swapped(engine, "save_checkpoint", slim_save):
+        yield True
+
+
+@contextmanager
+def _swapped(obj: Any, name: str, value: Any) -> Iterator[None]:
+    """``obj.name`` is ``value`` while inside; then what it was (an instance attribute, or the class's method)."""
+    before = obj.__dict__.get(name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        if before is None:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, before)
+
+
+# ---------------------------------------------------------------- resume
+
+
+def resume_refusal(ckpt_dir: str, manifest: dict[str, Any], ds_config: dict[str, Any] | None) -> str | None:
+    """Why this run cannot resume a master-only ZeRO-1/2 checkpoint (one line, HINT), or None."""
+    if not _slim_zero12(manifest):
+        return None
+    zero = (ds_config or {}).get("zero_optimization") or {}
+    stage = zero.get("stage") if isinstance(zero, dict) else None
+    if stage not in SLIM_STAGES:
+        return (f"{ckpt_dir}: its module weights are only in the ZeRO-{manifest.get('zero_stage')} optimizer "
+                f"shards (a slim JIT save), and this run uses ZeRO stage {stage}. HINT: resume with ZeRO stage "
+                f"{manifest.get('zero_stage')}, or export the weights with DeepSpeed's zero_to_fp32.py")
+    if zero.get("load_from_fp32_weights") is False:
+        return (f"{ckpt_dir}: its module weights are only in the fp32 master partitions of the optimizer shards (a "
+                "slim JIT save), and zero_optimization.load_from_fp32_weights is false. HINT: leave "
+                "load_from_fp32_weights at its default (true)")
+    return None
+
+
+def _slim_zero12(manifest: dict[str, Any] | None) -> bool:
+    return (manifest is not None and manifest.get("zero_stage") in SLIM_STAGES
+            and manifest_file.weights_layout(manifest) == WEIGHTS_MASTER_ONLY)
+
+
+def _is_slim(checkpoint_path: str) -> bool:
+    path = Path(checkpoint_path)
+    if not (path / manifest_file.MANIFEST_NAME).is_file():
+        return False
+    manifest, _ = manifest_file.read(path)
+    return _slim_zero12(manifest)
+
+
+def load_slim(engine: Any, checkpoint_path: str, load_module_strict: bool = True) -> None:
+    """DeepSpeed's ``load_checkpoint`` of a master-only ZeRO-1/2 checkpoint, then the module weights rebuilt from
+    the fp32 master partitions it restored. Raises JitRefusal (one line) when the saved module lacks a key the
+    optimizer does not hold, or the engine cannot rebuild them."""
+    if not slim_capable(engine) or not engine.zero_load_from_fp32_weights():
+        raise JitRefusal(f"slurm_jit: {checkpoint_path}: its module weights are only in the fp32 master partitions "
+                         "of the ZeRO-1/2 optimizer shards, which this engine does not restore. HINT: resume with "
+                         "the ZeRO stage it was written with and load_from_fp32_weights left true")
+    names = held_names(engine)
+
+    def load_module(src: dict[str, Any], dst: Any) -> None:
+        result = dst.load_state_dict(src, strict=False)
+        uncovered = sorted(set(result.missing_keys) - names)
+        unexpected = sorted(result.unexpected_keys)
+        if load_module_strict and (uncovered or unexpected):
+            raise JitRefusal(
+                f"slurm_jit: {checkpoint_path}: the saved module does not fit this model (missing, not held by "
+                f"the optimizer: {uncovered[:SHOWN_KEYS]}; unexpected: {unexpected[:SHOWN_KEYS]}). HINT: resume "
+                "with the model the checkpoint was written with")
+
+    load_path, _ = engine.load_checkpoint(checkpoint_path, load_module_strict=False, load_optimizer_states=True,
+                                          load_lr_scheduler_states=True, custom_load_fn=load_module)
+    if load_path is None:
+        raise ValueError(f"[deepspeed] failed to resume from checkpoint {checkpoint_path}")
+    engine.optimizer.update_lp_params()  # the end of an optimizer step: fp32 partitions -> module weights
+    logger.info("slurm_jit: %s: module weights rebuilt from the fp32 master partitions (slim JIT save)",
+                checkpoint_path)
+
+
+ORIGINAL_ATTR = "slurm_jit_slim_original"  # not elastic.py's attribute: its wrapper goes on top of this one
+
+
+def install_load() -> None:
+    """Until :func:`uninstall_load`, the Trainer's DeepSpeed loads (the resume, the best model at the end) of a
+    master-only ZeRO-1/2 checkpoint go through :func:`load_slim`; every other load is transformers' own."""
+    import transformers.trainer as hf_trainer
+
+    current: Callable[..., Any] = hf_trainer.deepspeed_load_checkpoint
+    if hasattr(current, ORIGINAL_ATTR):
+        return
+
+    def load(engine: Any, checkpoint_path: str, load_module_strict: bool = True) -> None:
+        if engine.load_universal_checkpoint() or not _is_slim(checkpoint_path):
+            current(engine, checkpoint_path, load_module_strict=load_module_strict)
+        else:
+            load_slim(engine, checkpoint_path, load_module_strict=load_module_strict)
+
+    setattr(load, ORIGINAL_ATTR, current)
+    hf_trainer.deepspeed_load_checkpoint = load
+
+
+def uninstall_load() -> None:
+    import transformers.trainer as hf_trainer
+
+    hf_trainer.deepspeed_load_checkpoint = getattr(hf_trainer.deepspeed_load_checkpoint, ORIGINAL_ATTR,
+                                                   hf_trainer.deepspeed_load_checkpoint)
