@@ -45,6 +45,10 @@ CONFIGS = {
                              "--workers", "2", "--eval-steps", "10"],
 }
 SIGNAL_AFTER_STEPS = 13
+# A slim checkpoint whose manifest says "full" (edited, or rewritten by a tool that does not know the field): the
+# resume still rebuilds the weights from the fp32 masters (was DeepSpeed's strict load: a traceback; with
+# load_module_strict=False, as for a PEFT model, the weights the model was built with, silently).
+MANIFEST_SAYS_FULL = ("gpt2-zero2-trainer-adamw",)
 
 
 def _args(name: str, dump_steps: str = str(MAX_STEPS)) -> list[str]:
@@ -83,6 +87,9 @@ def _stop_resume(out: Path, name: str, reference: Path) -> str:
     assert manifest["weights"] == protocol.WEIGHTS_MASTER_ONLY, manifest["weights"]
     if manifest["zero_stage"] == 2:
         _assert_zero_to_fp32_rebuilds(ckpt, reference, step)
+    if name in MANIFEST_SAYS_FULL:  # the load sees the left-out weights in the file, whatever the manifest says
+        manifest["weights"] = protocol.WEIGHTS_FULL
+        (ckpt / protocol.MANIFEST_NAME).write_text(json.dumps(manifest))
     assert run_to_end(out, [*_args(name, f"{step},{MAX_STEPS}"), "--resume"]) == [0, 0]
     _assert_same_after_load(reference, out, step)
     logs = out.parent / f"logs-{out.name}"

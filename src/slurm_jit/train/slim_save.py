@@ -8,10 +8,11 @@ what it does not (persistent buffers, frozen parameters) and every other key (``
 ``param_shapes``, ``ds_config``, scheduler, steps, ...), so that DeepSpeed's ``zero_to_fp32`` still rebuilds the
 whole model from it. The manifest records the layout (``weights: fp32-master-only``).
 
-Resuming it takes a load path of our own around DeepSpeed's (:func:`install_load`): ``load_checkpoint`` with a
-module load that accepts exactly the left-out keys (any other missing key is refused), DeepSpeed restoring the
-fp32 master partitions from the shards (``load_from_fp32_weights``, its default), then the module weights rebuilt
-from them as the end of an optimizer step does (``update_lp_params``: each rank copies its fp32 partition into its
+Resuming it takes a load path of our own around DeepSpeed's (:func:`install_load`, every ZeRO-1/2 load: what the
+file holds decides, not the manifest): ``load_checkpoint`` with a module load that accepts exactly the left-out
+keys (any other missing key is refused), DeepSpeed restoring the fp32 master partitions from the shards
+(``load_from_fp32_weights``, its default), then the module weights rebuilt from them as the end of an optimizer
+step does (``update_lp_params``: each rank copies its fp32 partition into its
 16-bit partition, then all-gather). The copy is the optimizer step's own, so the weights are bit for bit the ones
 at the stop. A plain ``transformers.Trainer`` cannot resume such a checkpoint (DeepSpeed's strict module load
 refuses it: README). ZeRO-3's model-states files hold placeholders only: its every save is master-only already,
@@ -134,17 +135,18 @@ def _is_slim(checkpoint_path: str) -> bool:
 
 
 def load_slim(engine: Any, checkpoint_path: str, load_module_strict: bool = True) -> None:
-    """DeepSpeed's ``load_checkpoint`` of a master-only ZeRO-1/2 checkpoint, then the module weights rebuilt from
-    the fp32 master partitions it restored. Raises JitRefusal (one line) when the saved module lacks a key the
-    optimizer does not hold, or the engine cannot rebuild them."""
-    if not slim_capable(engine) or not engine.zero_load_from_fp32_weights():
-        raise JitRefusal(f"slurm_jit: {checkpoint_path}: its module weights are only in the fp32 master partitions "
-                         "of the ZeRO-1/2 optimizer shards, which this engine does not restore. HINT: resume with "
-                         "the ZeRO stage it was written with and load_from_fp32_weights left true")
+    """DeepSpeed's ``load_checkpoint`` with a module load of our own: the weights the ZeRO-1/2 optimizer holds that
+    the saved module leaves out (a slim JIT save: the file says so, whatever the manifest says) are rebuilt from the
+    fp32 master partitions it restored. Raises JitRefusal (one line) when the saved module lacks a key the optimizer
+    does not hold (another model), or the engine cannot rebuild the left-out ones."""
+    if not slim_capable(engine):
+        raise JitRefusal(_unrebuildable(checkpoint_path))
     names = held_names(engine)
+    left_out: list[str] = []
 
     def load_module(src: dict[str, Any], dst: Any) -> None:
         result = dst.load_state_dict(src, strict=False)
+        left_out[:] = sorted(set(result.missing_keys) & names)
         uncovered = sorted(set(result.missing_keys) - names)
         unexpected = sorted(result.unexpected_keys)
         if load_module_strict and (uncovered or unexpected):
@@ -152,22 +154,37 @@ def load_slim(engine: Any, checkpoint_path: str, load_module_strict: bool = True
                 f"slurm_jit: {checkpoint_path}: the saved module does not fit this model (missing, not held by "
                 f"the optimizer: {uncovered[:SHOWN_KEYS]}; unexpected: {unexpected[:SHOWN_KEYS]}). HINT: resume "
                 "with the model the checkpoint was written with")
+        if left_out and not engine.zero_load_from_fp32_weights():  # before the shards: nothing loaded from them
+            raise JitRefusal(_unrebuildable(checkpoint_path))
 
     load_path, _ = engine.load_checkpoint(checkpoint_path, load_module_strict=False, load_optimizer_states=True,
                                           load_lr_scheduler_states=True, custom_load_fn=load_module)
     if load_path is None:
         raise ValueError(f"[deepspeed] failed to resume from checkpoint {checkpoint_path}")
-    engine.optimizer.update_lp_params()  # the end of an optimizer step: fp32 partitions -> module weights
-    logger.info("slurm_jit: %s: module weights rebuilt from the fp32 master partitions (slim JIT save)",
-                checkpoint_path)
+    if left_out:
+        engine.optimizer.update_lp_params()  # the end of an optimizer step: fp32 partitions -> module weights
+        logger.info("slurm_jit: %s: %d module weights rebuilt from the fp32 master partitions (slim JIT save)",
+                    checkpoint_path, len(left_out))
+
+
+def _unrebuildable(checkpoint_path: str) -> str:
+    return (f"slurm_jit: {checkpoint_path}: its module weights are only in the fp32 master partitions of the "
+            "ZeRO-1/2 optimizer shards, which this engine does not restore. HINT: resume with the ZeRO stage it "
+            "was written with and load_from_fp32_weights left true")
+
+
+def _has_deepspeed_tag(checkpoint_path: str) -> bool:
+    """transformers' own test before its DeepSpeed load (no global_step* directory: its ValueError)."""
+    return any(Path(checkpoint_path).glob("global_step*"))
 
 
 ORIGINAL_ATTR = "slurm_jit_slim_original"  # not elastic.py's attribute: its wrapper goes on top of this one
 
 
 def install_load() -> None:
-    """Until :func:`uninstall_load`, the Trainer's DeepSpeed loads (the resume, the best model at the end) of a
-    master-only ZeRO-1/2 checkpoint go through :func:`load_slim`; every other load is transformers' own."""
+    """Until :func:`uninstall_load`, the Trainer's DeepSpeed loads (the resume, the best model at the end) by a
+    ZeRO-1/2 engine, or of a checkpoint whose manifest says master-only ZeRO-1/2, go through :func:`load_slim`;
+    every other load (ZeRO-3, universal copies, no DeepSpeed tag) is transformers' own."""
     import transformers.trainer as hf_trainer
 
     current: Callable[..., Any] = hf_trainer.deepspeed_load_checkpoint
@@ -175,7 +192,10 @@ def install_load() -> None:
         return
 
     def load(engine: Any, checkpoint_path: str, load_module_strict: bool = True) -> None:
-        if engine.load_universal_checkpoint() or not _is_slim(checkpoint_path):
+        # Every ZeRO-1/2 load, not only those whose manifest says slim: an edited or lost manifest must not turn
+        # the left-out weights into a traceback or, with load_module_strict=False (PEFT), the built model's ones.
+        ours = slim_capable(engine) or _is_slim(checkpoint_path)
+        if engine.load_universal_checkpoint() or not _has_deepspeed_tag(checkpoint_path) or not ours:
             current(engine, checkpoint_path, load_module_strict=load_module_strict)
         else:
             load_slim(engine, checkpoint_path, load_module_strict=load_module_strict)
