@@ -311,6 +311,9 @@ class JitTrainer(transformers.Trainer):
             self._record_failure(run, exc)
             raise
         finally:
+            # First, as nothing below may raise before them: the load wrappers are for this train() only.
+            elastic.uninstall_universal_load()
+            slim_save.uninstall_load()
             # Every path closes the side group: a failed train() must not leave a round in flight for the next
             # one, nor a gloo group for the interpreter's exit. After a failure no barrier (a peer may be gone).
             self._close_agreement(clean)
@@ -325,8 +328,6 @@ class JitTrainer(transformers.Trainer):
                 self._record_stop_timing(run)
                 run.timing.close()
             self._jit_run = None
-            elastic.uninstall_universal_load()
-            slim_save.uninstall_load()
 
     def _close_agreement(self, clean: bool) -> None:
         agreement, self._jit_agreement = self._jit_agreement, None
