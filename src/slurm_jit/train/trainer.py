@@ -784,9 +784,9 @@ class JitTrainer(transformers.Trainer):
             weights=weights,
             extra={"bytes_weights_duplicate": duplicate, "bytes_needed_for_resume": total - duplicate, **fields},
         )
-        logger.info("slurm_jit: %s checkpoint-%d (weights: %s): %d bytes written, %d needed for resume, %d over "
-                    "(model weights again beside the fp32 master copy in the optimizer shards)",
-                    kind, step, weights, total, total - duplicate, duplicate)
+        logger.info("slurm_jit: %s checkpoint-%d: %d bytes written, %d needed for resume, %d over (model weights "
+                    "again beside the fp32 master copy in the optimizer shards); weights: %s",
+                    kind, step, total, total - duplicate, duplicate, weights)
         return total
 
     def _rotate_checkpoints_safely(self, run_dir: Path, just_written: Path) -> None:
