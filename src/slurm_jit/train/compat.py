@@ -24,6 +24,7 @@ from typing import Any
 
 from slurm_jit.timing import TIMING_DIR
 from slurm_jit.train.refusals import JitRefusal
+from slurm_jit.train.trackers import read_bounded_json
 
 logger = logging.getLogger(__name__)
 
@@ -209,11 +210,7 @@ def _recorded_log_dir(out_dir: Path, record: Path) -> str | None:
     """The run directory the record names inside ``out_dir``, or None (and one warning line) when it is unusable:
     corrupt, not ours, or pointing outside ``out_dir`` (what it names is written into, never trusted blindly)."""
     try:
-        with record.open("rb") as file:
-            raw = file.read(TENSORBOARD_RECORD_MAX_BYTES + 1)
-        if len(raw) > TENSORBOARD_RECORD_MAX_BYTES:
-            raise ValueError(f"over {TENSORBOARD_RECORD_MAX_BYTES} bytes")
-        data = json.loads(raw.decode("utf-8"))
+        data = read_bounded_json(record, TENSORBOARD_RECORD_MAX_BYTES)
         name = data.get("log_dir") if isinstance(data, dict) else None
         if not isinstance(name, str) or not name or os.path.isabs(name) or ".." in Path(name).parts:
             raise ValueError(f"log_dir {name!r} is not a directory name inside OUT_DIR")

@@ -48,14 +48,20 @@ def _record_path(trainer: Any) -> Path:
     return Path(trainer.args.output_dir) / TIMING_DIR / WANDB_RECORD
 
 
+def read_bounded_json(record: Path, max_bytes: int) -> Any:
+    """A small JSON record of ours, read whole only when at most ``max_bytes`` (a huge or foreign file is not
+    loaded into memory); raises OSError or ValueError (JSONDecodeError and UnicodeDecodeError included)."""
+    with record.open("rb") as file:
+        raw = file.read(max_bytes + 1)
+    if len(raw) > max_bytes:
+        raise ValueError(f"over {max_bytes} bytes")
+    return json.loads(raw.decode("utf-8"))
+
+
 def _read_record(record: Path) -> dict[str, Any] | None:
     """The record's run id and steps, or None (and one warning line) when it is unusable."""
     try:
-        with record.open("rb") as file:
-            raw = file.read(WANDB_RECORD_MAX_BYTES + 1)
-        if len(raw) > WANDB_RECORD_MAX_BYTES:
-            raise ValueError(f"over {WANDB_RECORD_MAX_BYTES} bytes")
-        data = json.loads(raw.decode("utf-8"))
+        data = read_bounded_json(record, WANDB_RECORD_MAX_BYTES)
         run_id = data.get("run_id") if isinstance(data, dict) else None
         if not isinstance(run_id, str) or not RUN_ID_PATTERN.fullmatch(run_id):
             raise ValueError(f"run_id {run_id!r} is not a W&B run id")
