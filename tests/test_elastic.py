@@ -154,6 +154,16 @@ def test_sigkill_during_conversion_leaves_the_original_and_converts_again(
     assert converts[0]["world_size"] == 1 and converts[0]["step"] == STOP_AT + 1 and converts[0]["dur_s"] > 0
 
 
+def _assert_continues(resumed: list[tuple[int, float]], reference: list[tuple[int, float]]) -> None:
+    """The same steps as the uninterrupted run; bitwise up to the step after the stop, within LOSS_REL_TOL after."""
+    assert [s for s, _ in resumed] == [s for s, _ in reference], resumed
+    for (step, got), (_, want) in zip(resumed, reference, strict=True):
+        if step <= STOP_AT + 1:
+            assert got == want, f"step {step} (before the stop): {got!r} != {want!r}"
+        else:
+            assert abs(got - want) <= LOSS_REL_TOL * abs(want), f"step {step}: {got!r} vs {want!r}"
+
+
 def _flat_partitions(ckpt: Path, key: str) -> list[torch.Tensor]:
     """Per parameter group, the ranks' ZeRO-2 partitions of ``key`` (fp32 master or an Adam moment) joined."""
     tag = next(ckpt.glob("global_step*"))
@@ -194,13 +204,7 @@ def test_two_ranks_to_one_to_two_continues_the_loss_curve(
     assert '"action": "convert"' in check.stdout and check.returncode == 0, check.stdout
     log = _run(out, [*LLAMA, "--resume"], 2)
     assert "world size 1 -> 2" in log, log[-3000:]
-    resumed = losses(out)
-    assert [s for s, _ in resumed] == [s for s, _ in reference], resumed
-    for (step, got), (_, want) in zip(resumed, reference, strict=True):
-        if step <= STOP_AT + 1:
-            assert got == want, f"step {step} (before the stop): {got!r} != {want!r}"
-        else:
-            assert abs(got - want) <= LOSS_REL_TOL * abs(want), f"step {step}: {got!r} vs {want!r}"
+    _assert_continues(losses(out), reference)
 
 
 def test_same_world_size_is_no_conversion(stopped: Path) -> None:
@@ -261,13 +265,7 @@ def test_zero3_two_ranks_to_one_keeps_masters_and_moments_and_continues_the_loss
             assert torch.equal(got.flatten(), want), f"{name} {key}"  # ZeRO-3's merge saves the bare tensor
             compared += want.numel()
     assert compared > 3 * 10_000, compared
-    got_losses = losses(resumed)
-    assert [s for s, _ in got_losses] == [s for s, _ in reference], got_losses
-    for (step, got), (_, want) in zip(got_losses, reference, strict=True):
-        if step <= STOP_AT + 1:
-            assert got == want, f"step {step} (before the stop): {got!r} != {want!r}"
-        else:
-            assert abs(got - want) <= LOSS_REL_TOL * abs(want), f"step {step}: {got!r} vs {want!r}"
+    _assert_continues(losses(resumed), reference)
 
 
 def test_zero3_offload_and_frozen_parameters_are_refused_with_one_line_each(
