@@ -12,7 +12,6 @@ import atexit
 import contextlib
 import functools
 import inspect
-import json
 import logging
 import os
 import sys
@@ -24,7 +23,7 @@ from typing import Any
 
 from slurm_jit.timing import TIMING_DIR
 from slurm_jit.train.refusals import JitRefusal
-from slurm_jit.train.trackers import read_bounded_json
+from slurm_jit.train.trackers import read_bounded_json, write_small_json
 
 logger = logging.getLogger(__name__)
 
@@ -229,10 +228,7 @@ def _write_record(out_dir: Path, record: Path) -> str:
 
     name = default_logdir()
     try:
-        record.parent.mkdir(parents=True, exist_ok=True)
-        tmp = record.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"log_dir": name}), encoding="utf-8")
-        os.replace(tmp, record)
+        write_small_json(record, {"log_dir": name})
     except OSError as exc:
         logger.warning("slurm_jit: cannot write %s (%s): a requeued job will start a new TensorBoard run. HINT: "
                        "make %s a writable directory", record, exc, record.parent)

@@ -58,6 +58,15 @@ def read_bounded_json(record: Path, max_bytes: int) -> Any:
     return json.loads(raw.decode("utf-8"))
 
 
+def write_small_json(record: Path, data: Any) -> None:
+    """Replace a small JSON record of ours whole (a temporary file, then a rename: a kill leaves the old or the
+    new one); raises OSError."""
+    record.parent.mkdir(parents=True, exist_ok=True)
+    tmp = record.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data), encoding="utf-8")
+    os.replace(tmp, record)
+
+
 def _read_record(record: Path) -> dict[str, Any] | None:
     """The record's run id and steps, or None (and one warning line) when it is unusable."""
     try:
@@ -77,10 +86,7 @@ def _read_record(record: Path) -> dict[str, Any] | None:
 
 def _write_record(record: Path, data: dict[str, Any]) -> bool:
     try:
-        record.parent.mkdir(parents=True, exist_ok=True)
-        tmp = record.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data), encoding="utf-8")
-        os.replace(tmp, record)
+        write_small_json(record, data)
     except OSError as exc:
         logger.warning("slurm_jit: cannot write %s (%s): a requeued job will start a new W&B run. HINT: make %s a "
                        "writable directory", record, exc, record.parent)
