@@ -4,6 +4,7 @@ pattern or the job's records cannot carry, and an sbatch that does not answer.""
 
 from __future__ import annotations
 
+import os
 import shlex
 import subprocess
 import sys
@@ -162,3 +163,37 @@ def test_the_long_option_table_holds_every_option_this_sbatch_knows() -> None:
                          if w.startswith("'--"))
     assert len(known) > 50
     assert sorted(known - set(sbatch_options.LONG_OPTIONS)) == []
+
+
+@pytest.mark.parametrize(("name", "owned"), [("SBATCH_NO_REQUEUE", "--no-requeue"), ("SBATCH_SIGNAL", "--signal"),
+                                             ("SBATCH_TIMELIMIT", "--time"), ("SBATCH_OPEN_MODE", "--open-mode")])
+def test_an_sbatch_variable_that_would_override_the_scripts_options_is_refused(tmp_path: Path, name: str,
+                                                                               owned: str) -> None:
+    """sbatch takes SBATCH_* input variables over #SBATCH lines (checked on 22.05: SBATCH_NO_REQUEUE=1 made a
+    script with #SBATCH --requeue a job with Requeue=0, SBATCH_TIMELIMIT=2 one with a 2-minute limit)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "submit.py"), "--dry-run", "--output-dir",
+                           str(tmp_path / "out"), *BASE, *CMD], capture_output=True, text=True, check=False,
+                          timeout=60, env={**os.environ, name: "1"})
+    assert proc.returncode == 2 and proc.stdout == "", proc
+    assert f"{name} ({owned}) set in the environment" in proc.stderr and f"HINT: unset {name}" in proc.stderr
+
+
+def test_a_recorded_job_id_now_given_to_another_job_does_not_hold_the_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """slurmctld's state reset (job ids start over): job 5 now runs someone else's script."""
+    from slurm_jit import slurm
+    from slurm_jit.launch import output_claim
+
+    out = tmp_path / "run a"
+    output_claim.job_script_path(out, "5").parent.mkdir(parents=True)
+    output_claim.job_script_path(out, "5").write_text("#!/bin/bash\n")
+    command = {"path": "/home/someone else/job.sh"}
+
+    def runner(argv: list[str], timeout_s: float) -> str:
+        return f"JobId=5 JobName=a\n   JobState=RUNNING Reason=None\n   Command={command['path']}\n"
+
+    monkeypatch.setattr(slurm, "runner", runner)
+    output_claim.check_free(out)
+    command["path"] = f"{out}/slurm-jit/submit.sbatch"
+    with pytest.raises(ValueError, match=r"is in use by job 5 \(RUNNING\).*HINT"):
+        output_claim.check_free(out)

@@ -220,3 +220,10 @@ def test_a_cancelled_job_named_like_a_running_one_reads_cancelled(tmp_path: Path
         assert slurm.job_state(job) == "CANCELLED" and slurm.live_state(job_id) is None
     finally:
         slurm.cancel(job_id)
+
+
+def test_paths_with_spaces_are_read_whole(fake: FakeRunner) -> None:
+    fake.stdout = SHOW_JOB.replace("/tmp/pe", "/tmp/run 50%x")
+    job = slurm.show_job("17")
+    assert job["Command"] == "/tmp/run 50%x/hi.sh" and job["WorkDir"] == "/tmp/run 50%x"
+    assert job["StdOut"] == "/tmp/run 50%x/hi-17.out" and job["Power"] == ""

@@ -60,9 +60,9 @@ def available() -> bool:
     return True
 
 
-# ``scontrol show job`` prints the job name unescaped, last on its line: its value is the rest of that line (a
-# job named ``x JobState=RUNNING`` must not read as a RUNNING job).
-REST_OF_LINE_KEYS = ("JobName",)
+# ``scontrol show job`` prints these unescaped, each last on its line: the value is the rest of that line (a job
+# named ``x JobState=RUNNING`` must not read as a RUNNING job; a path may hold spaces).
+REST_OF_LINE_KEYS = ("JobName", "Command", "WorkDir", "StdErr", "StdIn", "StdOut", "Comment")
 
 
 def parse_key_values(text: str) -> dict[str, str]:

@@ -22,6 +22,7 @@ from slurm_jit import slurm
 from slurm_jit.timing import TIMING_DIR
 
 JOB_SCRIPT = re.compile(r"job-(\d+)\.sbatch")
+SCRIPT_NAME = "submit.sbatch"  # the path every job is submitted from (its Command in scontrol show job)
 LOCK_NAME = "submit.lock"
 # Another submit into the same directory holds the lock for one sbatch call at most: the gateway's timeout, twice.
 SUBMIT_LOCK_WAIT_S = 2 * slurm.COMMAND_TIMEOUT_S
@@ -44,14 +45,19 @@ def recorded_jobs(output_dir: str | os.PathLike[str]) -> list[str]:
 
 def live_job(output_dir: str | os.PathLike[str]) -> tuple[str, str] | None:
     """(job id, state) of a job submitted into ``output_dir`` that may still run; None when every one ended.
+    A job id slurmctld now gives another job (its state was reset) is not ours: its script is another file.
     Raises ValueError (one line with a HINT) when slurmctld cannot say."""
+    ours = str(Path(output_dir) / TIMING_DIR / SCRIPT_NAME)
     for job_id in reversed(recorded_jobs(output_dir)):
         try:
-            state = slurm.live_state(job_id)
+            job = slurm.show_job(job_id)
         except slurm.SlurmError as exc:
+            if slurm.UNKNOWN_JOB in str(exc):
+                continue
             raise ValueError(f"cannot tell whether job {job_id} still uses {output_dir}: {exc}. HINT: once "
                              "slurmctld answers, submit again") from None
-        if state is not None:
+        state = slurm.job_state(job)
+        if state not in slurm.ENDED_STATES and job.get("Command", ours) == ours:
             return job_id, state
     return None
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from slurm_jit import timing
 from slurm_jit.grace import cli as grace_cli
@@ -119,6 +119,24 @@ def check_extra_args(extra: Sequence[str], who: str = "submit.py") -> None:
     if takes_value:
         raise OptionError(f"--sbatch-arg={extra[-1]} needs a value: sbatch would take the batch script's path for "
                           f"it. HINT: give it after '=', e.g. --sbatch-arg={extra[-1]}=VALUE")
+
+
+# sbatch's input environment variables for options the script sets: they win over #SBATCH lines (sbatch(1),
+# INPUT ENVIRONMENT VARIABLES), so SBATCH_NO_REQUEUE=1 in a login shell's profile would make the job one that
+# cannot be requeued, SBATCH_TIMELIMIT one whose --signal lead was sized for another limit.
+OWNED_ENV = {"SBATCH_SIGNAL": "signal", "SBATCH_REQUEUE": "requeue", "SBATCH_NO_REQUEUE": "no-requeue",
+             "SBATCH_OPEN_MODE": "open-mode", "SBATCH_TIMELIMIT": "time", "SBATCH_ARRAY_INX": "array",
+             "SBATCH_WAIT": "wait", "SBATCH_ERROR": "error"}
+
+
+def check_environment(env: Mapping[str, str], who: str = "submit.py") -> None:
+    """OptionError when ``env`` sets an sbatch input variable that would override an option the launcher
+    writes into the script."""
+    found = sorted(name for name in OWNED_ENV if name in env)
+    if found:
+        names = ", ".join(f"{name} (--{OWNED_ENV[name]})" for name in found)
+        raise OptionError(f"{names} set in the environment: sbatch would take it over the script's own option, "
+                          f"which {who} writes. HINT: unset {' '.join(found)} for this submit")
 
 
 def check_output_dir(path: str) -> str:

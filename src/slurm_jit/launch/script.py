@@ -15,11 +15,12 @@ import shlex
 from dataclasses import dataclass, field
 
 from slurm_jit.grace.calc import LEAD_ENV_VAR
+from slurm_jit.launch import output_claim
 
 # What may stand unquoted in an #SBATCH line (sbatch splits directives at blanks and takes # as a comment).
 SAFE_DIRECTIVE_VALUE = re.compile(r"[A-Za-z0-9_.,:@=/+%-]+")
 SPEC_NAME = "launch-spec.json"  # where submit.py wrote the command before issue 17 (shared by every job: unsafe)
-SCRIPT_NAME = "submit.sbatch"  # OUT_DIR/slurm-jit/: the script while sbatch reads it; then job-<id>.sbatch
+SCRIPT_NAME = output_claim.SCRIPT_NAME  # OUT_DIR/slurm-jit/: the script while sbatch reads it; then job-<id>.sbatch
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -184,6 +184,7 @@ def build_job(args: argparse.Namespace) -> tuple[script.JobSpec, GraceResult]:
     if args.job_name is not None:
         sbatch_options.check_job_name(args.job_name)
     sbatch_options.check_extra_args(args.sbatch_arg or [])
+    sbatch_options.check_environment(os.environ)
     world_size = args.nodes * args.ntasks_per_node
     result = _grace(args, world_size)
     if limit_s is not None and result.lead_s >= limit_s:
@@ -283,7 +284,7 @@ def _submit(job: script.JobSpec) -> str:
             raise
         job_id = out.strip().split(";")[0]
         if not job_id.isdigit():
-            raise slurm.SlurmError(f"sbatch printed no job id ({out.strip()[:200]!r})")
+            raise slurm.SlurmError(f"{NO_JOB_ID} ({out.strip()[:200]!r})")
         try:
             os.replace(script_path, output_claim.job_script_path(job.output_dir, job_id))
         except OSError as exc:  # the job is queued: say so, never fail it here
@@ -295,12 +296,13 @@ def _submit(job: script.JobSpec) -> str:
 
 # What sbatch (or the gateway) says when no controller answers, as opposed to refusing the job's options.
 TIMED_OUT = "did not answer within"  # the gateway's words for a command killed at its timeout
+NO_JOB_ID = "sbatch printed no job id"
 NO_CONTROLLER = ("not found on PATH", "Unable to contact slurm controller",
                  "Could not establish a configuration source", "Invalid user for SlurmUser")
 
 
 def _sbatch_hint(message: str, job: script.JobSpec) -> str:
-    if TIMED_OUT in message:
+    if TIMED_OUT in message or NO_JOB_ID in message:
         return (f"the job may have been queued all the same: check squeue --me --name={shlex.quote(job.job_name)}"
                 " before submitting again (its script is left in OUT_DIR/slurm-jit/submit.sbatch)")
     if any(words in message for words in NO_CONTROLLER):
