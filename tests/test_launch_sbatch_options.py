@@ -46,7 +46,6 @@ def sbatch_line(stderr: str) -> list[str]:
     (["--test-only"], "--test-only"),
     (["-t", "5"], "--time"),  # the value in the next argument
     (["--comment", "--sig=USR1@5"], "--signal"),  # a value that looks like an owned option: refused all the same
-    (["--no"], "--no-requeue"),  # ambiguous (--no-kill, --no-requeue): sbatch refuses it; so do we, saying why
 ])
 def test_an_owned_sbatch_option_is_refused_however_it_is_spelled(tmp_path: Path, extra: list[str],
                                                                   owned: str) -> None:
@@ -61,6 +60,9 @@ def test_an_owned_sbatch_option_is_refused_however_it_is_spelled(tmp_path: Path,
     (["--"], "is not an sbatch option"),
     (["--comment"], "--sbatch-arg=--comment needs a value"),  # it would swallow the script's path
     (["-C"], "--sbatch-arg=-C needs a value"),
+    # sbatch refuses an ambiguous prefix; so do we when it could be an owned option, saying why
+    (["--no"], "--sbatch-arg=--no is an ambiguous prefix of --no-kill, --no-requeue, --nodefile, --nodelist, "
+               "--nodes: it could set --no-requeue"),
 ])
 def test_an_extra_argument_sbatch_would_take_for_the_script_is_refused(tmp_path: Path, extra: list[str],
                                                                         message: str) -> None:

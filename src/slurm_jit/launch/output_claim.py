@@ -43,11 +43,17 @@ def recorded_jobs(output_dir: str | os.PathLike[str]) -> list[str]:
     return sorted((m.group(1) for m in map(JOB_SCRIPT.fullmatch, names) if m), key=int)
 
 
-def live_job(output_dir: str | os.PathLike[str]) -> tuple[str, str] | None:
+def submitted_from(output_dir: str | os.PathLike[str]) -> str:
+    """The script path submit.py gives sbatch (``scontrol show job``'s Command of its jobs)."""
+    return str(Path(output_dir) / TIMING_DIR / SCRIPT_NAME)
+
+
+def live_job(output_dir: str | os.PathLike[str], command: str | None = None) -> tuple[str, str] | None:
     """(job id, state) of a job submitted into ``output_dir`` that may still run; None when every one ended.
-    A job id slurmctld now gives another job (its state was reset) is not ours: its script is another file.
-    Raises ValueError (one line with a HINT) when slurmctld cannot say."""
-    ours = str(Path(output_dir) / TIMING_DIR / SCRIPT_NAME)
+    A job whose Command is not ``command`` (default: :func:`submitted_from`; "" accepts any) is another job
+    that slurmctld gave a recorded id after its state was reset. Raises ValueError (one line with a HINT) when
+    slurmctld cannot say."""
+    ours = submitted_from(output_dir) if command is None else command
     for job_id in reversed(recorded_jobs(output_dir)):
         try:
             job = slurm.show_job(job_id)
@@ -57,14 +63,15 @@ def live_job(output_dir: str | os.PathLike[str]) -> tuple[str, str] | None:
             raise ValueError(f"cannot tell whether job {job_id} still uses {output_dir}: {exc}. HINT: once "
                              "slurmctld answers, submit again") from None
         state = slurm.job_state(job)
-        if state not in slurm.ENDED_STATES and job.get("Command", ours) == ours:
+        if state not in slurm.ENDED_STATES and (not ours or job.get("Command", ours) == ours):
             return job_id, state
     return None
 
 
-def check_free(output_dir: str | os.PathLike[str]) -> None:
-    """ValueError (one line) when a job submitted into ``output_dir`` may still run."""
-    found = live_job(output_dir)
+def check_free(output_dir: str | os.PathLike[str], command: str | None = None) -> None:
+    """ValueError (one line) when a job submitted into ``output_dir`` may still run (``command``: as for
+    :func:`live_job`)."""
+    found = live_job(output_dir, command)
     if found is not None:
         job_id, state = found
         raise ValueError(f"{output_dir} is in use by job {job_id} ({state}): a second job would train into the "

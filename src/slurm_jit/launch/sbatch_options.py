@@ -84,6 +84,9 @@ def _check_long(arg: str, who: str) -> bool:
     name, has_value, _ = arg[2:].partition("=")
     option, candidates = long_option(name)
     owned = next((c for c in candidates if c in OWNED_LONG), None)
+    if owned is not None and option is None:  # ambiguous: sbatch refuses it, and it could mean an owned one
+        raise OptionError(f"--sbatch-arg={arg} is an ambiguous prefix of {', '.join('--' + c for c in candidates)}"
+                          f": it could set --{owned}, which {who} writes itself. HINT: spell the option out")
     if owned is not None:
         raise _refuse(arg, owned, who)
     return option is not None and not has_value and LONG_OPTIONS[option] == "required"
