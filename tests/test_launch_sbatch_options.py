@@ -199,3 +199,21 @@ def test_a_recorded_job_id_now_given_to_another_job_does_not_hold_the_directory(
     command["path"] = f"{out}/slurm-jit/submit.sbatch"
     with pytest.raises(ValueError, match=r"is in use by job 5 \(RUNNING\).*HINT"):
         output_claim.check_free(out)
+
+
+def test_a_live_job_holds_its_directory_under_every_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same directory through a symbolic link: the job's Command names the other path."""
+    from slurm_jit import slurm
+    from slurm_jit.launch import output_claim
+
+    real, alias = tmp_path / "real", tmp_path / "alias"
+    output_claim.job_script_path(real, "7").parent.mkdir(parents=True)
+    output_claim.job_script_path(real, "7").write_text("#!/bin/bash\n")
+    alias.symlink_to(real)
+
+    def runner(argv: list[str], timeout_s: float) -> str:
+        return f"JobId=7 JobName=a\n   JobState=PENDING Reason=None\n   Command={real}/slurm-jit/submit.sbatch\n"
+
+    monkeypatch.setattr(slurm, "runner", runner)
+    with pytest.raises(ValueError, match=r"is in use by job 7 \(PENDING\)"):
+        output_claim.check_free(alias)

@@ -63,9 +63,14 @@ def live_job(output_dir: str | os.PathLike[str], command: str | None = None) -> 
             raise ValueError(f"cannot tell whether job {job_id} still uses {output_dir}: {exc}. HINT: once "
                              "slurmctld answers, submit again") from None
         state = slurm.job_state(job)
-        if state not in slurm.ENDED_STATES and (not ours or job.get("Command", ours) == ours):
+        if state not in slurm.ENDED_STATES and (not ours or _same_path(job.get("Command", ours), ours)):
             return job_id, state
     return None
+
+
+def _same_path(a: str, b: str) -> bool:
+    """The same file, reached through symbolic links or not (the file itself may be gone)."""
+    return a == b or os.path.realpath(a) == os.path.realpath(b)
 
 
 def check_free(output_dir: str | os.PathLike[str], command: str | None = None) -> None:
