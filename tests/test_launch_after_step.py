@@ -346,3 +346,40 @@ def test_a_new_job_into_the_same_directory_is_not_held_to_an_older_jobs_step(
     _record(tmp_path, monkeypatch, "jit_stop", 100, restart="1")
     assert _run(tmp_path, {"SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": "1"}) == 1
     assert "crash loop: no progress since the last restart (step 100)" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (ENOSPC on every write)")
+def test_a_progress_record_that_cannot_be_written_is_one_warning_then_the_decision(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The record's temporary file is /dev/full: a real ENOSPC (as on a full disk, or EDQUOT over quota). Before,
+    a traceback ended the helper before any decision: no requeue, no word why."""
+    progress.write(tmp_path, {"job_id": "41", "last_step": 7, "failure_retries": {}, "history": []})
+    before = progress.path(tmp_path).read_bytes()
+    progress.path(tmp_path).with_suffix(".tmp").symlink_to("/dev/full")
+    gateway = ScriptedSlurm(["RUNNING"])
+    assert _failure_retry(tmp_path, monkeypatch, gateway) == 0
+    captured = capsys.readouterr()
+    assert gateway.requeued and "Traceback" not in captured.err
+    (warning,) = captured.err.splitlines()
+    assert "cannot write" in warning and "No space left on device" in warning and "HINT" in warning
+    assert "policy: requeue: no stop record" not in captured.out and "failure retry 1 of 1" in captured.out
+    assert progress.path(tmp_path).read_bytes() == before  # nothing saved is lost
+
+
+@pytest.mark.parametrize(("gateway", "outcome"), [
+    (ScriptedSlurm(["RUNNING", "CANCELLED"]), "requeue withdrawn: the job is now CANCELLED"),
+    (ScriptedSlurm(["RUNNING"], fail_requeue=True), "requeue failed: scontrol requeue 42 failed"),
+])
+def test_a_requeue_that_did_not_happen_is_not_recorded_or_counted_as_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gateway: ScriptedSlurm, outcome: str
+) -> None:
+    """Before, the record said "requeue": true and spent a failure retry for a requeue that was withdrawn (a
+    scancel meanwhile) or that Slurm refused; status then said "requeued"."""
+    assert _failure_retry(tmp_path, monkeypatch, gateway) == 1
+    saved = progress.read(tmp_path)
+    last = saved["history"][-1]
+    assert last["requeue"] is False and last["outcome"].startswith(outcome), last
+    assert progress.failure_retries(saved, "42") == 0
+    status = _status(str(tmp_path))
+    assert "not requeued" not in status.stdout and outcome in status.stdout, status.stdout

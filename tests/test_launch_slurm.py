@@ -244,3 +244,39 @@ def test_raw_sbatch_preempted_through_urgent_is_requeued_and_finishes(tmp_path: 
     assert "stopped by preemption" in decisions[0] and "policy: requeue" in decisions[0], log[-3000:]
     assert job["JobState"] == "COMPLETED" and job["Restarts"] == "1"
     assert _final_losses(out) == reference
+
+
+MARK = ("import os, sys, time\n"
+        "open(sys.argv[1], 'a').write(f\"{sys.argv[2]} {os.environ.get('SLURM_RESTART_COUNT', '0')}\\n\")\n"
+        "time.sleep(600)\n")
+
+
+def _submit_mark(out: Path, marks: Path, name: str) -> subprocess.CompletedProcess[str]:
+    """A one-task job whose command appends ``NAME RESTART`` to ``marks``, then sleeps."""
+    return subprocess.run([sys.executable, str(SUBMIT), "--output-dir", str(out), "--ntasks-per-node", "1",
+                           "--cpus-per-task", "1", "--time", "5", "--signal-lead", "60", "--job-name", name, "--",
+                           sys.executable, "-c", MARK, str(marks), name], capture_output=True, text=True,
+                          check=False, timeout=120)
+
+
+def test_a_second_submit_into_a_live_jobs_directory_is_refused_and_a_requeue_runs_the_jobs_own_command(
+        tmp_path: Path, jobs: list[str]) -> None:
+    """Before, the second submit went in and rewrote OUT_DIR/slurm-jit/launch-spec.json: the first job, requeued,
+    ran the second one's command. The directory's name holds a '%' (sbatch's --output pattern escapes it)."""
+    out, marks = tmp_path / "run 50%x", tmp_path / "marks"
+    first = _submit_mark(out, marks, "first")
+    assert first.returncode == 0, first.stdout + first.stderr
+    job_id = first.stdout.split("submitted job ")[1].split(";")[0]
+    jobs.append(job_id)
+    _until("the first run's mark", lambda: marks.exists() and "first 0" in marks.read_text(), out, job_id)
+    second = _submit_mark(out, marks, "second")
+    if "submitted job " in second.stdout:
+        jobs.append(second.stdout.split("submitted job ")[1].split(";")[0])
+    assert second.returncode == 1 and second.stdout == "", second
+    assert f"is in use by job {job_id} (RUNNING)" in second.stderr and "HINT" in second.stderr
+    assert len(second.stderr.splitlines()) == 1, second.stderr
+    slurm.requeue(job_id)
+    _until("the requeued run's mark", lambda: "first 1" in marks.read_text(), out, job_id)
+    assert marks.read_text().split("\n")[:2] == ["first 0", "first 1"]
+    assert (out / f"slurm-{job_id}.out").is_file()  # the literal directory, not "run 50first"
+    assert sorted(p.name for p in (out / "slurm-jit").glob("*.sbatch")) == [f"job-{job_id}.sbatch"]

@@ -352,3 +352,70 @@ def test_the_plan_says_when_the_resume_converts_and_refuses_what_cannot_resume_o
     assert refused.returncode == 1 and refused.stdout == "", refused
     last = refused.stderr.strip().splitlines()[-1]
     assert "ZeRO stage no manifest records" in last and "HINT: resume with 2 ranks" in last, refused.stderr
+
+
+def test_status_and_submit_print_the_same_signal_lead_for_one_timing_log(tmp_path: Path) -> None:
+    """status summed its own terms (no latency steps, kill_wait or teardown): TERM@55 where submit sized the job
+    TERM@94 from the same log."""
+    import re
+
+    from slurm_jit import timing
+
+    out = tmp_path / "out"
+    for rank in range(2):  # the real writer: steps of 0.5 s with one of 2 s, a 20 s save and a JIT stop
+        log = timing.TimingLog(out, rank=rank, world_size=2, run_id="r1")
+        for step in range(1, 41):
+            log.step(step, 2.0 if step == 20 else 0.5)
+        log.agreement(40, mode="overlapped", allreduce_s=0.01, step_s=0.5, threshold_s=1.0, kill_wait_s=3.0)
+        log.save(40, "jit", 20.0 + rank, 123_456)
+        log.stop(40, signal_to_end_s=30.0, fields={"teardown_s": 4.0, "kill_wait_s": 3.0})
+        log.close()
+    submitted = submit("--output-dir", str(out), "--time", "30", "--ntasks-per-node", "2", *CMD)
+    assert submitted.returncode == 0, submitted.stderr
+    (lead,) = re.findall(r"#SBATCH --signal=TERM@(\d+)", submitted.stdout)
+    status = subprocess.run([sys.executable, str(ROOT / "launch" / "submit.py"), "status", str(out)],
+                            capture_output=True, text=True, check=False, timeout=60)
+    assert status.returncode == 0, status.stderr
+    assert re.findall(r"--signal=TERM@(\d+)", status.stdout) == [lead], status.stdout
+
+
+def test_a_training_program_without_its_exec_bit_is_one_line_with_a_hint(tmp_path: Path) -> None:
+    """execvp's PermissionError was a traceback in every rank; submit refuses it before sbatch, too."""
+    program = tmp_path / "train.sh"
+    program.write_text("#!/bin/sh\necho trained\n")
+    program.chmod(0o644)
+    spec = json.dumps({"argv": [str(program), "--lr", "3e-4"]})
+    ran = subprocess.run([sys.executable, "-m", "slurm_jit.launch.task", "--spec", spec], capture_output=True,
+                         text=True, check=False, timeout=60)
+    assert ran.returncode == task.EXIT_BAD_SPEC and "Traceback" not in ran.stderr, ran.stderr
+    (line,) = ran.stderr.splitlines()
+    assert f"cannot run {program}: Permission denied" in line and f"HINT: make it executable (chmod +x {program})" \
+        in line
+    refused = submit("--output-dir", str(tmp_path / "out"), "--time", "30", "--signal-lead", "60", "--",
+                     str(program))
+    assert refused.returncode == 2 and f"chmod +x {program}" in refused.stderr and refused.stdout == "", refused
+
+
+def test_a_submit_sbatch_refuses_leaves_the_directory_and_a_queued_jobs_command_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before, every submit rewrote OUT_DIR/slurm-jit/launch-spec.json, even one sbatch refused: a queued or
+    requeued job of the same directory ran the other command at its next start. The command is now in the job's
+    own script (Slurm's copy), and a refused submit writes nothing the job reads."""
+    from slurm_jit import slurm
+    from slurm_jit.launch import submit as submit_module
+
+    out = tmp_path / "out"
+    (out / "slurm-jit").mkdir(parents=True)
+    (out / "slurm-jit" / script.SPEC_NAME).write_text('{"argv": ["python", "first.py"]}\n')  # an older job's
+
+    def runner(argv: list[str], timeout_s: float) -> str:
+        raise slurm.SlurmError(f"{argv[0]} failed (exit 1): sbatch: error: Invalid --distribution specification")
+
+    monkeypatch.setattr(slurm, "runner", runner)
+    before = sorted(p.name for p in (out / "slurm-jit").iterdir())
+    with pytest.raises(SystemExit):
+        submit_module.submit_main(["--output-dir", str(out), "--time", "30", "--signal-lead", "60", "--",
+                                   "python", "second.py"])
+    assert "sbatch refused the job" in capsys.readouterr().err
+    assert json.loads((out / "slurm-jit" / script.SPEC_NAME).read_text()) == {"argv": ["python", "first.py"]}
+    assert sorted(p.name for p in (out / "slurm-jit").iterdir() if p.name != "submit.lock") == before

@@ -175,3 +175,55 @@ def test_failed_command_raises_with_slurms_message() -> None:
     expected = r"scontrol show job 999999999 failed \(exit 1\): .*Invalid job id"
     with pytest.raises(slurm.SlurmError, match=expected):
         slurm.show_job("999999999")
+
+
+def test_a_job_name_holding_key_value_text_does_not_hide_the_real_fields(fake: FakeRunner) -> None:
+    """scontrol prints the name unescaped, first: ``x JobState=RUNNING`` read as a RUNNING job after scancel."""
+    fake.stdout = SHOW_JOB.replace("JobName=hi.sh", "JobName=x JobState=RUNNING Restarts=9 RunTime=9:99")
+    job = slurm.show_job("17")
+    assert job["JobName"] == "x JobState=RUNNING Restarts=9 RunTime=9:99"
+    assert (slurm.job_state(job), job["Restarts"], job["RunTime"]) == ("COMPLETED", "0", "00:00:02")
+
+
+@pytest.mark.parametrize(("answer", "expected"), [
+    ("JobId=5 JobName=a\n   JobState=PENDING Reason=BeginTime\n", "PENDING"),
+    ("JobId=5 JobName=a\n   JobState=REQUEUED Reason=None\n", "REQUEUED"),
+    ("JobId=5 JobName=a\n   JobState=CANCELLED Reason=None\n", None),
+    ("JobId=5 JobName=a\n   JobState=COMPLETED Reason=None\n", None),
+    (slurm.SlurmError("scontrol show job 5 failed (exit 1): slurm_load_jobs error: Invalid job id specified"), None),
+])
+def test_live_state_is_none_once_a_job_can_never_run_again(fake: FakeRunner, answer: str | Exception,
+                                                           expected: str | None) -> None:
+    if isinstance(answer, Exception):
+        fake.error = answer
+    else:
+        fake.stdout = answer
+    assert slurm.live_state("5") == expected
+
+
+def test_live_state_says_so_when_slurmctld_does_not_answer(fake: FakeRunner) -> None:
+    fake.error = slurm.SlurmError("scontrol show job 5 did not answer within 60 s")
+    with pytest.raises(slurm.SlurmError, match="did not answer"):
+        slurm.live_state("5")
+
+
+@pytest.mark.slurm
+@pytest.mark.usefixtures("slurm_cluster")
+def test_a_cancelled_job_named_like_a_running_one_reads_cancelled(tmp_path: Path) -> None:
+    """On the real cluster: a held job (it never takes a CPU) named ``x JobState=RUNNING``, cancelled."""
+    job_id = slurm.run(["sbatch", "--parsable", "--hold", "--job-name=x JobState=RUNNING", "--time=1",
+                        f"--output={tmp_path}/%j.out", "--wrap=true"]).strip()
+    try:
+        slurm.cancel(job_id)
+        job = slurm.show_job(job_id)
+        assert job["JobName"] == "x JobState=RUNNING"
+        assert slurm.job_state(job) == "CANCELLED" and slurm.live_state(job_id) is None
+    finally:
+        slurm.cancel(job_id)
+
+
+def test_paths_with_spaces_are_read_whole(fake: FakeRunner) -> None:
+    fake.stdout = SHOW_JOB.replace("/tmp/pe", "/tmp/run 50%x")
+    job = slurm.show_job("17")
+    assert job["Command"] == "/tmp/run 50%x/hi.sh" and job["WorkDir"] == "/tmp/run 50%x"
+    assert job["StdOut"] == "/tmp/run 50%x/hi-17.out" and job["Power"] == ""

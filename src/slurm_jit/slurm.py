@@ -60,11 +60,24 @@ def available() -> bool:
     return True
 
 
+# ``scontrol show job`` prints these unescaped, each last on its line: the value is the rest of that line (a job
+# named ``x JobState=RUNNING`` must not read as a RUNNING job; a path may hold spaces).
+REST_OF_LINE_KEYS = ("JobName", "Command", "WorkDir", "StdErr", "StdIn", "StdOut", "Comment")
+
+
 def parse_key_values(text: str) -> dict[str, str]:
-    """Parse ``scontrol show`` output (``Key=Value`` pairs, several per line) into a dict."""
+    """Parse ``scontrol show`` output (``Key=Value`` pairs, several per line) into a dict; the first of repeated
+    keys counts, and a :data:`REST_OF_LINE_KEYS` key takes the rest of its line as its value."""
     pairs: dict[str, str] = {}
-    for match in re.finditer(r"(\w[\w:/.]*)=(\S*)", text):
-        pairs.setdefault(match.group(1), match.group(2))
+    for line in text.splitlines():
+        rest_at = len(line)
+        for key in REST_OF_LINE_KEYS:
+            found = re.search(rf"(?:^|\s){key}=", line)
+            if found is not None and found.end() < rest_at:
+                rest_at = found.end()
+                pairs.setdefault(key, line[rest_at:])
+        for match in re.finditer(r"(\w[\w:/.]*)=(\S*)", line[:rest_at]):
+            pairs.setdefault(match.group(1), match.group(2))
     return pairs
 
 
@@ -94,6 +107,24 @@ def default_partition() -> str | None:
 def show_job(job_id: str) -> dict[str, str]:
     """``scontrol show job JOBID`` as a dict (kept by slurmctld for MinJobAge seconds after the end)."""
     return parse_key_values(run(["scontrol", "show", "job", str(job_id)]))
+
+
+# Job states after which a job never runs again (squeue(1) JOB STATE CODES); every other state is a live job.
+ENDED_STATES = frozenset({"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL",
+                          "OUT_OF_MEMORY", "PREEMPTED", "REVOKED", "TIMEOUT"})
+UNKNOWN_JOB = "Invalid job id specified"  # scontrol's words for a job it does not (or no longer) know
+
+
+def live_state(job_id: str) -> str | None:
+    """The state of a job that may still run (PENDING, RUNNING, REQUEUED, SUSPENDED, ...); None when it has ended
+    or slurmctld no longer knows it. Raises SlurmError when slurmctld does not answer."""
+    try:
+        state = job_state(show_job(job_id))
+    except SlurmError as exc:
+        if UNKNOWN_JOB in str(exc):
+            return None
+        raise
+    return None if state in ENDED_STATES else state
 
 
 def job_script(job_id: str) -> str:

@@ -7,7 +7,9 @@ Run by the batch script after ``srun`` returns (every rank has exited)::
 It reads the stop record of *this* job id and restart, runs the ``ckpt-check`` gate, reads the job's state through
 the Slurm gateway, decides with :mod:`slurm_jit.launch.policy`, records the step in
 ``OUT_DIR/slurm-jit/launch-progress.json``, prints the decision and only then calls ``scontrol requeue`` (which
-ends this batch shell). Exit 0 when requeued or finished, else srun's status (1 when that was 0).
+ends this batch shell). A requeue withdrawn (the job was cancelled meanwhile) or refused by Slurm is recorded as
+such, not as a requeue. A record that cannot be written (a full disk, a quota) is one warning line: the decision
+stands. Exit 0 when requeued or finished, else srun's status (1 when that was 0).
 """
 
 from __future__ import annotations
@@ -89,22 +91,43 @@ def gather(args: argparse.Namespace, env: Mapping[str, str]) -> policy.Facts:
     )
 
 
-def _remember(out_dir: str, job_id: str, facts: policy.Facts, decision: policy.Decision) -> None:
+def _saved(out_dir: str) -> dict[str, Any]:
+    """The progress record so far; an unusable one is kept aside (nothing saved is lost) and a new one started."""
     trouble = progress.problem(out_dir)
-    if trouble:  # keep what was there (nothing saved is lost), then start a new record
-        print(f"slurm-jit: warning: {trouble}; kept as {progress.keep_copy(out_dir)}, starting a new one. "
-              "HINT: the crash-loop check had no previous step this time; --max-requeues still holds",
-              file=sys.stderr, flush=True)
-    saved = progress.read(out_dir)
+    if trouble:
+        try:
+            kept = f"kept as {progress.keep_copy(out_dir)}"
+        except OSError as exc:
+            kept = f"could not keep a copy ({exc.strerror or exc})"
+        print(f"slurm-jit: warning: {trouble}; {kept}, starting a new one. HINT: the crash-loop check had no "
+              "previous step this time; --max-requeues still holds", file=sys.stderr, flush=True)
+        return {}
+    return progress.read(out_dir)
+
+
+def _remember(out_dir: str, job_id: str, saved: dict[str, Any], facts: policy.Facts, decision: policy.Decision,
+              outcome: str) -> None:
+    """Record this stop on top of ``saved``; ``outcome`` is what happened: "requeued", "not requeued", or why a
+    requeue the policy asked for did not happen. Writing again with another outcome replaces the entry."""
+    requeued = outcome == OUTCOME_REQUEUED
     stored, listed = saved.get("failure_retries"), progress.history(saved)
     retries: dict[str, int] = dict(stored) if isinstance(stored, dict) else {}
-    if decision.failure_retry:
+    if decision.failure_retry and requeued:
         retries = {**retries, job_id: progress.failure_retries(saved, job_id) + 1}
     last_step = facts.record_step if facts.record_state == "jit_stop" else progress.previous_step(saved, job_id)
     history: list[object] = [*listed, {"job_id": job_id, "restart": facts.restart_count, "cause": decision.cause,
-                          "step": facts.record_step, "requeue": decision.requeue, "reason": decision.reason}]
-    progress.write(out_dir, {"job_id": job_id, "last_step": last_step, "failure_retries": retries,
-                             "history": history[-50:]})
+                          "step": facts.record_step, "requeue": requeued, "reason": decision.reason,
+                          "outcome": outcome}]
+    try:
+        progress.write(out_dir, {"job_id": job_id, "last_step": last_step, "failure_retries": retries,
+                                 "history": history[-50:]})
+    except OSError as exc:  # EDQUOT, ENOSPC, EIO: the decision matters more than its record
+        print(f"slurm-jit: warning: cannot write {progress.path(out_dir)} ({exc.strerror or exc}); the decision "
+              "stands. HINT: free space or quota there; without it the next restart has no previous step for the "
+              "crash-loop check (--max-requeues still holds)", file=sys.stderr, flush=True)
+
+
+OUTCOME_REQUEUED, OUTCOME_NOT_REQUEUED = "requeued", "not requeued"
 
 
 def _on_term(signum: int, frame: object) -> None:
@@ -115,9 +138,9 @@ def _on_term(signum: int, frame: object) -> None:
 _job_ending = False  # set by SIGTERM: --signal (no B:) never reaches the batch shell; scancel or the end does
 
 
-def _requeue(job_id: str) -> int:
-    """``scontrol requeue``, unless the job was cancelled (or is ending) since the policy read its state: Slurm
-    accepts a requeue of a cancelled job, so a user's scancel during this helper must win."""
+def _withdrawn(job_id: str) -> str | None:
+    """Why a requeue the policy asked for must not happen now (None: go on): the job was cancelled (or is
+    ending) since the policy read its state. Slurm accepts a requeue of a cancelled job: a scancel must win."""
     state = "UNKNOWN"
     if not _job_ending:
         try:
@@ -126,16 +149,17 @@ def _requeue(job_id: str) -> int:
             state = f"unknown ({exc})"
     if _job_ending or state not in policy.ACTIVE_STATES:
         why = "this helper got SIGTERM (scancel or the job's end)" if _job_ending else f"the job is now {state}"
-        print(f"slurm-jit: requeue withdrawn: {why}; never requeued after a cancel. HINT: to go on, resubmit "
-              "(the checkpoint is kept)", flush=True)
-        return 1
+        return f"requeue withdrawn: {why}"
+    return None
+
+
+def _requeue(job_id: str) -> str | None:
+    """``scontrol requeue`` (which ends this batch shell); None when Slurm took it, else why not."""
     try:
-        slurm.requeue(job_id)  # ends this batch shell: say everything before it
+        slurm.requeue(job_id)
     except slurm.SlurmError as exc:
-        print(f"slurm-jit: requeue failed: {exc}. HINT: requeue it by hand (scontrol requeue {job_id}) or "
-              "resubmit; the checkpoint is kept", flush=True)
-        return 1
-    return 0
+        return f"requeue failed: {exc}"
+    return None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -173,13 +197,37 @@ def _decide_and_act(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         print(f"slurm-jit after_step: {exc}", file=sys.stderr)
         return EXIT_ERROR
     decision = policy.decide(facts)
-    _remember(args.out_dir, env["SLURM_JOB_ID"], facts, decision)
+    job_id, saved = env["SLURM_JOB_ID"], _saved(args.out_dir)
+    withdrawn = _withdrawn(job_id) if decision.requeue else None
+    outcome = withdrawn or (OUTCOME_REQUEUED if decision.requeue else OUTCOME_NOT_REQUEUED)
+    _remember(args.out_dir, job_id, saved, facts, decision, outcome)  # before the requeue ends this shell
     print(decision.line(facts), flush=True)
     if decision.requeue:
-        return _requeue(env["SLURM_JOB_ID"])
+        return _act(args.out_dir, job_id, saved, facts, decision, withdrawn)
     if decision.cause == policy.CAUSE_FINISHED:
         return 0
     return args.srun_exit or 1
+
+
+def _act(out_dir: str, job_id: str, saved: dict[str, Any], facts: policy.Facts, decision: policy.Decision,
+         withdrawn: str | None) -> int:
+    """Requeue, unless withdrawn (checked again: a scancel may have come while the record was written); what did
+    not happen replaces the record's "requeued"."""
+    if withdrawn is None:
+        withdrawn = _withdrawn(job_id)
+        if withdrawn is not None:
+            _remember(out_dir, job_id, saved, facts, decision, withdrawn)
+    if withdrawn is not None:
+        print(f"slurm-jit: {withdrawn}; never requeued after a cancel. HINT: to go on, resubmit (the checkpoint "
+              "is kept)", flush=True)
+        return 1
+    failed = _requeue(job_id)
+    if failed is None:
+        return 0
+    _remember(out_dir, job_id, saved, facts, decision, failed)
+    print(f"slurm-jit: {failed}. HINT: requeue it by hand (scontrol requeue {job_id}) or resubmit; the "
+          "checkpoint is kept", flush=True)
+    return 1
 
 
 if __name__ == "__main__":

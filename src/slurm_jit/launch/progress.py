@@ -56,15 +56,20 @@ def history(record: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def write(output_dir: str | os.PathLike[str], record: dict[str, Any]) -> None:
-    """Atomically replace the progress record (temporary file, fsync, rename)."""
+    """Atomically replace the progress record (temporary file, fsync, rename); OSError when it cannot, with the
+    previous record untouched."""
     target = path(output_dir)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_suffix(".tmp")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        json.dump(record, handle, indent=1)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.rename(tmp, target)
+    try:
+        with open(tmp, "w", encoding="utf-8") as handle:
+            json.dump(record, handle, indent=1)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.rename(tmp, target)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a half-written temporary file; the record before it is untouched
+        raise
 
 
 def failure_retries(record: dict[str, Any], job_id: str) -> int:

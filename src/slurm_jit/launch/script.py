@@ -2,21 +2,25 @@
 
 Values that sbatch's own ``#SBATCH`` parser could misread (a job name with spaces or quotes, the output path) are
 not written into the script: they go to ``sbatch`` on its command line, as argv through the Slurm gateway.
-Everything in the script body is quoted with :func:`shlex.quote`; the training command is not in the script at
-all but in a JSON spec that each srun task reads (:mod:`slurm_jit.launch.task`).
+Everything in the script body is quoted with :func:`shlex.quote`. The training command is in the script, as one
+quoted JSON word that each srun task reads (:mod:`slurm_jit.launch.task`): Slurm keeps its own copy of the
+script, so a queued or requeued job runs its own command whatever is submitted into the same directory later.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from dataclasses import dataclass, field
 
 from slurm_jit.grace.calc import LEAD_ENV_VAR
+from slurm_jit.launch import output_claim
 
 # What may stand unquoted in an #SBATCH line (sbatch splits directives at blanks and takes # as a comment).
 SAFE_DIRECTIVE_VALUE = re.compile(r"[A-Za-z0-9_.,:@=/+%-]+")
-SPEC_NAME = "launch-spec.json"
+SPEC_NAME = "launch-spec.json"  # where submit.py wrote the command before issue 17 (shared by every job: unsafe)
+SCRIPT_NAME = output_claim.SCRIPT_NAME  # OUT_DIR/slurm-jit/: the script while sbatch reads it; then job-<id>.sbatch
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,6 +44,7 @@ class JobSpec:
     quarantine: bool = False  # ours: the ckpt-check gate renames non-resumable checkpoints aside
     python: str = "python"  # ours: the interpreter the batch shell and the tasks run
     extra_sbatch: tuple[str, ...] = field(default_factory=tuple)  # on sbatch's command line
+    training: str = "{}"  # ours: the training entry as JSON, {"argv": [...]} or {"function": ..., "args": [...]}
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.ntasks_per_node < 1:
@@ -55,8 +60,14 @@ class JobSpec:
         return self.nodes * self.ntasks_per_node
 
     @property
-    def spec_path(self) -> str:
-        return f"{self.output_dir.rstrip('/')}/slurm-jit/{SPEC_NAME}"
+    def script_path(self) -> str:
+        """Where the script is written for sbatch to read (what the dry run's sbatch argv names)."""
+        return f"{self.output_dir.rstrip('/')}/slurm-jit/{SCRIPT_NAME}"
+
+
+def training_json(spec: dict[str, object]) -> str:
+    """The training entry as one line of ASCII JSON (a line break or non-ASCII character stays escaped)."""
+    return json.dumps(spec, ensure_ascii=True)
 
 
 def directives(job: JobSpec) -> list[str]:
@@ -72,7 +83,8 @@ def directives(job: JobSpec) -> list[str]:
 
 
 def sbatch_argv(job: JobSpec, script_path: str, log_path: str) -> list[str]:
-    """The sbatch command line: options that must reach sbatch exactly, then the script."""
+    """The sbatch command line: options that must reach sbatch exactly, then the script. ``log_path`` is an
+    sbatch filename pattern (``%j``; a literal ``%`` as ``%%``)."""
     return ["sbatch", "--parsable", f"--job-name={job.job_name}", f"--output={log_path}", *job.extra_sbatch,
             script_path]
 
@@ -98,7 +110,8 @@ def render(job: JobSpec) -> str:
         "# The ckpt-check gate: refuse to start when checkpoints exist but none is resumable.",
         f'{py} -m slurm_jit.launch.gate "$OUT_DIR" --world-size {job.world_size}{gate_flags} || exit 1',
         "",
-        f'srun --kill-on-bad-exit=1 {py} -m slurm_jit.launch.task "$OUT_DIR"/slurm-jit/{SPEC_NAME}',
+        "# The training entry, this job's own (Slurm keeps this script; nothing in OUT_DIR can change it).",
+        f"srun --kill-on-bad-exit=1 {py} -m slurm_jit.launch.task --spec {q(job.training)}",
         "srun_exit=$?",
         "",
         "# Requeue this same job (scontrol requeue) or not: see slurm_jit/launch/policy.py.",

@@ -10,8 +10,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from slurm_jit import slurm, timing
-from slurm_jit.grace import calc as grace
-from slurm_jit.launch import gate, progress
+from slurm_jit.launch import gate, progress, sbatch_options
 from slurm_jit.train import stop_record
 
 EXIT_OK, EXIT_ERROR = 0, 2
@@ -25,7 +24,10 @@ def out_dir_of_job(job_id: str) -> str | None:
             value = line.removeprefix("OUT_DIR=")
             if not value.startswith("'") and ("$" in value or "`" in value):  # computed by the shell
                 return None
-            words = shlex.split(value)
+            try:
+                words = shlex.split(value)
+            except ValueError:  # a quote left open: a path with a line break, from an older submit
+                return None
             if not words:
                 return None
             return os.path.join(slurm.show_job(job_id).get("WorkDir", ""), words[0])
@@ -44,15 +46,15 @@ def _job_lines(job_id: str | None) -> list[str]:
 
 
 def _grace_line(out_dir: str) -> str:
-    try:
-        summary = timing.summarize(timing.read_records(out_dir))
-        measured = grace.measured_terms(summary)
-    except (OSError, ValueError):
+    """N of --signal=TERM@N from the timing log, by the calculation submit.py sizes the job with."""
+    if not os.path.isdir(timing.timing_dir(out_dir)):
         return "grace:    no timing log"
-    if measured.step_s is None or measured.save_s is None:
-        return "grace:    the timing log has no step or save time yet"
-    result = grace.compute_grace(grace.GraceInputs(step_s=measured.step_s, save_s=measured.save_s,
-                                                   eval_s=measured.eval_s or 0.0))
+    try:
+        result, _ = sbatch_options.signal_lead(out_dir)
+    except (OSError, ValueError) as exc:  # GraceError and the timing log's errors are ValueErrors
+        if str(exc).startswith(("no step time", "no save time")):
+            return "grace:    the timing log has no step or save time yet"
+        return f"grace:    not computed from the timing log: {exc}"
     terms = " + ".join(f"{t.name} {t.seconds:.1f} s" for t in result.terms)
     return f"grace:    {terms} = {result.needed_s:.1f} s -> --signal=TERM@{result.lead_s} (measured)"
 
@@ -67,7 +69,7 @@ def report(out_dir: str, job_id: str | None) -> list[str]:
     history = progress.history(saved)
     if history:
         last = history[-1]
-        verdict = "requeued" if last.get("requeue") else "not requeued"
+        verdict = str(last.get("outcome") or ("requeued" if last.get("requeue") else "not requeued"))
         lines.append(f"stopped:  {last.get('cause')} at step {last.get('step')} (restart {last.get('restart')}), "
                      f"{verdict}: {last.get('reason')}")
     record = stop_record.read(out_dir)

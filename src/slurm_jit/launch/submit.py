@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import sys
 from collections.abc import Mapping, Sequence
@@ -21,12 +22,12 @@ from typing import Any, NoReturn
 
 import tomllib
 
-from slurm_jit import slurm, timing
+from slurm_jit import slurm
 from slurm_jit.checkpoint import elastic_plan
 from slurm_jit.grace import cli as grace_cli
-from slurm_jit.grace.calc import GraceError, GraceResult, Term, compute_grace
+from slurm_jit.grace.calc import GraceError, GraceResult
 from slurm_jit.grace.sbatch_script import ScriptError, parse_time_limit
-from slurm_jit.launch import entry, gate, script
+from slurm_jit.launch import entry, gate, output_claim, sbatch_options, script
 from slurm_jit.launch.status import status_main
 
 PROG = "python launch/submit.py"
@@ -49,12 +50,6 @@ CONFIG_TYPES = {"output-dir": _STR, "nodes": _INT, "ntasks-per-node": _INT, "cpu
                 "save-time": _STR_OR_NUMBER, "eval-time": _STR_OR_NUMBER, "kill-wait": _STR_OR_NUMBER,
                 "margin": _STR_OR_NUMBER, "quarantine": _BOOL, "python": _STR, "function": _STR,
                 "command": _STR_LIST}
-# sbatch options submit.py writes itself: an --sbatch-arg setting one would silently override it (sbatch's command
-# line wins over #SBATCH lines), e.g. a --signal without the JIT lead. Long names, and their one-letter forms.
-OWNED_SBATCH_OPTIONS = {"nodes": "N", "ntasks-per-node": "", "ntasks": "n", "cpus-per-task": "c", "mem": "",
-                        "gpus-per-node": "", "partition": "p", "account": "A", "qos": "q", "time": "t",
-                        "job-name": "J", "signal": "", "requeue": "", "no-requeue": "", "open-mode": "",
-                        "output": "o", "parsable": "", "wrap": ""}
 
 
 def _type_ok(value: object, kind: str) -> bool:
@@ -137,6 +132,8 @@ def _merged(args: argparse.Namespace) -> argparse.Namespace:
     if command[:1] == ["--"]:
         command = command[1:]
     args.command = command
+    # argparse hands --sbatch-arg=-- over as an empty list (it strips "--" from values): it was "--"
+    args.sbatch_arg = [a if isinstance(a, str) else "--" for a in args.sbatch_arg or []] or None
     config = _load_config(args.config) if args.config else {}
     for key, value in config.items():
         attr = key.replace("-", "_")
@@ -150,35 +147,14 @@ def _merged(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def _has_timing_log(output_dir: str) -> bool:
-    """A timing log with records (a slurm-jit/ folder from an earlier submit may hold none yet)."""
-    if not Path(output_dir, timing.TIMING_DIR).is_dir():
-        return False
-    try:
-        return bool(timing.read_records(output_dir))
-    except ValueError:
-        return False
-
-
 def _grace(args: argparse.Namespace, world_size: int) -> GraceResult:
     """N from --signal-lead, or from the grace calculator (given times over the output dir's timing log)."""
-    if args.signal_lead is not None:
-        lead = int(args.signal_lead)
-        if lead < 1:
-            raise GraceError(f"--signal-lead {lead}: must be 1 or more. HINT: e.g. --signal-lead 300")
-        return GraceResult(terms=(Term(name="given", seconds=lead, source="--signal-lead"),), needed_s=lead,
-                           lead_s=lead)
-    has_log = _has_timing_log(args.output_dir)
-    sizing = argparse.Namespace(
-        from_dir=args.output_dir if has_log else None, step_time=args.step_time, save_time=args.save_time,
-        eval_time=args.eval_time, no_eval=args.eval_time is None, kill_wait=args.kill_wait, margin=args.margin,
-        step_stat="max", world_size=world_size, ckpt_bytes=None, ckpt_dir=None, params=None, dtype="bf16",
-        optimizer="adamw", zero_stage=0, nodes=args.nodes, probe=None, probe_size="0", write_bandwidth=None,
-    )
-    inputs, warnings, _ = grace_cli.gather_inputs(sizing, {})
-    for warning in warnings:
-        print(f"{PROG}: warning: {warning}", file=sys.stderr)
-    return compute_grace(inputs)
+    result, warnings = sbatch_options.signal_lead(
+        args.output_dir, world_size=world_size, nodes=args.nodes, step_time=args.step_time,
+        save_time=args.save_time, eval_time=args.eval_time, kill_wait=args.kill_wait, margin=args.margin,
+        given_lead_s=None if args.signal_lead is None else int(args.signal_lead))
+    sbatch_options.warn(PROG, warnings)
+    return result
 
 
 def _count(value: object, option: str, *, default: int, minimum: int) -> int:
@@ -191,25 +167,13 @@ def _count(value: object, option: str, *, default: int, minimum: int) -> int:
     return value
 
 
-def _check_sbatch_args(extra: Sequence[str]) -> None:
-    """Refuse --sbatch-arg options that would override what submit.py writes (see OWNED_SBATCH_OPTIONS)."""
-    for arg in extra:
-        name = arg.removeprefix("--").split("=")[0] if arg.startswith("--") else None
-        letter = arg[1:2] if arg.startswith("-") and not arg.startswith("--") else None
-        owned = next((long for long, short in OWNED_SBATCH_OPTIONS.items()
-                      if name == long or (letter and letter == short)), None)
-        if owned is not None:
-            raise ValueError(f"--sbatch-arg={arg} sets --{owned}, which submit.py writes itself (sbatch's command "
-                             f"line would override it). HINT: use submit.py's own option for it")
-
-
 def build_job(args: argparse.Namespace) -> tuple[script.JobSpec, GraceResult]:
     if not args.output_dir:
         raise ValueError("no --output-dir. HINT: the directory the training writes its checkpoints to")
     if not args.time:
         raise ValueError("no --time. HINT: the job's time limit, e.g. --time 4:00:00 (minutes alone work too)")
     limit_s = parse_time_limit(str(args.time))
-    args.output_dir = os.path.abspath(args.output_dir)
+    args.output_dir = sbatch_options.check_output_dir(args.output_dir)
     args.nodes = _count(args.nodes, "--nodes", default=1, minimum=1)
     args.ntasks_per_node = _count(args.ntasks_per_node, "--ntasks-per-node", default=1, minimum=1)
     args.max_requeues = _count(args.max_requeues, "--max-requeues", default=DEFAULT_MAX_REQUEUES, minimum=0)
@@ -217,7 +181,10 @@ def build_job(args: argparse.Namespace) -> tuple[script.JobSpec, GraceResult]:
     for option, value in (("--job-name", args.job_name), ("--python", args.python)):
         if value is not None and not str(value).strip():
             raise ValueError(f"{option} is empty. HINT: leave it out for the default")
-    _check_sbatch_args(args.sbatch_arg or [])
+    if args.job_name is not None:
+        sbatch_options.check_job_name(args.job_name)
+    sbatch_options.check_extra_args(args.sbatch_arg or [])
+    sbatch_options.check_environment(os.environ)
     world_size = args.nodes * args.ntasks_per_node
     result = _grace(args, world_size)
     if limit_s is not None and result.lead_s >= limit_s:
@@ -230,6 +197,7 @@ def build_job(args: argparse.Namespace) -> tuple[script.JobSpec, GraceResult]:
         job_name=args.job_name or "slurm-jit", signal_lead_s=result.lead_s,
         max_requeues=args.max_requeues, retry_on_failure=args.retry_on_failure, quarantine=bool(args.quarantine),
         python=args.python or sys.executable, extra_sbatch=tuple(args.sbatch_arg or ()),
+        training=script.training_json(training_spec(args)),
     )
     return job, result
 
@@ -246,9 +214,23 @@ def training_spec(args: argparse.Namespace) -> dict[str, Any]:
         return {"function": args.function, "args": list(args.command)}
     if not args.command:
         raise ValueError("no training command. HINT: put it after --, e.g. -- python train.py --lr 3e-4")
-    if not args.command[0].strip():
+    program = args.command[0]
+    if not program.strip():
         raise ValueError("the training command's program is empty. HINT: e.g. -- python train.py")
+    if "/" in program and os.path.isfile(program) and not os.access(program, os.X_OK):
+        raise ValueError(f"the training program {program} is not executable: every rank would fail to start it. "
+                         f"HINT: chmod +x {program}, or run it through its interpreter (-- python {program})")
     return {"argv": list(args.command)}
+
+
+def log_pattern(job: script.JobSpec) -> str:
+    """The job log, as sbatch's --output pattern."""
+    return sbatch_options.output_pattern(job.output_dir)
+
+
+def sbatch_argv(job: script.JobSpec) -> list[str]:
+    """The exact sbatch command line a submit runs (the dry run prints it)."""
+    return script.sbatch_argv(job, job.script_path, log_pattern(job))
 
 
 def plan_lines(job: script.JobSpec, result: GraceResult, spec: Mapping[str, Any],
@@ -256,6 +238,7 @@ def plan_lines(job: script.JobSpec, result: GraceResult, spec: Mapping[str, Any]
     terms = " + ".join(f"{t.name} {t.seconds:g} s ({t.source})" for t in result.terms)
     what = (f"{spec['function']}({' '.join(spec['args'])})" if "function" in spec
             else " ".join(json.dumps(a) if not a.isprintable() or " " in a else a for a in spec["argv"]))
+    argv = " ".join(json.dumps(a) if not a.isprintable() else shlex.quote(a) for a in sbatch_argv(job))
     requeue = (f"after a JIT stop, requeue the same job (scontrol requeue) up to {job.max_requeues} times, only "
                "while it is running (never after scancel), the checkpoint passes ckpt-check and the step advanced; "
                f"after a crash: {job.retry_on_failure} retries")
@@ -267,6 +250,7 @@ def plan_lines(job: script.JobSpec, result: GraceResult, spec: Mapping[str, Any]
         f"  signal:   #SBATCH --signal=TERM@{result.lead_s} (no B:, so it reaches the ranks); "
         f"export SLURM_JIT_SIGNAL_LEAD_S={result.lead_s}",
         f"  requeue:  {requeue}",
+        f"  sbatch:   {argv}",
         f"  resume:   {checked.message.removeprefix('ckpt-check gate: ')}",
         *([f"  elastic:  {_elastic_line(job, checked)}"] if checked.elastic is not None else []),
     ]
@@ -285,23 +269,42 @@ def _elastic_line(job: script.JobSpec, checked: gate.GateResult) -> str:
     return f"{line}, once, at the start of the first job, before its first step: {took}"
 
 
-def _submit(job: script.JobSpec, spec: Mapping[str, Any]) -> str:
-    state_dir = Path(job.output_dir, timing.TIMING_DIR)
-    state_dir.mkdir(parents=True, exist_ok=True)
-    Path(job.spec_path).write_text(json.dumps(spec, indent=1) + "\n", encoding="utf-8")
-    script_path = state_dir / "submit.sbatch"
-    script_path.write_text(script.render(job), encoding="utf-8")
-    log_path = str(Path(job.output_dir, "slurm-%j.out"))
-    out = slurm.run(script.sbatch_argv(job, str(script_path), log_path))
-    return out.strip().split(";")[0]
+def _submit(job: script.JobSpec) -> str:
+    """sbatch the job unless a job submitted into the same directory may still run; its script is kept as
+    ``OUT_DIR/slurm-jit/job-<id>.sbatch`` once sbatch accepted it (and removed when it did not)."""
+    with output_claim.submit_lock(job.output_dir):
+        output_claim.check_free(job.output_dir)
+        script_path = Path(job.script_path)
+        script_path.write_text(script.render(job), encoding="utf-8")
+        try:
+            out = slurm.run(sbatch_argv(job))
+        except slurm.SlurmError as exc:
+            if TIMED_OUT not in str(exc):  # refused: nothing of it stays; unanswered: it may be queued
+                script_path.unlink(missing_ok=True)
+            raise
+        job_id = out.strip().split(";")[0]
+        if not job_id.isdigit():
+            raise slurm.SlurmError(f"{NO_JOB_ID} ({out.strip()[:200]!r})")
+        try:
+            os.replace(script_path, output_claim.job_script_path(job.output_dir, job_id))
+        except OSError as exc:  # the job is queued: say so, never fail it here
+            print(f"{PROG}: warning: job {job_id} is queued, but its script could not be kept in "
+                  f"{job.output_dir}/slurm-jit ({exc.strerror}): a later submit cannot see that it uses this "
+                  "directory. HINT: free space there; do not submit into it until the job ended", file=sys.stderr)
+        return job_id
 
 
 # What sbatch (or the gateway) says when no controller answers, as opposed to refusing the job's options.
-NO_CONTROLLER = ("not found on PATH", "Unable to contact slurm controller", "did not answer within",
+TIMED_OUT = "did not answer within"  # the gateway's words for a command killed at its timeout
+NO_JOB_ID = "sbatch printed no job id"
+NO_CONTROLLER = ("not found on PATH", "Unable to contact slurm controller",
                  "Could not establish a configuration source", "Invalid user for SlurmUser")
 
 
-def _sbatch_hint(message: str) -> str:
+def _sbatch_hint(message: str, job: script.JobSpec) -> str:
+    if TIMED_OUT in message or NO_JOB_ID in message:
+        return (f"the job may have been queued all the same: check squeue --me --name={shlex.quote(job.job_name)}"
+                " before submitting again (its script is left in OUT_DIR/slurm-jit/submit.sbatch)")
     if any(words in message for words in NO_CONTROLLER):
         return "is Slurm up (tools/local-slurm up)? Try --dry-run to see the script"
     return "sbatch refused the job: fix the option its message names; --dry-run shows the script"
@@ -311,7 +314,7 @@ def submit_main(argv: Sequence[str]) -> int:
     args = _merged(_parser().parse_args(argv))
     try:
         job, result = build_job(args)
-        spec = training_spec(args)
+        spec = json.loads(job.training)
         checked = gate.check(job.output_dir, quarantine=False, world_size=job.world_size)
     except (ValueError, GraceError, ScriptError) as exc:
         _fail(str(exc))
@@ -320,17 +323,24 @@ def submit_main(argv: Sequence[str]) -> int:
     if not checked.ok and not job.quarantine:
         print("\n".join(plan_lines(job, result, spec, checked)), file=sys.stderr)
         _fail(checked.message, EXIT_REFUSED)
+    try:
+        if not args.dry_run:
+            output_claim.check_free(job.output_dir)  # again under the submit lock, before sbatch
+    except ValueError as exc:
+        _fail(str(exc), EXIT_REFUSED)
     print("\n".join(plan_lines(job, result, spec, checked)), file=sys.stderr if args.dry_run else sys.stdout)
     if args.dry_run:
         sys.stdout.write(script.render(job))
         return EXIT_OK
     try:
-        job_id = _submit(job, spec)
+        job_id = _submit(job)
     except OSError as exc:
         _fail(f"cannot write to {job.output_dir}: {exc.strerror or exc}. HINT: an output directory you can write "
               "to, on storage every node sees")
+    except ValueError as exc:
+        _fail(str(exc), EXIT_REFUSED)
     except slurm.SlurmError as exc:
-        _fail(f"{exc}. HINT: {_sbatch_hint(str(exc))}")
+        _fail(f"{exc}. HINT: {_sbatch_hint(str(exc), job)}")
     print(f"submitted job {job_id}; log {job.output_dir}/slurm-{job_id}.out; "
           f"status: {PROG} status {job.output_dir}", flush=True)
     return EXIT_OK

@@ -1,0 +1,113 @@
+"""One live launcher job per output directory, and each job's own script kept beside it.
+
+Every job the launcher submitted into ``OUT_DIR`` has its batch script kept as ``OUT_DIR/slurm-jit/job-<id>.sbatch``
+(written once sbatch accepted the job). A new submit asks the Slurm gateway about those jobs and is refused while
+one of them may still run (pending, running, requeued, suspended): two jobs would train into the same
+checkpoints. Submits into one directory take :func:`submit_lock` around check-and-submit, so two at once cannot
+both pass the check.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import re
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from slurm_jit import slurm
+from slurm_jit.timing import TIMING_DIR
+
+JOB_SCRIPT = re.compile(r"job-(\d+)\.sbatch")
+SCRIPT_NAME = "submit.sbatch"  # the path every job is submitted from (its Command in scontrol show job)
+LOCK_NAME = "submit.lock"
+# Another submit into the same directory holds the lock for one sbatch call at most: the gateway's timeout, twice.
+SUBMIT_LOCK_WAIT_S = 2 * slurm.COMMAND_TIMEOUT_S
+SUBMIT_LOCK_POLL_S = 0.2
+UNSUPPORTED_ERRNOS = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}  # a file system without locks
+
+
+def job_script_path(output_dir: str | os.PathLike[str], job_id: str) -> Path:
+    return Path(output_dir) / TIMING_DIR / f"job-{job_id}.sbatch"
+
+
+def recorded_jobs(output_dir: str | os.PathLike[str]) -> list[str]:
+    """The ids of the jobs submitted into ``output_dir``, oldest first."""
+    try:
+        names = os.listdir(Path(output_dir) / TIMING_DIR)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted((m.group(1) for m in map(JOB_SCRIPT.fullmatch, names) if m), key=int)
+
+
+def submitted_from(output_dir: str | os.PathLike[str]) -> str:
+    """The script path submit.py gives sbatch (``scontrol show job``'s Command of its jobs)."""
+    return str(Path(output_dir) / TIMING_DIR / SCRIPT_NAME)
+
+
+def live_job(output_dir: str | os.PathLike[str], command: str | None = None) -> tuple[str, str] | None:
+    """(job id, state) of a job submitted into ``output_dir`` that may still run; None when every one ended.
+    A job whose Command is not ``command`` (default: :func:`submitted_from`; "" accepts any) is another job
+    that slurmctld gave a recorded id after its state was reset. Raises ValueError (one line with a HINT) when
+    slurmctld cannot say."""
+    ours = submitted_from(output_dir) if command is None else command
+    for job_id in reversed(recorded_jobs(output_dir)):
+        try:
+            job = slurm.show_job(job_id)
+        except slurm.SlurmError as exc:
+            if slurm.UNKNOWN_JOB in str(exc):
+                continue
+            raise ValueError(f"cannot tell whether job {job_id} still uses {output_dir}: {exc}. HINT: once "
+                             "slurmctld answers, submit again") from None
+        state = slurm.job_state(job)
+        if state not in slurm.ENDED_STATES and (not ours or _same_path(job.get("Command", ours), ours)):
+            return job_id, state
+    return None
+
+
+def _same_path(a: str, b: str) -> bool:
+    """The same file, reached through symbolic links or not (the file itself may be gone)."""
+    return a == b or os.path.realpath(a) == os.path.realpath(b)
+
+
+def check_free(output_dir: str | os.PathLike[str], command: str | None = None) -> None:
+    """ValueError (one line) when a job submitted into ``output_dir`` may still run (``command``: as for
+    :func:`live_job`)."""
+    found = live_job(output_dir, command)
+    if found is not None:
+        job_id, state = found
+        raise ValueError(f"{output_dir} is in use by job {job_id} ({state}): a second job would train into the "
+                         f"same checkpoints. HINT: wait for it to end (status: python launch/submit.py status "
+                         f"{job_id}), scancel {job_id}, or give this one another --output-dir")
+
+
+@contextmanager
+def submit_lock(output_dir: str | os.PathLike[str]) -> Iterator[None]:
+    """Held around check-and-submit into ``output_dir`` (a file lock in ``OUT_DIR/slurm-jit``; OSError when it
+    cannot be created)."""
+    state_dir = Path(output_dir) / TIMING_DIR
+    state_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(state_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    try:
+        _lock(fd, state_dir / LOCK_NAME)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _lock(fd: int, path: Path) -> None:
+    deadline = time.monotonic() + SUBMIT_LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except OSError as exc:
+            if exc.errno in UNSUPPORTED_ERRNOS:
+                return  # no locking here: the live-job check alone guards the directory
+            if exc.errno not in (errno.EAGAIN, errno.EACCES) or time.monotonic() > deadline:
+                raise ValueError(f"another submit into {path.parent.parent} holds {path} ({exc.strerror}). "
+                                 "HINT: let it finish, then submit again") from None
+        time.sleep(SUBMIT_LOCK_POLL_S)
