@@ -151,3 +151,18 @@ def requeue(job_id: str) -> None:
 def job_state(job: dict[str, str]) -> str:
     """``JobState`` of a :func:`show_job` dict, without a reason suffix; ``UNKNOWN`` when absent."""
     return job.get("JobState", "UNKNOWN").split("+")[0] or "UNKNOWN"
+
+
+# What scontrol says for a job slurmctld no longer knows (MinJobAge after its end, or never submitted).
+INVALID_JOB_ID = "Invalid job id specified"
+
+
+def state_of(job_id: str) -> str | None:
+    """The job's ``JobState`` (:func:`job_state` of :func:`show_job`); None when slurmctld no longer knows it.
+    SlurmError when slurmctld does not answer."""
+    try:
+        return job_state(show_job(job_id))
+    except SlurmError as exc:
+        if INVALID_JOB_ID in str(exc):
+            return None
+        raise
