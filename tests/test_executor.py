@@ -212,3 +212,22 @@ def test_a_command_outcome_pickles() -> None:
 
     outcome = CommandOutcome(job_id="1", restarts=1, final_step=400, stop_record={"state": "finished"}, srun_exit=0)
     assert pickle.loads(pickle.dumps(outcome)) == outcome
+
+
+class Resumable(submitit.helpers.Checkpointable):
+    def __call__(self) -> int:
+        return 1
+
+
+def test_a_submitit_checkpointable_is_refused(ex: JitExecutor, monkeypatch: pytest.MonkeyPatch) -> None:
+    gateway = Gateway()
+    monkeypatch.setattr(slurm, "runner", gateway)
+    with pytest.raises(JitExecutorError, match="Checkpointable: its checkpoint\\(\\) runs from submitit's signal"):
+        ex.submit(Resumable())
+    assert gateway.calls == []
+
+
+@pytest.mark.parametrize("folder", ["logs/%x", "logs/100%", "logs\\\\x", "logs/a\nb", "logs/%A_%a"])
+def test_a_log_folder_sbatch_would_expand_is_refused(tmp_path: Path, folder: str) -> None:
+    with pytest.raises(JitExecutorError, match="HINT: a plain path"):
+        JitExecutor(folder=tmp_path / folder, output_dir=tmp_path / "out", signal_lead_s=60)

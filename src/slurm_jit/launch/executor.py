@@ -22,6 +22,7 @@ import argparse
 import difflib
 import logging
 import os
+import re
 import shlex
 import sys
 import uuid
@@ -39,6 +40,7 @@ from slurm_jit.launch.command import Command
 _problem = submitit_hooks.problem()
 if _problem is None:
     from submitit.core import core, utils
+    from submitit.helpers import Checkpointable
     from submitit.slurm.slurm import SlurmExecutor, _convert_mem, _get_default_parameters, _make_sbatch_string
 
     from slurm_jit.launch.job import JitJob
@@ -121,6 +123,7 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
         text = os.fspath(output_dir)
         if not text or any(not c.isprintable() for c in text):
             raise JitExecutorError(f"output_dir {text!r}: empty or holds control characters. HINT: a plain path")
+        _check_folder(os.fspath(folder))
         # SlurmExecutor.__init__ refuses where srun is missing: JitExecutor is built for tests and dry runs too.
         core.PicklingExecutor.__init__(self, folder, max_num_timeout=0, max_pickle_size_gb=max_pickle_size_gb)
         self.python = shlex.quote(sys.executable) if python is None else python
@@ -278,6 +281,11 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
                 f"all train into output_dir {self.output_dir}. HINT: one JitExecutor per output_dir, and "
                 "executor.submit once per training")
         delayed = delayed_submissions[0]
+        if isinstance(delayed.function, Checkpointable):
+            raise JitExecutorError(
+                f"{type(delayed.function).__name__} is a submitit Checkpointable: its checkpoint() runs from "
+                "submitit's signal handler, which JitExecutor replaces. HINT: a JitTrainer saves its own JIT "
+                "checkpoint at the warning; submit a plain function or Command")
         if isinstance(delayed.function, Command) and delayed.function.problem():
             raise JitExecutorError(f"Command: {delayed.function.problem()}. HINT: give the program's path; "
                                    "chmod +x a script")
@@ -333,6 +341,15 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
         job = self.job_class(folder=self.folder, job_id=job_id, tasks=list(range(self.world_size)))
         job.paths.move_temporary_file(script_path, "submission_file", keep_as_symlink=True)
         return job
+
+
+def _check_folder(folder: str) -> None:
+    """submitit's log folder goes into sbatch's --output pattern: a % other than submitit's own tags, a backslash
+    or a control character would be expanded there, and the logs would land where the Job never looks."""
+    bare = re.sub(r"%[jt]", "", folder)
+    if not folder or "%" in bare or "\\" in folder or any(not c.isprintable() for c in folder):
+        raise JitExecutorError(f"folder {folder!r}: sbatch would expand its %, \\ or control characters in "
+                               "--output. HINT: a plain path; %j (the job id) is the only tag needed")
 
 
 def _opt(value: float | None) -> str | None:
