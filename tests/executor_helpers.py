@@ -28,3 +28,13 @@ def add(a: int, b: int) -> int:
 
 def fail(message: str) -> None:
     raise ValueError(message)
+
+
+def returns_a_lock() -> object:
+    import threading
+
+    return threading.Lock()
+
+
+def exits(code: int) -> None:
+    raise SystemExit(code)

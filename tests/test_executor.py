@@ -101,6 +101,10 @@ def test_generic_prefixed_and_raw_names_are_taken(ex: JitExecutor) -> None:
     ({"timout_min": 5}, "did you mean timeout_min"),
     ({"slurm_partion": "gpu"}, "did you mean slurm_partition"),
     ({"timeout_min": 5, "time": 6}, "twice"),
+    ({"tasks_per_node": "2"}, "ntasks_per_node='2': a whole number"),
+    ({"nodes": 0}, "nodes=0: a whole number"),
+    ({"slurm_additional_parameters": "signal=B:USR1@600"}, "not a dict"),
+    ({"slurm_srun_args": "--signal=USR1@60"}, "srun_args is a string"),
 ])
 def test_owned_parameters_and_typos_are_refused_in_one_line(ex: JitExecutor, params: dict[str, object],
                                                             words: str) -> None:
@@ -156,8 +160,8 @@ class Gateway:
         self.calls.append(list(argv))
         if argv[0] == "sbatch":
             return "4242\n"
-        if argv[:3] == ["scontrol", "show", "job"]:
-            return "JobId=4242 JobName=x JobState=RUNNING Restarts=0"
+        if argv[0] == "squeue":
+            return "RUNNING\n"
         return ""
 
 

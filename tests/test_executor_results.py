@@ -141,9 +141,10 @@ class Gateway:
 
     def __call__(self, argv: Sequence[str], timeout_s: float) -> str:
         if self.state == "gone":
-            raise slurm.SlurmError("scontrol show job 77 failed (exit 1): slurm_load_jobs error: Invalid job id "
+            raise slurm.SlurmError(f"{' '.join(argv)} failed (exit 1): slurm_load_jobs error: Invalid job id "
                                    "specified")
-        return f"JobId={JOB} JobName=x JobState={self.state} Restarts=1"
+        assert argv[0] == "squeue", argv
+        return f"{self.state}\n"
 
 
 def _job(folder: Path, monkeypatch: pytest.MonkeyPatch, state: str) -> JitJob:
@@ -192,3 +193,43 @@ def test_a_failed_job_raises_its_first_line_reason(job_env: Path, monkeypatch: p
         job.result()
     assert str(job.exception()).splitlines()[0].endswith("policy: no requeue: no stop record, srun exit 1; "
                                                           "failures are not requeued")
+
+
+def test_an_unpicklable_return_value_is_an_error_not_a_crash(job_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder, out = job_env / "logs", job_env / "out"
+    _submit(folder, executor_helpers.returns_a_lock)
+    assert _tasks(folder, monkeypatch, n=1) == [1]
+    _decide(out, 0, "crash", False, "no stop record, srun exit 1; failures are not requeued")
+    assert _finish(folder, out, srun_exit=1, after_step_exit=1, tasks=1) == 1
+    outcome = _results(folder, tasks=1)[0]
+    assert outcome is not None and "task 0 raised the return value cannot be pickled (TypeError" in str(outcome[1])
+
+
+def test_sys_exit_in_the_function_is_the_tasks_status(job_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = job_env / "logs"
+    _submit(folder, executor_helpers.exits, 3)
+    assert _tasks(folder, monkeypatch, n=1) == [3]
+    _submit(folder, executor_helpers.exits, 0)
+    assert _tasks(folder, monkeypatch, n=1) == [0]
+
+
+def test_a_function_whose_module_is_missing_on_the_node_fails_in_one_line(
+        job_env: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib
+    import sys
+
+    folder, out = job_env / "logs", job_env / "out"
+    module_dir = job_env / "mods"
+    module_dir.mkdir()
+    (module_dir / "only_here.py").write_text("def train():\n    return 1\n")
+    monkeypatch.syspath_prepend(str(module_dir))
+    _submit(folder, importlib.import_module("only_here").train)
+    (module_dir / "only_here.py").unlink()
+    del sys.modules["only_here"]
+    assert _tasks(folder, monkeypatch, n=1) == [runner.EXIT_BAD_SUBMISSION]
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and "No module named 'only_here'" in said[0] and "HINT: the function's module" in said[0]
+    _decide(out, 0, "crash", False, "no stop record, srun exit 2; failures are not requeued")
+    _finish(folder, out, srun_exit=2, after_step_exit=2, tasks=1)
+    outcome = _results(folder, tasks=1)[0]
+    assert outcome is not None and outcome[0] == "error" and "No module named 'only_here'" in str(outcome[1])

@@ -33,13 +33,13 @@ TRAIN = ("--max-steps", "300", "--step-sleep", "0.4")
 LIMIT_FROM_NOW_S = 120  # TERM@60: the warning 0-60 s after the limit is moved
 
 
-def _executor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> JitExecutor:
+def _executor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str = "jit-executor") -> JitExecutor:
     # sbatch exports this environment: the job imports executor_helpers (and this tree's slurm_jit) from it
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS.parent / "src"), str(TESTS),
                                                       os.environ.get("PYTHONPATH", "")]))
     ex = JitExecutor(folder=tmp_path / "logs" / "%j", output_dir=tmp_path / "out", max_requeues=3,
                      signal_lead_s=60)
-    ex.update_parameters(timeout_min=3, tasks_per_node=2, cpus_per_task=1, name="jit-executor")
+    ex.update_parameters(timeout_min=3, tasks_per_node=2, cpus_per_task=1, name=name)
     return ex
 
 
@@ -92,15 +92,14 @@ def test_a_function_is_cut_off_by_its_time_limit_requeued_and_its_result_is_the_
 def test_a_scancelled_job_says_it_was_cancelled_and_is_never_requeued(
         tmp_path: Path, jobs: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "out"
-    job = _executor(tmp_path, monkeypatch).submit(executor_helpers.train_demo, str(out), "--max-steps", "3000",
-                                                  "--step-sleep", "0.1")
+    ex = _executor(tmp_path, monkeypatch, name="x JobState=RUNNING")  # a name that reads as a state in scontrol
+    job = ex.submit(executor_helpers.train_demo, str(out), "--max-steps", "3000", "--step-sleep", "0.1")
     jobs.append(job.job_id)
     _until("training steps", lambda: len(losses(out)) >= 3, job)
     job.cancel()
     error = job.exception()
     assert error is not None and "cancelled" in str(error).splitlines()[0], error
     time.sleep(15)  # longer than a requeued job's wait for eligibility here (cred_expire=10 s)
-    found = slurm.show_job(job.job_id)
-    assert slurm.job_state(found) == "CANCELLED" and found["Restarts"] == "0"
+    assert slurm.state_of(job.job_id) == "CANCELLED" and slurm.show_job(job.job_id)["Restarts"] == "0"
     assert job.state == "CANCELLED"
     assert "policy: requeue" not in (job.stdout() or "")

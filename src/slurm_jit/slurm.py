@@ -158,11 +158,13 @@ INVALID_JOB_ID = "Invalid job id specified"
 
 
 def state_of(job_id: str) -> str | None:
-    """The job's ``JobState`` (:func:`job_state` of :func:`show_job`); None when slurmctld no longer knows it.
-    SlurmError when slurmctld does not answer."""
+    """The job's state (``squeue -o %T``, which no job name can spoof as ``scontrol show job``'s text can); None
+    when slurmctld no longer knows the job. SlurmError when slurmctld does not answer."""
     try:
-        return job_state(show_job(job_id))
+        out = run(["squeue", "-h", "-j", str(job_id), "--states=all", "-o", "%T"])
     except SlurmError as exc:
         if INVALID_JOB_ID in str(exc):
             return None
         raise
+    states = out.split()
+    return states[0] if states else None

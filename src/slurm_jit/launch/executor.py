@@ -78,6 +78,17 @@ def _refuse_owned_option(where: str, name: str, owned: tuple[str, ...], hint: st
         raise JitExecutorError(f"{where} {name!r} sets --{hit}, which the JIT job writes itself. HINT: {hint}")
 
 
+def check_shapes(params: Mapping[str, Any]) -> None:
+    """Refuse (one line, HINT) values whose type the script or the world size cannot take (raw submitit names)."""
+    for name in ("nodes", "ntasks_per_node"):
+        value = params.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise JitExecutorError(f"{name}={value!r}: a whole number, 1 or more. HINT: e.g. {name}=2")
+    extra = params.get("additional_parameters")
+    if extra is not None and not isinstance(extra, Mapping):
+        raise JitExecutorError("additional_parameters is not a dict. HINT: e.g. {'mail-type': 'END'}")
+
+
 def check_owned(params: Mapping[str, Any]) -> None:
     """Refuse (one line, HINT) the parameters the JIT job owns (raw submitit names)."""
     for name, why in OWNED_PARAMETERS.items():
@@ -158,6 +169,7 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
 
     def _internal_update_parameters(self, **kwargs: Any) -> None:
         params = self._raw_parameters(kwargs)
+        check_shapes(params)
         check_owned(params)
         try:
             super()._internal_update_parameters(**params)  # submitit's own check (renders a script)

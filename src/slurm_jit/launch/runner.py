@@ -46,9 +46,15 @@ def pending_path(folder: Path, job_id: str, task: int, restart: int) -> Path:
 
 
 def _save(path: Path, outcome: tuple[str, Any]) -> None:
+    """Write-then-rename (a reader never sees half a file); a failed write leaves nothing behind (submitit's
+    temporary_save_path would refuse every later save of the same path)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with utils.temporary_save_path(path) as tmp:
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
         utils.cloudpickle_dump(outcome, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _say(message: str) -> None:

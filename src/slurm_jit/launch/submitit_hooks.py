@@ -37,7 +37,7 @@ HOOKS = (
     ("submitit.core.utils", "JobPaths.get_first_id_independent_folder"),
     ("submitit.core.utils", "DelayedSubmission.load"),
     ("submitit.core.utils", "cloudpickle_dump"),
-    ("submitit.core.utils", "temporary_save_path"),
+    ("submitit.core.utils", "pickle_load"),
 )
 # _make_sbatch_string's parameters the JIT script is built from.
 SBATCH_STRING_PARAMETERS = ("setup", "teardown", "additional_parameters", "srun_args", "signal_delay_s", "use_srun")
