@@ -136,14 +136,15 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
             raise JitExecutorError(f"output_dir {text!r}: empty or holds control characters. HINT: a plain path")
         _check_folder(os.fspath(folder))
         # SlurmExecutor.__init__ refuses where srun is missing: JitExecutor is built for tests and dry runs too.
-        core.PicklingExecutor.__init__(self, folder, max_num_timeout=0, max_pickle_size_gb=max_pickle_size_gb)
+        core.PicklingExecutor.__init__(self, os.fspath(folder), max_num_timeout=0,
+                                       max_pickle_size_gb=max_pickle_size_gb)
         self.python = shlex.quote(sys.executable) if python is None else python
         self.output_dir = os.path.abspath(text)
         self.max_requeues, self.retry_on_failure, self.quarantine = max_requeues, retry_on_failure, quarantine
         self.step_time_s, self.save_time_s, self.signal_lead_s = step_time_s, save_time_s, signal_lead_s
         self._kind = "function"
 
-    job_class = JitJob if _problem is None else None
+    job_class = JitJob if _problem is None else None  # type: ignore[assignment]
 
     # --- parameters -------------------------------------------------------------------------------------------
     @classmethod
@@ -350,7 +351,7 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
             script_path.unlink(missing_ok=True)
             raise
         job_id = self._get_job_id_from_submission_command(output)
-        job = self.job_class(folder=self.folder, job_id=job_id, tasks=list(range(self.world_size)))
+        job = JitJob(folder=self.folder, job_id=job_id, tasks=list(range(self.world_size)))
         job.paths.move_temporary_file(script_path, "submission_file", keep_as_symlink=True)
         return job
 

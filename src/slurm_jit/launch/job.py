@@ -55,7 +55,7 @@ def _gateway_state(job_id: str) -> str:
 class JitJob(SlurmJob):  # type: ignore[type-arg]
     """A JIT job (see the module docstring). ``result()`` is rank 0's value; ``results()`` every rank's."""
 
-    watcher = GatewayWatcher(delay_s=STATE_POLL_MAX_S)
+    watcher = GatewayWatcher(delay_s=STATE_POLL_MAX_S)  # type: ignore[assignment]
 
     def cancel(self, check: bool = True) -> None:
         """``scancel`` through the gateway; a cancelled job is never requeued (after_step checks)."""
