@@ -11,6 +11,7 @@ limit is brought to 2 minutes from now, and Slurm's own --signal=TERM@60 warning
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import pytest
 from jit_helpers import losses
 
 from slurm_jit import slurm
-from slurm_jit.launch import JitExecutor
+from slurm_jit.launch import Command, CommandOutcome, JitExecutor
 from slurm_jit.launch.job import JitJob as Job
 from slurm_jit.train import stop_record
 
@@ -103,3 +104,21 @@ def test_a_scancelled_job_says_it_was_cancelled_and_is_never_requeued(
     assert slurm.state_of(job.job_id) == "CANCELLED" and slurm.show_job(job.job_id)["Restarts"] == "0"
     assert job.state == "CANCELLED"
     assert "policy: requeue" not in (job.stdout() or "")
+
+
+def test_a_command_is_execd_as_every_rank_and_a_raising_function_gives_its_reason(
+        tmp_path: Path, jobs: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    ex = _executor(tmp_path, monkeypatch)
+    show_rank = "import os; print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])"
+    command_job = ex.submit(Command([sys.executable, "-c", show_rank]))
+    failing_job = ex.submit(executor_helpers.fail, "boom")
+    jobs.extend([command_job.job_id, failing_job.job_id])
+    outcome = command_job.result()
+    assert isinstance(outcome, CommandOutcome) and (outcome.srun_exit, outcome.restarts) == (0, 0), _log(command_job)
+    assert outcome.stop_record is None and outcome.job_id == command_job.job_id
+    assert "rank 1 of 2" in (command_job.task(1).stdout() or ""), _log(command_job)
+    error = failing_job.exception()
+    assert error is not None and str(error).startswith(
+        f"job {failing_job.job_id}: task 0 raised ValueError: boom; stopped by crash (restart 0); policy: no "
+        "requeue:"), error
+    assert failing_job.state == "FAILED"
