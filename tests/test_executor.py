@@ -235,3 +235,12 @@ def test_a_submitit_checkpointable_is_refused(ex: JitExecutor, monkeypatch: pyte
 def test_a_log_folder_sbatch_would_expand_is_refused(tmp_path: Path, folder: str) -> None:
     with pytest.raises(JitExecutorError, match="HINT: a plain path"):
         JitExecutor(folder=tmp_path / folder, output_dir=tmp_path / "out", signal_lead_s=60)
+
+
+def test_submit_without_slurm_says_so_in_one_line_and_leaves_no_pickle(ex: JitExecutor, tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch here
+    with pytest.raises(slurm.SlurmError, match="sbatch not found on PATH. HINT:"):
+        ex.submit(executor_helpers.add, 1, 2)
+    leftovers = [p.name for p in Path(ex.folder).parent.iterdir()] if Path(ex.folder).parent.exists() else []
+    assert not [name for name in leftovers if name.endswith((".pkl", ".sh"))], leftovers

@@ -120,7 +120,11 @@ class JitJob(SlurmJob):  # type: ignore[type-arg]
         return utils.FailedJobError(value) if outcome == "error" else None
 
     def _get_outcome_and_result(self) -> tuple[str, Any]:
-        outcome = self._outcome_or_none(self.task_id or 0)
+        state = self.watcher.get_state(self.job_id, mode="cache")
+        # a shared filesystem may show the file late (submitit waits as long); a cancelled job never writes one
+        deadline = time.monotonic() + (0 if state == "CANCELLED" else self._results_timeout_s)
+        while (outcome := self._outcome_or_none(self.task_id or 0)) is None and time.monotonic() < deadline:
+            time.sleep(1)
         if outcome is not None:
             return outcome
         state = self.watcher.get_state(self.job_id, mode="force")
