@@ -244,3 +244,10 @@ def test_submit_without_slurm_says_so_in_one_line_and_leaves_no_pickle(ex: JitEx
         ex.submit(executor_helpers.add, 1, 2)
     leftovers = [p.name for p in Path(ex.folder).parent.iterdir()] if Path(ex.folder).parent.exists() else []
     assert not [name for name in leftovers if name.endswith((".pkl", ".sh"))], leftovers
+
+
+def test_a_missing_submitit_hook_is_named_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(submitit.SlurmJob, "_interrupt")
+    message = submitit_hooks.problem()
+    assert message is not None and "\n" not in message
+    assert "lacks submitit.slurm.slurm.SlurmJob._interrupt" in message and "HINT:" in message
