@@ -182,3 +182,20 @@ def requeue(job_id: str) -> None:
 def job_state(job: dict[str, str]) -> str:
     """``JobState`` of a :func:`show_job` dict, without a reason suffix; ``UNKNOWN`` when absent."""
     return job.get("JobState", "UNKNOWN").split("+")[0] or "UNKNOWN"
+
+
+# What scontrol says for a job slurmctld no longer knows (MinJobAge after its end, or never submitted).
+INVALID_JOB_ID = "Invalid job id specified"
+
+
+def state_of(job_id: str) -> str | None:
+    """The job's state (``squeue -o %T``, which no job name can spoof as ``scontrol show job``'s text can); None
+    when slurmctld no longer knows the job. SlurmError when slurmctld does not answer."""
+    try:
+        out = run(["squeue", "-h", "-j", str(job_id), "--states=all", "-o", "%T"])
+    except SlurmError as exc:
+        if INVALID_JOB_ID in str(exc):
+            return None
+        raise
+    states = out.split()
+    return states[0] if states else None

@@ -1,0 +1,376 @@
+"""``JitExecutor``: submitit's ``SlurmExecutor`` with a JIT job's script, runner and requeue policy.
+
+    from slurm_jit.launch import Command, JitExecutor
+    ex = JitExecutor(folder="logs/%j", output_dir="out", max_requeues=4, step_time_s=30, save_time_s=60)
+    ex.update_parameters(timeout_min=60, nodes=2, tasks_per_node=8, slurm_partition="gpu",
+                         slurm_setup=["module load cuda"])
+    job = ex.submit(train, "out", lr=3e-4)          # a function, called in every srun task (one per rank)
+    job = ex.submit(Command(["python", "train.py"]))  # or a program, exec'd in every srun task
+    job.result()                                       # after the whole requeue chain
+
+What submitit does here: the parameter names, the ``#SBATCH`` lines, the log layout (``%j_%t_log.out``), the pickle
+of the function and the result files (``%j_%t_result.pkl``), the Job objects. What is ours: ``--signal=TERM@N``
+(no ``B:``, N sized by the grace calculator) and ``--requeue``, the ckpt-check gate before srun, the per-task
+runner (:mod:`slurm_jit.launch.runner`, never submitit's ``_handle_signals``), ``after_step`` after srun (the one
+requeue policy, once per job), and the result files written only when the job is over
+(:mod:`slurm_jit.launch.job` reads them, and the job's state, through the Slurm gateway).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import logging
+import os
+import re
+import shlex
+import sys
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from slurm_jit import slurm, timing
+from slurm_jit.grace import cli as grace_cli
+from slurm_jit.grace.calc import LEAD_ENV_VAR, GraceError, compute_grace
+from slurm_jit.grace.sbatch_script import ScriptError, parse_time_limit
+from slurm_jit.launch import gate, submitit_hooks
+from slurm_jit.launch.command import Command
+
+_problem = submitit_hooks.problem()
+if _problem is None:
+    from submitit.core import core, utils
+    from submitit.helpers import Checkpointable
+    from submitit.slurm.slurm import SlurmExecutor, _convert_mem, _get_default_parameters, _make_sbatch_string
+
+    from slurm_jit.launch.job import JitJob
+else:  # the construction says why, in one line (an import error here would be a traceback)
+    SlurmExecutor = object  # type: ignore[misc,assignment]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_REQUEUES = 5  # as python launch/submit.py: a week on 1-day limits, few enough to stop a bad loop
+KILL_ON_BAD_EXIT = "--kill-on-bad-exit=1"  # a rank that fails ends the step: its peers would wait forever
+# Parameters the JIT job sets itself, and why.
+OWNED_PARAMETERS = {
+    "signal_delay_s": "the JIT job writes --signal=TERM@N itself, N from step_time_s/save_time_s, the timing log "
+                      "or signal_lead_s: give those to JitExecutor",
+    "use_srun": "the JIT job runs one srun task per rank",
+    "teardown": "after_step (the requeue policy) and the result files run there",
+}
+# sbatch options (additional_parameters keys) the JIT job writes; a key that is a prefix of one is refused too
+# (sbatch's getopt takes unambiguous prefixes in #SBATCH lines: --sig=B:USR1@600 would be --signal).
+OWNED_SBATCH = ("signal", "requeue", "no-requeue", "open-mode", "output", "error", "array", "wait", "parsable",
+                "time")
+OWNED_SRUN = ("signal", "output", "error")  # srun options the runner's logs and signals depend on
+OWNED_SRUN_LETTERS = "oe"  # srun's -o / -e, also inside a cluster such as -lo
+PREFIX = "slurm_"
+
+
+class JitExecutorError(ValueError):
+    """A parameter or submission the JIT job cannot take; the message is one line with a HINT."""
+
+
+def _refuse_owned_option(where: str, name: str, owned: tuple[str, ...], hint: str) -> None:
+    key = name.lstrip("-").split("=")[0].replace("_", "-")
+    hit = next((o for o in owned if key and o.startswith(key)), None)
+    if hit is not None:
+        raise JitExecutorError(f"{where} {name!r} sets --{hit}, which the JIT job writes itself. HINT: {hint}")
+
+
+def check_shapes(params: Mapping[str, Any]) -> None:
+    """Refuse (one line, HINT) values whose type the script or the world size cannot take (raw submitit names)."""
+    for name in ("nodes", "ntasks_per_node"):
+        value = params.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise JitExecutorError(f"{name}={value!r}: a whole number, 1 or more. HINT: e.g. {name}=2")
+    extra = params.get("additional_parameters")
+    if extra is not None and not isinstance(extra, Mapping):
+        raise JitExecutorError("additional_parameters is not a dict. HINT: e.g. {'mail-type': 'END'}")
+
+
+def check_owned(params: Mapping[str, Any]) -> None:
+    """Refuse (one line, HINT) the parameters the JIT job owns (raw submitit names)."""
+    for name, why in OWNED_PARAMETERS.items():
+        if name in params:
+            raise JitExecutorError(f"update_parameters({name}=...): {why}. HINT: leave {name} out")
+    for key in params.get("additional_parameters") or {}:
+        _refuse_owned_option("additional_parameters key", str(key), OWNED_SBATCH,
+                             "leave it out (timeout_min sets the time; max_requeues the requeues)")
+    srun_args = params.get("srun_args") or []
+    if isinstance(srun_args, str):
+        raise JitExecutorError("srun_args is a string. HINT: a list, e.g. srun_args=['--cpu-bind=cores']")
+    for arg in srun_args:
+        text = str(arg)
+        if text.startswith("--"):
+            _refuse_owned_option("srun_args", text, OWNED_SRUN, "leave it out: the JIT job sets it")
+        elif text.startswith("-") and any(c in OWNED_SRUN_LETTERS for c in text[1:].split("=")[0]):
+            raise JitExecutorError(f"srun_args {text!r} sets srun's -o/-e, the per-task logs. HINT: leave it out")
+    setup = params.get("setup")
+    if setup is not None and (isinstance(setup, str) or not all(isinstance(s, str) for s in setup)):
+        raise JitExecutorError("setup must be a list of shell lines. HINT: e.g. setup=['module load cuda']")
+
+
+class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
+    """A submitit ``SlurmExecutor`` for JIT-checkpointed training; see the module docstring.
+
+    ``output_dir`` is the training's output directory (checkpoints, stop record, timing log): the function or
+    program must write there. N of ``--signal=TERM@N`` comes from ``signal_lead_s``, else the grace calculator
+    on ``step_time_s``/``save_time_s`` over ``output_dir``'s timing log, as ``python launch/submit.py`` sizes it.
+    """
+
+    def __init__(self, folder: str | os.PathLike[str], output_dir: str | os.PathLike[str], *,
+                 max_requeues: int = DEFAULT_MAX_REQUEUES, retry_on_failure: int = 0,
+                 step_time_s: float | None = None, save_time_s: float | None = None,
+                 signal_lead_s: int | None = None, quarantine: bool = False, python: str | None = None,
+                 max_pickle_size_gb: float = 1.0) -> None:
+        if _problem is not None:
+            raise RuntimeError(f"JitExecutor: {_problem}")
+        for name, value in (("max_requeues", max_requeues), ("retry_on_failure", retry_on_failure)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise JitExecutorError(f"{name}={value!r}: a whole number, 0 or more. HINT: e.g. {name}=4")
+        if signal_lead_s is not None and (not isinstance(signal_lead_s, int) or signal_lead_s < 1):
+            raise JitExecutorError(f"signal_lead_s={signal_lead_s!r}: whole seconds, 1 or more. HINT: e.g. 300")
+        text = os.fspath(output_dir)
+        if not text or any(not c.isprintable() for c in text):
+            raise JitExecutorError(f"output_dir {text!r}: empty or holds control characters. HINT: a plain path")
+        _check_folder(os.fspath(folder))
+        # SlurmExecutor.__init__ refuses where srun is missing: JitExecutor is built for tests and dry runs too.
+        core.PicklingExecutor.__init__(self, os.fspath(folder), max_num_timeout=0,
+                                       max_pickle_size_gb=max_pickle_size_gb)
+        self.python = shlex.quote(sys.executable) if python is None else python
+        self.output_dir = os.path.abspath(text)
+        self.max_requeues, self.retry_on_failure, self.quarantine = max_requeues, retry_on_failure, quarantine
+        self.step_time_s, self.save_time_s, self.signal_lead_s = step_time_s, save_time_s, signal_lead_s
+        self._kind = "function"
+
+    job_class = JitJob if _problem is None else None  # type: ignore[assignment]
+
+    # --- parameters -------------------------------------------------------------------------------------------
+    @classmethod
+    def _valid_names(cls) -> set[str]:
+        raw = set(_get_default_parameters())
+        return raw | {PREFIX + n for n in raw} | set(cls._equivalence_dict() or {})
+
+    def _raw_parameters(self, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """submitit's generic names, ``slurm_``-prefixed and raw ones, as raw names; typos refused."""
+        generic: dict[str, str] = dict(self._equivalence_dict() or {})  # type: ignore[arg-type]
+        raw_names, params = set(_get_default_parameters()), {}
+        for name, value in kwargs.items():
+            raw = name.removeprefix(PREFIX) if name.startswith(PREFIX) else generic.get(name, name)
+            if raw not in raw_names or (name.startswith(PREFIX) and raw in generic):
+                close = difflib.get_close_matches(name, sorted(self._valid_names()), n=1)
+                raise JitExecutorError(f"update_parameters: unknown parameter {name!r}. HINT: "
+                                       + (f"did you mean {close[0]}?" if close else
+                                          "submitit's names (timeout_min, nodes, tasks_per_node, ...) or sbatch's"))
+            if raw in params:
+                raise JitExecutorError(f"update_parameters: {name} sets {raw} twice. HINT: give it once")
+            params[raw] = _convert_mem(value) if name == "mem_gb" else value
+        return params
+
+    def _internal_update_parameters(self, **kwargs: Any) -> None:
+        params = self._raw_parameters(kwargs)
+        check_shapes(params)
+        check_owned(params)
+        try:
+            super()._internal_update_parameters(**params)  # submitit's own check (renders a script)
+        except (TypeError, ValueError, AssertionError) as exc:
+            detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise JitExecutorError(f"update_parameters: {detail}. HINT: see sbatch(1) for the value") from None
+
+    # --- the script -------------------------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return int(self._num_tasks())
+
+    def signal_lead(self) -> int:
+        """N of ``--signal=TERM@N``: given, or from the grace calculator (as ``python launch/submit.py``)."""
+        if self.signal_lead_s is not None:
+            return self.signal_lead_s
+        has_log = Path(self.output_dir, timing.TIMING_DIR).is_dir() and _has_records(self.output_dir)
+        sizing = argparse.Namespace(
+            from_dir=self.output_dir if has_log else None, step_time=_opt(self.step_time_s),
+            save_time=_opt(self.save_time_s), eval_time=None, no_eval=True, kill_wait=None, margin=None,
+            step_stat="max", world_size=self.world_size, ckpt_bytes=None, ckpt_dir=None, params=None, dtype="bf16",
+            optimizer="adamw", zero_stage=0, nodes=self.parameters.get("nodes", 1), probe=None, probe_size="0",
+            write_bandwidth=None)
+        try:
+            inputs, warnings, _ = grace_cli.gather_inputs(sizing, {})
+            result = compute_grace(inputs)
+        except GraceError as exc:
+            raise JitExecutorError(f"--signal lead: {exc}".replace("--step-time", "step_time_s")
+                                   .replace("--save-time", "save_time_s")) from None
+        for warning in warnings:
+            log.warning("JitExecutor: %s", warning)
+        return int(result.lead_s)
+
+    @property
+    def _submitit_command_str(self) -> str:
+        return " ".join([self.python, "-u -m slurm_jit.launch.runner task", shlex.quote(str(self.folder))])
+
+    def _finish_line(self, *flags: str) -> str:
+        kind = " --command" if self._kind == "command" else ""
+        return (f"{self.python} -m slurm_jit.launch.runner finish {shlex.quote(str(self.folder))} "
+                f"{shlex.quote(self.output_dir)} --tasks {self.world_size}{kind} {' '.join(flags)}").rstrip()
+
+    def _setup_lines(self, lead_s: int) -> list[str]:
+        out, quarantine = shlex.quote(self.output_dir), " --quarantine" if self.quarantine else ""
+        return [
+            "# slurm-jit: the trainer's budget, N of --signal=TERM@N (no B:, so the warning reaches the ranks)",
+            f"export {LEAD_ENV_VAR}={lead_s}",
+            'echo "slurm-jit: job ${SLURM_JOB_ID} restart ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NODELIST}"',
+            "# slurm-jit: the ckpt-check gate: no start when checkpoints exist but none is resumable",
+            f"{self.python} -m slurm_jit.launch.gate {out} --world-size {self.world_size}{quarantine} "
+            f"|| {{ {self._finish_line('--gate-refused')}; exit 1; }}",
+        ]
+
+    def _teardown_lines(self) -> list[str]:
+        out, quarantine = shlex.quote(self.output_dir), " --quarantine" if self.quarantine else ""
+        return [
+            "srun_exit=$?",
+            "# slurm-jit: requeue this same job or not, once per job, after every rank exited (launch/policy.py)",
+            f'{self.python} -m slurm_jit.launch.after_step {out} --srun-exit "$srun_exit" '
+            f"--max-requeues {self.max_requeues} --retry-on-failure {self.retry_on_failure}{quarantine}",
+            "after_step_exit=$?",
+            "# slurm-jit: the result files, only once the job is over (a requeued run writes none)",
+            "exec " + self._finish_line('--srun-exit "$srun_exit"', '--after-step-exit "$after_step_exit"'),
+        ]
+
+    def _make_submission_file_text(self, command: str, uid: str) -> str:
+        params = dict(self.parameters)
+        lead_s = self.signal_lead()
+        additional = {**(params.pop("additional_parameters", None) or {}), "signal": f"TERM@{lead_s}",
+                      "requeue": True}
+        return str(_make_sbatch_string(
+            command=command, folder=self.folder, setup=[*(params.pop("setup", None) or []),
+                                                        *self._setup_lines(lead_s)],
+            teardown=self._teardown_lines(), additional_parameters=additional,
+            srun_args=[KILL_ON_BAD_EXIT, *(params.pop("srun_args", None) or [])], **params))
+
+    def submission_text(self, what: object = None) -> str:
+        """The batch script a submit of ``what`` (a function, or a :class:`Command`) would write (dry runs)."""
+        self._kind = "command" if isinstance(what, Command) else "function"
+        return self._make_submission_file_text(self._submitit_command_str, "dry-run")
+
+    # --- submission -------------------------------------------------------------------------------------------
+    def _make_submission_command(self, submission_file_path: Path) -> list[str]:
+        # --hold: released once the pickle and the log folder are in place (a job that started first would find
+        # no folder for its --output, where Slurm creates none)
+        return ["sbatch", "--parsable", "--hold", str(submission_file_path)]
+
+    @staticmethod
+    def _get_job_id_from_submission_command(string: bytes | str) -> str:
+        text = string.decode() if isinstance(string, bytes) else string
+        job_id = text.strip().split(";")[0]
+        if not job_id.isdigit():
+            raise utils.FailedSubmissionError(f"sbatch printed {text.strip()!r}, not a job id. HINT: check squeue: "
+                                              "the job may have been queued")
+        return job_id
+
+    def check(self) -> int:
+        """Refuse (one line, HINT) what cannot run: a lead not shorter than the time limit, a refused gate.
+        Returns N of ``--signal=TERM@N``."""
+        lead_s = self.signal_lead()
+        try:
+            limit_s = parse_time_limit(str(self.parameters.get("time", 5)))
+        except ScriptError as exc:
+            raise JitExecutorError(f"timeout_min: {exc}") from None
+        if limit_s is not None and lead_s >= limit_s:
+            raise JitExecutorError(f"--signal lead {lead_s} s is not shorter than the time limit ({limit_s} s). "
+                                   "HINT: a longer timeout_min, or a faster step/save")
+        try:
+            checked = gate.check(self.output_dir, quarantine=False, world_size=self.world_size)
+        except OSError as exc:
+            raise JitExecutorError(f"cannot read {self.output_dir}: {exc.strerror or exc}. HINT: check the path "
+                                   "and its permissions") from None
+        if not checked.ok and not self.quarantine:
+            raise JitExecutorError(checked.message)
+        return lead_s
+
+    def _internal_process_submissions(self, delayed_submissions: list[Any]) -> list[Any]:
+        if len(delayed_submissions) != 1:
+            raise JitExecutorError(
+                f"{len(delayed_submissions)} submissions in one array (map_array, submit_array or batch) would "
+                f"all train into output_dir {self.output_dir}. HINT: one JitExecutor per output_dir, and "
+                "executor.submit once per training")
+        delayed = delayed_submissions[0]
+        if isinstance(delayed.function, Checkpointable):
+            raise JitExecutorError(
+                f"{type(delayed.function).__name__} is a submitit Checkpointable: its checkpoint() runs from "
+                "submitit's signal handler, which JitExecutor replaces. HINT: a JitTrainer saves its own JIT "
+                "checkpoint at the warning; submit a plain function or Command")
+        if isinstance(delayed.function, Command) and delayed.function.problem():
+            raise JitExecutorError(f"Command: {delayed.function.problem()}. HINT: give the program's path; "
+                                   "chmod +x a script")
+        self.check()
+        pickle_path = self._dump(delayed)
+        self._kind = "command" if isinstance(delayed.function, Command) else "function"
+        try:
+            job = self._submit_command(self._submitit_command_str)
+        except BaseException:
+            pickle_path.unlink(missing_ok=True)
+            raise
+        try:
+            job.paths.move_temporary_file(pickle_path, "submitted_pickle")
+            slurm.run(["scontrol", "release", job.job_id])
+        except (OSError, slurm.SlurmError) as exc:
+            job.cancel(check=False)
+            raise JitExecutorError(f"job {job.job_id} was queued held and could not be released ({exc}); "
+                                   "cancelled. HINT: check the log folder and slurmctld, then submit again") from None
+        return [job]
+
+    def _dump(self, delayed: Any) -> Path:
+        """Pickle the submission next to the logs; an unpicklable function or argument is refused in one line."""
+        folder = utils.JobPaths.get_first_id_independent_folder(self.folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        pickle_path = folder / f"{uuid.uuid4().hex}.pkl"
+        try:
+            delayed.dump(pickle_path)
+        except Exception as exc:  # cloudpickle raises TypeError, PicklingError, AttributeError, ...
+            pickle_path.unlink(missing_ok=True)
+            name = getattr(delayed.function, "__qualname__", type(delayed.function).__name__)
+            raise JitExecutorError(f"cannot pickle {name} or its arguments ({type(exc).__name__}: "
+                                   f"{str(exc).splitlines()[0] if str(exc) else ''}). HINT: submit a function "
+                                   "with picklable arguments (no open files, locks, sockets or live models)") from None
+        size_gb = pickle_path.stat().st_size / 1024**3
+        if size_gb > self.max_pickle_size_gb:
+            pickle_path.unlink()
+            raise JitExecutorError(f"the pickled function and arguments take {size_gb:.2f} GB > "
+                                   f"max_pickle_size_gb={self.max_pickle_size_gb}. HINT: pass paths, not data")
+        return pickle_path
+
+    def _submit_command(self, command: str) -> Any:
+        """submitit's, with sbatch through the Slurm gateway (one line on a refusal)."""
+        folder = utils.JobPaths.get_first_id_independent_folder(self.folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        script_path = folder / f".submission_file_{uuid.uuid4().hex}.sh"
+        script_path.write_text(self._make_submission_file_text(command, script_path.stem), encoding="utf-8")
+        try:
+            output = slurm.run(self._make_submission_command(script_path))
+        except BaseException:
+            script_path.unlink(missing_ok=True)
+            raise
+        job_id = self._get_job_id_from_submission_command(output)
+        job = JitJob(folder=self.folder, job_id=job_id, tasks=list(range(self.world_size)))
+        job.paths.move_temporary_file(script_path, "submission_file", keep_as_symlink=True)
+        return job
+
+
+def _check_folder(folder: str) -> None:
+    """submitit's log folder goes into sbatch's --output pattern: a % other than submitit's own tags, a backslash
+    or a control character would be expanded there, and the logs would land where the Job never looks."""
+    bare = re.sub(r"%[jt]", "", folder)
+    if not folder or "%" in bare or "\\" in folder or any(not c.isprintable() for c in folder):
+        raise JitExecutorError(f"folder {folder!r}: sbatch would expand its %, \\ or control characters in "
+                               "--output. HINT: a plain path; %j (the job id) is the only tag needed")
+
+
+def _opt(value: float | None) -> str | None:
+    return None if value is None else str(value)
+
+
+def _has_records(output_dir: str) -> bool:
+    try:
+        return bool(timing.read_records(output_dir))
+    except ValueError:
+        return False
