@@ -21,6 +21,7 @@ from jit_helpers import losses
 
 from slurm_jit import slurm
 from slurm_jit.launch import Command, CommandOutcome, JitExecutor
+from slurm_jit.launch.executor import JitExecutorError
 from slurm_jit.launch.job import JitJob as Job
 from slurm_jit.train import stop_record
 
@@ -97,6 +98,9 @@ def test_a_scancelled_job_says_it_was_cancelled_and_is_never_requeued(
     job = ex.submit(executor_helpers.train_demo, str(out), "--max-steps", "3000", "--step-sleep", "0.1")
     jobs.append(job.job_id)
     _until("training steps", lambda: len(losses(out)) >= 3, job)
+    second = _executor(tmp_path, monkeypatch, name="second")  # a live job's output_dir: refused before sbatch
+    with pytest.raises(JitExecutorError, match=f"in use by job {job.job_id}"):
+        second.submit(executor_helpers.train_demo, str(out), "--max-steps", "3")
     job.cancel()
     error = job.exception()
     assert error is not None and "cancelled" in str(error).splitlines()[0], error

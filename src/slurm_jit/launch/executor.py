@@ -34,7 +34,7 @@ from slurm_jit import slurm, timing
 from slurm_jit.grace import cli as grace_cli
 from slurm_jit.grace.calc import LEAD_ENV_VAR, GraceError, compute_grace
 from slurm_jit.grace.sbatch_script import ScriptError, parse_time_limit
-from slurm_jit.launch import gate, submitit_hooks
+from slurm_jit.launch import gate, output_claim, submitit_hooks
 from slurm_jit.launch.command import Command
 
 _problem = submitit_hooks.problem()
@@ -306,7 +306,7 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
         pickle_path = self._dump(delayed)
         self._kind = "command" if isinstance(delayed.function, Command) else "function"
         try:
-            job = self._submit_command(self._submitit_command_str)
+            job = self._submit_claimed()
         except BaseException:
             pickle_path.unlink(missing_ok=True)
             raise
@@ -318,6 +318,24 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
             raise JitExecutorError(f"job {job.job_id} was queued held and could not be released ({exc}); "
                                    "cancelled. HINT: check the log folder and slurmctld, then submit again") from None
         return [job]
+
+    def _submit_claimed(self) -> Any:
+        """Submit while no other job submitted into output_dir (by this executor or submit.py) may still run; the
+        job's script is kept as ``OUT_DIR/slurm-jit/job-<id>.sbatch`` so that later submits see it."""
+        try:
+            with output_claim.submit_lock(self.output_dir):
+                output_claim.check_free(self.output_dir, command="")  # "": any recorded job, whatever its script
+                job = self._submit_command(self._submitit_command_str)
+                try:
+                    _keep_script(job, self.output_dir)
+                except OSError:
+                    job.cancel(check=False)  # still held: it never ran
+                    raise
+        except (ValueError, OSError) as exc:
+            if isinstance(exc, JitExecutorError):
+                raise
+            raise JitExecutorError(str(exc).splitlines()[0] if str(exc) else repr(exc)) from None
+        return job
 
     def _dump(self, delayed: Any) -> Path:
         """Pickle the submission next to the logs; an unpicklable function or argument is refused in one line."""
@@ -354,6 +372,14 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
         job = JitJob(folder=self.folder, job_id=job_id, tasks=list(range(self.world_size)))
         job.paths.move_temporary_file(script_path, "submission_file", keep_as_symlink=True)
         return job
+
+
+def _keep_script(job: Any, output_dir: str | os.PathLike[str]) -> None:
+    """The accepted job's script, kept where :mod:`output_claim` looks for the jobs of a directory."""
+    target = output_claim.job_script_path(output_dir, job.job_id)
+    tmp = target.with_name(f".{target.name}.tmp")
+    tmp.write_bytes(Path(job.paths.submission_file).read_bytes())
+    os.replace(tmp, target)
 
 
 def _check_folder(folder: str) -> None:

@@ -143,8 +143,11 @@ def _reason(args: argparse.Namespace, decision: dict[str, Any] | None, restart: 
         return f"srun exit {args.srun_exit}, after_step exit {args.after_step_exit} (see the job log)"
     step = "" if decision.get("step") is None else f" at step {decision['step']}"
     what = "finished" if decision.get("cause") == "finished" else f"stopped by {decision.get('cause')}"
+    outcome = decision.get("outcome")
     if decision.get("requeue") is True:  # decided, but after_step failed to requeue (withdrawn or refused)
         return f"{what}{step} (restart {restart}); the requeue did not happen (see the job log)"
+    if isinstance(outcome, str) and outcome not in ("requeued", "not requeued"):  # after_step's record of why
+        return f"{what}{step} (restart {restart}); {outcome}"
     return f"{what}{step} (restart {restart}); policy: no requeue: {decision.get('reason')}"
 
 
