@@ -5,6 +5,7 @@ DeepSpeed ranks, a SIGTERM and a resume, is the GRPO row of tests/test_compat_ma
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -52,9 +53,15 @@ def _record(out: Path) -> Path:
 @pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b'{"log_dir": 7}', b"\xff\xfe", b'{"log_dir": ""}',
                                      b'{"log_dir": "TMP/elsewhere"}',
                                      b'{"log_dir": "runs/../../elsewhere"}',
-                                     b"{" + b" " * 2**20 + b"}"],  # 1 MiB,
+                                     b"{" + b" " * 2**20 + b"}",  # 1 MiB
+                                     b"[" * 60_000,  # under the cap; before: RecursionError out of train()
+                                     b'{"log_dir": "runs/a\\u0000b"}',  # before: ValueError in SummaryWriter
+                                     b'{"log_dir": "runs/a\\nb"}', b'{"log_dir": "."}',
+                                     b'{"log_dir": "checkpoint-5/tb"}', b'{"log_dir": "slurm-jit"}',
+                                     b'{"log_dir": "runs/' + b"x" * 300 + b'"}'],  # before: ENAMETOOLONG
                          ids=["corrupt", "not-a-dict", "not-a-string", "not-utf8", "empty", "outside", "escapes",
-                              "huge"])
+                              "huge", "nested", "nul", "newline", "out-dir-itself", "into-a-checkpoint",
+                              "into-slurm-jit", "name-too-long"])
 def test_an_unusable_record_starts_a_new_run_with_one_warning_line(tmp_path: Path, content: bytes,
                                                                     caplog: pytest.LogCaptureFixture,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
@@ -80,6 +87,26 @@ def test_a_record_that_is_a_directory_or_a_dangling_link_is_not_a_traceback(tmp_
     _record(out).symlink_to(tmp_path / "gone.json")
     assert Path(_job(out, str(out / "checkpoint-6"), range(7, 8), offset=0.0)).parent == out / "runs"
     assert _record(out).is_file() and not _record(out).is_symlink()
+
+
+@pytest.mark.timeout(30)  # before: a FIFO was waited on forever
+@pytest.mark.parametrize("kind", ["record-fifo", "temporary-fifo", "temporary-link"])
+def test_a_record_or_its_temporary_file_that_is_not_a_file_is_not_waited_on_nor_written_through(
+        tmp_path: Path, kind: str) -> None:
+    out = tmp_path / "out"
+    precious = tmp_path / "precious"
+    precious.write_text("keep me")
+    _record(out).parent.mkdir(parents=True)
+    if kind == "record-fifo":
+        os.mkfifo(_record(out))
+    elif kind == "temporary-fifo":
+        os.mkfifo(_record(out).with_suffix(".tmp"))
+    else:
+        _record(out).with_suffix(".tmp").symlink_to(precious)
+    log_dir = _job(out, str(out / "checkpoint-5"), range(6, 7), offset=0.0)
+    assert Path(log_dir).parent == out / "runs", log_dir
+    assert _record(out).is_file() and precious.read_text() == "keep me"
+    assert _job(out, str(out / "checkpoint-6"), range(7, 8), offset=0.0) == log_dir
 
 
 def test_a_moved_output_dir_continues_its_own_run(tmp_path: Path) -> None:
@@ -181,3 +208,38 @@ def test_a_failure_after_the_stop_checkpoint_still_logs_the_jit_stop(tmp_path: P
     texts = [e.tensor_proto.string_val[0].decode() for e in events.Tensors(f"{trackers.STOP_KEY}/text_summary")]
     assert len(texts) == 1 and texts[0].startswith(f"stopped for a JIT checkpoint at step {record['step']} "), texts
     assert texts[0].endswith("after the checkpoint: RuntimeError: upload failed"), texts
+
+
+def test_a_poisoned_record_on_a_real_resume_is_one_warning_and_a_new_run(tmp_path: Path,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """One process, a real JitTrainer, no DeepSpeed (~15 s): a record of 60,000 nested brackets (under the size
+    cap) killed rank 0 with RecursionError at the resume. The promise: one warning, a new run, the training goes
+    on from its checkpoint."""
+    import transformers
+
+    from slurm_jit import demo_train
+    from slurm_jit.train.trainer import JitConfig, JitTrainer
+
+    out = tmp_path / "out"
+
+    def train(max_steps: int, resume: bool) -> JitTrainer:
+        targs = transformers.TrainingArguments(output_dir=str(out), use_cpu=True, report_to=["tensorboard"],
+                                               max_steps=max_steps, save_steps=2, per_device_train_batch_size=2,
+                                               disable_tqdm=True, logging_steps=1)
+        trainer = JitTrainer(model=demo_train.build_model("gpt2", 16, 1), args=targs,
+                             train_dataset=demo_train._Tokens(8, seed=1), jit_config=JitConfig(kill_wait_s=0))
+        trainer.train(resume_from_checkpoint=resume or None)
+        return trainer
+
+    train(2, resume=False)
+    [first] = (out / "runs").iterdir()
+    _record(out).write_bytes(b"[" * 60_000)
+    with caplog.at_level("WARNING", logger=compat.__name__):
+        trainer = train(4, resume=True)
+    assert trainer.state.global_step == 4
+    warnings = [r.getMessage() for r in caplog.records if r.name == compat.__name__ and r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "HINT:" in warnings[0] and "\n" not in warnings[0], warnings
+    [second] = [run for run in (out / "runs").iterdir() if run != first]
+    events = EventAccumulator(str(second))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [3, 4]

@@ -23,7 +23,7 @@ from typing import Any
 
 from slurm_jit.timing import TIMING_DIR
 from slurm_jit.train.refusals import JitRefusal
-from slurm_jit.train.trackers import read_bounded_json, write_small_json
+from slurm_jit.train.trackers import one_line, printable_name, read_bounded_json, write_small_json
 
 logger = logging.getLogger(__name__)
 
@@ -207,18 +207,27 @@ def _step_of(checkpoint: str) -> int | None:
 
 def _recorded_log_dir(out_dir: Path, record: Path) -> str | None:
     """The run directory the record names inside ``out_dir``, or None (and one warning line) when it is unusable:
-    corrupt, not ours, or pointing outside ``out_dir`` (what it names is written into, never trusted blindly)."""
+    corrupt, not ours, or pointing outside ``out_dir``, into a checkpoint or at a path that cannot be a directory
+    (what it names is written into, never trusted blindly)."""
     try:
         data = read_bounded_json(record, TENSORBOARD_RECORD_MAX_BYTES)
         name = data.get("log_dir") if isinstance(data, dict) else None
-        if not isinstance(name, str) or not name or os.path.isabs(name) or ".." in Path(name).parts:
-            raise ValueError(f"log_dir {name!r} is not a directory name inside OUT_DIR")
-    except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        if not printable_name(name) or not _run_dir_name(name):
+            raise ValueError(f"log_dir {name!r:.100} is not a run directory inside OUT_DIR")
+        os.makedirs(os.path.join(out_dir, name), exist_ok=True)  # a name too long, a file in the way: not later
+    except (OSError, ValueError) as exc:  # read_bounded_json raises nothing else
         logger.warning("slurm_jit: %s unusable (%s): TensorBoard starts a new run directory. HINT: delete the "
                        "file; to continue a run, set TENSORBOARD_LOGGING_DIR to its directory", record,
-                       str(exc).replace("\n", " "))
+                       one_line(exc))
         return None
     return os.path.join(out_dir, name)
+
+
+def _run_dir_name(name: str) -> bool:
+    """Relative, inside OUT_DIR, and neither a checkpoint nor slurm-jit's own directory (their files are ours)."""
+    parts = Path(name).parts
+    return (bool(parts) and not os.path.isabs(name) and ".." not in parts and parts[0] != TIMING_DIR
+            and not parts[0].startswith("checkpoint-"))
 
 
 def _write_record(out_dir: Path, record: Path) -> str:
