@@ -269,7 +269,8 @@ def test_a_third_job_is_refused_while_the_run_that_took_over_lives(tmp_path: Pat
     lock, why = output_lock.acquire(out)
     assert lock is None and why is not None, "a third job took the directory the requeued run trains in"
     assert "Slurm job 77 (restart 1)" in why and f"pid {requeued.pid}" in why, why
-    assert "HINT:" in why and "\n" not in why, why
+    assert "HINT: wait for it to end" in why and f"remove {output_lock.lock_path(out)}" in why, why
+    assert "\n" not in why, why
     assert _record(out)["pid"] == requeued.pid  # the refused one wrote nothing
     _end(requeued)  # killed before it had the kernel lock: its record names a process that is gone
     lock, why = output_lock.acquire(out)
@@ -366,7 +367,7 @@ def test_a_third_job_asks_slurm_whether_the_run_that_took_over_on_another_host_r
     job_id = slurm.run(["sbatch", "--parsable", "--ntasks=1", "--cpus-per-task=1", "--mem=100M", "--time=5",
                         f"--output={tmp_path}/%j.out", "--wrap=sleep 600"]).strip().split(";")[0]
     jobs.append(job_id)
-    _until(lambda: slurm.job_state(slurm.show_job(job_id)) == "RUNNING", f"job {job_id} running")
+    _until(lambda: slurm.job_state(slurm.show_job(job_id)) == "RUNNING", f"job {job_id} running", timeout_s=600)
     out = tmp_path / "out"
     earlier = _earlier_run_on_a_dead_node(holder, out, job_id=job_id)
     taker(out, retry_s=600, host="node-b", job_id=job_id)  # its pid cannot be checked from here: Slurm says
@@ -401,6 +402,29 @@ def test_a_record_not_written_by_us_is_refused_in_one_line(tmp_path: Path, holde
     output_lock.lock_path(out).write_bytes(content)
     lock, why = output_lock.acquire(out)
     assert lock is None and why is not None and "HINT:" in why and "\n" not in why, why
+
+
+@pytest.mark.parametrize(("fields", "taken"), [({"pid": 1}, False), ({"pid": 1, "pid_start": -1}, True),
+                                               ({"host": "node-b", "job_id": "not-a-job"}, False),
+                                               ({"host": "node-b", "job_id": None}, False)],
+                         ids=["pid-1", "pid-1-recycled", "not-a-job-id", "no-job"])
+def test_a_free_lock_whose_record_says_it_was_taken_over_is_decided_by_its_holder(
+        tmp_path: Path, fields: dict[str, object], taken: bool) -> None:
+    # A record written (or forged) by a run that took over, with the kernel lock free: refused while its holder
+    # may live, with the file to remove when it is gone; taken when that holder is known gone.
+    out = tmp_path / "out"
+    path = output_lock.lock_path(out)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"job_id": "77", "restart_count": "1", "host": os.uname().nodename, "pid": 4242,
+                                "since": time.time(), "kernel_lock": False, **fields}))
+    lock, why = output_lock.acquire(out)
+    if taken:
+        assert lock is not None and lock.locked, why
+        output_lock.release(lock)
+        return
+    assert lock is None and why is not None, "took a directory its record says another run trains in"
+    assert "HINT: wait for it to end" in why and f"remove {path}" in why and "\n" not in why, why
+    assert json.loads(path.read_text())["kernel_lock"] is False  # nothing written
 
 
 def test_without_locking_a_recycled_pid_is_not_the_holder(tmp_path: Path, started,

@@ -324,13 +324,13 @@ def _live_takeover(path: Path, holder: Holder | None, me: Holder) -> str | None:
         alive = _process_alive(holder)
         if alive and _earlier_run_of_this_job(holder, me):
             alive = not _wait_for_earlier_run(holder)
-        return _refusal(path, holder) if alive else None
+        return _refusal(path, holder, took_over=True) if alive else None
     if _earlier_run_of_this_job(holder, me):
         return None  # Slurm requeued this job: every task of that run has ended
     running, state = _job_running(holder.job_id)
     if running is None:
-        return _refusal(path, holder, cannot_tell=state)
-    return _refusal(path, holder) if running else None
+        return _refusal(path, holder, took_over=True, cannot_tell=state)
+    return _refusal(path, holder, took_over=True) if running else None
 
 
 def _job_running(job_id: str | None) -> tuple[bool | None, str]:
@@ -388,7 +388,7 @@ def _start_ticks(pid: int) -> int | None:
 
 
 def _refusal(path: Path, holder: Holder | None, lock_unsupported: bool = False,
-             in_this_process: bool = False, cannot_tell: str | None = None) -> str:
+             in_this_process: bool = False, took_over: bool = False, cannot_tell: str | None = None) -> str:
     who = holder.describe() if holder is not None else "another process (it has not written its name yet)"
     hint = "wait for it to end (or scancel it), or give this run another output_dir"
     if in_this_process:
@@ -396,9 +396,10 @@ def _refusal(path: Path, holder: Holder | None, lock_unsupported: bool = False,
         hint = "let the first train() end before the next, or give each trainer its own output_dir"
     if lock_unsupported:
         hint += f"; this file system cannot lock files: if that run is gone, remove {path}"
-    if cannot_tell is not None:
-        who += f", which took the lock over; whether it still runs is unknown ({cannot_tell})"
-        hint += f"; if that job is gone, remove {path}"
+    if took_over:  # only the record says it holds the directory: a forged or stale one is removed by hand
+        who += ", which took the lock over from an earlier run of its job"
+        who += f"; whether it still runs is unknown ({cannot_tell})" if cannot_tell is not None else ""
+        hint += f"; if that run is gone, remove {path}"
     return f"output_dir {path.parent.parent} is in use by {who}: two trainings would overwrite each other's " \
            f"checkpoints. HINT: {hint}"
 
