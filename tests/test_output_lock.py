@@ -328,6 +328,32 @@ def test_release_ends_the_retry_and_leaves_no_lock_behind(tmp_path: Path, holder
     assert not _kernel_lock_busy(out)
 
 
+def test_a_run_that_took_over_says_once_that_its_record_names_another(tmp_path: Path, holder,
+                                                                     monkeypatch: pytest.MonkeyPatch,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    # A newcomer that judged it gone (a Slurm that did not know its job) took the directory: nothing here can stop
+    # either training, but the one that took over must not go on silently.
+    monkeypatch.setattr(output_lock, "TAKEOVER_RETRY_S", 0.05)
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    out = tmp_path / "out"
+    _earlier_run_on_a_dead_node(holder, out)  # its lease holds the kernel lock throughout
+    with caplog.at_level("ERROR", logger=output_lock.__name__):
+        lock, why = output_lock.acquire(out)
+        assert lock is not None and not lock.locked, why
+        try:
+            output_lock.lock_path(out).write_text(json.dumps({**_record(out), "job_id": "99", "pid": 4242}))
+            deadline = time.monotonic() + HOLDER_START_TIMEOUT_S
+            while not any(r.levelname == "ERROR" for r in caplog.records):
+                assert time.monotonic() < deadline, "the run that took over never said it lost the directory"
+                time.sleep(0.05)
+            time.sleep(0.5)  # ten more tries
+        finally:
+            output_lock.release(lock)
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "Slurm job 99" in errors[0] and "HINT:" in errors[0], errors
+
+
 def test_a_run_that_took_over_releases_and_its_retry_ends(tmp_path: Path, holder, taker) -> None:
     out = tmp_path / "out"
     _earlier_run_on_a_dead_node(holder, out)  # its lease never ends here

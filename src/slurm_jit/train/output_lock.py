@@ -246,24 +246,35 @@ def _hold(path: Path, fd: int, me: Holder, locked: bool) -> OutputLock:
 def _retry_kernel_lock(lock: OutputLock, me: Holder) -> None:
     """After a takeover: the kernel lock, once the earlier run's lease ends (the record then says so). Ends when
     the lock is released. A non-blocking try under ``guard``: release() never waits for more than one try."""
-    warned = False
+    said: set[str] = set()  # what was said once: a failing try, another holder in the record
     while not lock.released.wait(TAKEOVER_RETRY_S):
         with lock.guard:
-            if lock.released.is_set():
-                return
-            try:
-                if not _try_lock(lock.fd):
-                    continue
-                lock.locked = True
-                _write_holder(lock.fd, replace(me, kernel_lock=True))
-            except OSError as exc:  # an NFS server's lockd away for a while: keep trying, say it once
-                if not warned:
-                    logger.warning("slurm_jit: retrying the lock of %s failed (%s); still retrying. HINT: the "
-                                   "file system's locking (NFS lockd) must answer", lock.path, exc)
-                warned = True
+            if lock.released.is_set() or not _retry_once(lock, me, said):
                 continue
         logger.info("slurm_jit: %s: the earlier run's lease ended, this run holds the lock", lock.path)
         return
+
+
+def _retry_once(lock: OutputLock, me: Holder, said: set[str]) -> bool:
+    try:
+        if _try_lock(lock.fd):
+            lock.locked = True
+            _write_holder(lock.fd, replace(me, kernel_lock=True))
+            return True
+        holder = _read_holder(lock.fd)
+    except OSError as exc:  # an NFS server's lockd away for a while: keep trying, say it once
+        if "failed" not in said:
+            logger.warning("slurm_jit: retrying the lock of %s failed (%s); still retrying. HINT: the file "
+                           "system's locking (NFS lockd) must answer", lock.path, exc)
+        said.add("failed")
+        return False
+    if holder is not None and (holder.host, holder.pid, holder.since) != (me.host, me.pid, me.since) \
+            and "taken" not in said:  # a newcomer judged this run gone (Slurm of another cluster?)
+        said.add("taken")
+        logger.error("slurm_jit: %s now names %s, which took this output_dir while this run trains: two trainings "
+                     "write there. HINT: scancel one of them, then check the newest checkpoints with ckpt-check",
+                     lock.path, holder.describe())
+    return False
 
 
 def _try_lock(fd: int) -> bool:
