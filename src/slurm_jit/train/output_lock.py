@@ -28,7 +28,9 @@ How "held" is decided:
   ends later it would be granted a lock of this process (POSIX locks are per process) and, finding its
   descriptor closed, drop it: the lock of a later ``train()`` here. An NFS client polls for a blocked lock
   anyway. Left open: a third job whose ``lockf`` succeeds in the microseconds between a takeover's failed
-  ``lockf`` and its write of the record.
+  ``lockf`` and its write of the record; and a third job whose Slurm does not know the holder's job (another
+  cluster on the same file system: "Invalid job id" reads as gone). When the third job's record is the one left
+  in the file, the run that took over finds it at its next retry and says so, once, as an error with a HINT.
 - Where locking is not supported (Lustre mounted without ``-o flock`` answers ENOSYS; some FUSE file systems
   EOPNOTSUPP/ENOLCK) the content alone decides: an empty file, a holder on this host whose pid is gone, or an
   earlier run of the same job is taken over; anything else is refused with a HINT to remove the file once that
