@@ -5,7 +5,10 @@ DeepSpeed ranks, a SIGTERM and a resume, is the GRPO row of tests/test_compat_ma
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,7 +19,7 @@ pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 from transformers.integrations.integration_utils import TensorBoardCallback  # noqa: E402
 
-from slurm_jit.train import compat, trackers  # noqa: E402
+from slurm_jit.train import compat, output_lock, trackers  # noqa: E402
 
 
 def _job(out: Path, resume_from: str | None, steps: range, offset: float) -> str:
@@ -107,6 +110,42 @@ def test_a_record_or_its_temporary_file_that_is_not_a_file_is_not_waited_on_nor_
     assert Path(log_dir).parent == out / "runs", log_dir
     assert _record(out).is_file() and precious.read_text() == "keep me"
     assert _job(out, str(out / "checkpoint-6"), range(7, 8), offset=0.0) == log_dir
+
+
+LOCK_BUSY = """\
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR)
+try:
+    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+except OSError:
+    print("busy")
+else:
+    print("free")
+"""
+
+
+@pytest.mark.parametrize("link", ["symbolic", "hard"])
+def test_a_record_linked_to_the_output_lock_keeps_the_lock_held(tmp_path: Path, link: str) -> None:
+    # Before: reading the record opened and closed the lock file, and closing any descriptor of it drops this
+    # process's POSIX lock: a second training could take the output_dir while this one trains.
+    out = tmp_path / "out"
+    lock, why = output_lock.acquire(out)
+    assert lock is not None and lock.locked, why
+    try:
+        path = output_lock.lock_path(out)
+        for record in (_record(out), path.parent / trackers.WANDB_RECORD):
+            if link == "symbolic":
+                record.symlink_to(path.name)
+            else:
+                os.link(path, record)
+        assert Path(_job(out, str(out / "checkpoint-5"), range(6, 7), offset=0.0)).parent == out / "runs"
+        assert trackers._read_record(path.parent / trackers.WANDB_RECORD) is None
+        probe = subprocess.run([sys.executable, "-c", LOCK_BUSY, str(path)], capture_output=True, text=True,
+                               timeout=60, check=True)
+        assert probe.stdout.strip() == "busy", "a tracker record read dropped the output lock"
+        assert json.loads(path.read_text())["pid"] == os.getpid()  # the lock's record is untouched
+    finally:
+        output_lock.release(lock)
 
 
 def test_a_moved_output_dir_continues_its_own_run(tmp_path: Path) -> None:

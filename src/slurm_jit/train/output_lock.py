@@ -185,6 +185,12 @@ def _not_a_lock_file(path: Path, what: str) -> str:
             f"writes. HINT: remove {path} (no training of this output_dir may be running) and launch again")
 
 
+def held_here(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` itself (not what a symbolic link names) is a lock file this process holds: opening and
+    closing it would drop the lock."""
+    return _held_here(Path(path))
+
+
 def _held_here(path: Path) -> bool:
     try:
         st = os.stat(path, follow_symlinks=False)

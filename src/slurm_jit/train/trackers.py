@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 from slurm_jit.timing import TIMING_DIR
+from slurm_jit.train import output_lock
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +55,11 @@ def read_bounded_json(record: Path, max_bytes: int) -> Any:
     """A small JSON record of ours, read whole only when it is a regular file of at most ``max_bytes`` (a huge or
     foreign file is not loaded into memory, a FIFO not waited on); raises OSError or ValueError for anything a
     file others can write may hold (JSONDecodeError, UnicodeDecodeError, nesting past the recursion limit, an
-    integer of too many digits)."""
-    fd = os.open(record, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    integer of too many digits). Never this process's output lock file, through a symbolic or hard link: closing
+    any descriptor of it would drop the lock (output_lock.py), and a second training could take the directory."""
+    if output_lock.held_here(record):
+        raise ValueError(f"a link to this training's {output_lock.LOCK_NAME}")
+    fd = os.open(record, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
     with os.fdopen(fd, "rb") as file:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise ValueError("not a regular file")
