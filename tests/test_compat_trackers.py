@@ -61,10 +61,13 @@ def _record(out: Path) -> Path:
                                      b'{"log_dir": "runs/a\\u0000b"}',  # before: ValueError in SummaryWriter
                                      b'{"log_dir": "runs/a\\nb"}', b'{"log_dir": "."}',
                                      b'{"log_dir": "checkpoint-5/tb"}', b'{"log_dir": "slurm-jit"}',
-                                     b'{"log_dir": "runs/' + b"x" * 300 + b'"}'],  # before: ENAMETOOLONG
+                                     b'{"log_dir": "runs/' + b"x" * 300 + b'"}',  # before: ENAMETOOLONG
+                                     # before: written into, then deleted whole by the next checkpoint rotation
+                                     b'{"log_dir": ".slurm-jit-deleting-runs"}',
+                                     b'{"log_dir": "run-1/checkpoint-5/tb"}'],  # a search trial's checkpoint
                          ids=["corrupt", "not-a-dict", "not-a-string", "not-utf8", "empty", "outside", "escapes",
                               "huge", "nested", "nul", "newline", "out-dir-itself", "into-a-checkpoint",
-                              "into-slurm-jit", "name-too-long"])
+                              "into-slurm-jit", "name-too-long", "into-a-deletion", "into-a-trial-checkpoint"])
 def test_an_unusable_record_starts_a_new_run_with_one_warning_line(tmp_path: Path, content: bytes,
                                                                     caplog: pytest.LogCaptureFixture,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:

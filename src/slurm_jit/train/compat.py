@@ -21,6 +21,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from slurm_jit.checkpoint import protocol
 from slurm_jit.timing import TIMING_DIR
 from slurm_jit.train.refusals import JitRefusal
 from slurm_jit.train.trackers import one_line, printable_name, read_bounded_json, write_small_json
@@ -224,10 +225,13 @@ def _recorded_log_dir(out_dir: Path, record: Path) -> str | None:
 
 
 def _run_dir_name(name: str) -> bool:
-    """Relative, inside OUT_DIR, and neither a checkpoint nor slurm-jit's own directory (their files are ours)."""
+    """Relative, inside OUT_DIR, and neither in a checkpoint (a search trial's too: ``run-1/checkpoint-5``) nor in
+    slurm-jit's own directory (their files are ours), nor in a directory named as one being deleted (removed
+    whole by the next checkpoint rotation, with every event file of the run)."""
     parts = Path(name).parts
     return (bool(parts) and not os.path.isabs(name) and ".." not in parts and parts[0] != TIMING_DIR
-            and not parts[0].startswith("checkpoint-"))
+            and not parts[0].startswith(protocol.DELETING_PREFIX)
+            and not any(part.startswith("checkpoint-") for part in parts))
 
 
 def _write_record(out_dir: Path, record: Path) -> str:
