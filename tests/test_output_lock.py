@@ -407,6 +407,29 @@ def test_a_third_job_asks_slurm_whether_the_run_that_took_over_on_another_host_r
     output_lock.release(lock)
 
 
+@pytest.mark.slurm
+@pytest.mark.usefixtures("slurm_cluster")
+def test_a_holder_job_whose_name_is_not_utf8_is_still_asked_about(tmp_path: Path, jobs: list[str]) -> None:
+    # Before: scontrol's answer, with the job name's byte 0xff, raised UnicodeDecodeError out of acquire() on
+    # rank 0 (the other ranks waiting for its verdict).
+    from slurm_jit import slurm
+
+    argv = [b"sbatch", b"--parsable", b"--ntasks=1", b"--cpus-per-task=1", b"--mem=100M", b"--time=5",
+            b"--output=" + os.fsencode(tmp_path) + b"/%j.out", b"--job-name=run-\xff", b"--wrap=sleep 600"]
+    job_id = subprocess.run(argv, capture_output=True, check=True, timeout=60).stdout.decode().strip()
+    jobs.append(job_id)
+    _until(lambda: slurm.run(["squeue", "-h", "-o", "%T", "-j", job_id]).strip() == "RUNNING",  # no name
+           f"job {job_id} running", timeout_s=600)
+    out = tmp_path / "out"
+    path = output_lock.lock_path(out)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"job_id": job_id, "restart_count": "1", "host": "node-b", "pid": 4242,
+                                "since": time.time(), "kernel_lock": False}))
+    lock, why = output_lock.acquire(out)
+    assert lock is None and why is not None and f"Slurm job {job_id} (restart 1) on host node-b" in why, why
+    assert "HINT:" in why and "\n" not in why, why
+
+
 def _until(done: Callable[[], bool], what: str, timeout_s: float = 300.0) -> None:
     deadline = time.monotonic() + timeout_s  # a job waits for the shared cluster's cores
     while not done():
