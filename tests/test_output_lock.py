@@ -430,6 +430,30 @@ def test_a_holder_job_whose_name_is_not_utf8_is_still_asked_about(tmp_path: Path
     assert "HINT:" in why and "\n" not in why, why
 
 
+@pytest.mark.slurm
+@pytest.mark.usefixtures("slurm_cluster")
+def test_a_holder_job_whose_name_spells_another_state_is_still_running(tmp_path: Path, jobs: list[str]) -> None:
+    # Before: the name's "JobState=COMPLETED", printed before the real JobState, was taken for it: the third job
+    # took the directory the run that took over trains in.
+    from slurm_jit import slurm
+
+    job_id = slurm.run(["sbatch", "--parsable", "--ntasks=1", "--cpus-per-task=1", "--mem=100M", "--time=5",
+                        f"--output={tmp_path}/%j.out", "--job-name=lr=3e-4 JobState=COMPLETED",
+                        "--wrap=sleep 600"]).strip().split(";")[0]
+    jobs.append(job_id)
+    _until(lambda: slurm.run(["squeue", "-h", "-o", "%T", "-j", job_id]).strip() == "RUNNING",
+           f"job {job_id} running", timeout_s=600)
+    out = tmp_path / "out"
+    path = output_lock.lock_path(out)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"job_id": job_id, "restart_count": "1", "host": "node-b", "pid": 4242,
+                                "since": time.time(), "kernel_lock": False}))
+    lock, why = output_lock.acquire(out)
+    assert lock is None and why is not None, "took a directory a running job's run trains in"
+    assert f"Slurm job {job_id} (restart 1) on host node-b" in why and "\n" not in why, why
+    assert slurm.show_job(job_id)["JobName"] == "lr=3e-4 JobState=COMPLETED"
+
+
 def _until(done: Callable[[], bool], what: str, timeout_s: float = 300.0) -> None:
     deadline = time.monotonic() + timeout_s  # a job waits for the shared cluster's cores
     while not done():

@@ -62,11 +62,19 @@ def available() -> bool:
     return True
 
 
+JOB_NAME_KEY = "JobName="  # scontrol show job prints it last on its line, unquoted
+
+
 def parse_key_values(text: str) -> dict[str, str]:
-    """Parse ``scontrol show`` output (``Key=Value`` pairs, several per line) into a dict."""
+    """Parse ``scontrol show`` output (``Key=Value`` pairs, several per line) into a dict. A job's name runs to
+    the end of its line: it may hold spaces and ``=`` (a job named ``x JobState=COMPLETED`` is not COMPLETED)."""
     pairs: dict[str, str] = {}
-    for match in re.finditer(r"(\w[\w:/.]*)=(\S*)", text):
-        pairs.setdefault(match.group(1), match.group(2))
+    for line in text.splitlines():
+        line, named, name = line.partition(JOB_NAME_KEY)
+        for match in re.finditer(r"(\w[\w:/.]*)=(\S*)", line):
+            pairs.setdefault(match.group(1), match.group(2))
+        if named:
+            pairs.setdefault(JOB_NAME_KEY[:-1], name)
     return pairs
 
 
