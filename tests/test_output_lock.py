@@ -322,7 +322,7 @@ def test_release_ends_the_retry_and_leaves_no_lock_behind(tmp_path: Path, holder
     lock, why = output_lock.acquire(out)
     assert lock is not None and not lock.locked and lock.retry is not None and lock.retry.is_alive(), why
     output_lock.release(lock)
-    assert not lock.retry.is_alive() and output_lock.lock_path(out).read_text() == ""
+    assert not lock.retry.is_alive() and _record(out)["host"] == "node-gone"  # the record it took over
     _end(earlier)
     time.sleep(0.5)  # ten retry periods
     assert not _kernel_lock_busy(out)
@@ -363,7 +363,34 @@ def test_a_run_that_took_over_releases_and_its_retry_ends(tmp_path: Path, holder
     requeued.stdin.flush()
     assert requeued.stdout.readline().strip() == "released, retrying: False"
     assert requeued.wait(HOLDER_START_TIMEOUT_S) == 0
-    assert _record(out) == {}
+    assert _record(out)["host"] == "node-gone"  # the record it took over, for the next requeue
+
+
+def test_a_requeue_after_a_takeover_that_ended_takes_over_again(tmp_path: Path, holder, taker,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: release emptied the record while the dead node's lock still held (NFSv3: until that node reboots):
+    # the next requeue found a busy lock naming no one and was refused, for as long as that lock lived.
+    out = tmp_path / "out"
+    _earlier_run_on_a_dead_node(holder, out)  # its lock never ends here
+    requeued = taker(out, retry_s=600)  # restart 1: trains, is stopped at its time limit, releases
+    assert requeued.stdin is not None and requeued.stdout is not None
+    requeued.stdin.write("release\n")
+    requeued.stdin.flush()
+    assert requeued.stdout.readline().strip() == "released, retrying: False"
+    assert requeued.wait(HOLDER_START_TIMEOUT_S) == 0
+    monkeypatch.setenv("SLURM_JOB_ID", "99")  # another job is still refused: the dead node's lock holds
+    lock, why = output_lock.acquire(out)
+    assert lock is None and why is not None and "Slurm job 77 (restart 0) on host node-gone" in why, why
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    monkeypatch.setattr(output_lock, "TAKEOVER_RETRY_S", 600.0)
+    lock, why = output_lock.acquire(out)
+    assert lock is not None and not lock.locked, why
+    output_lock.release(lock)  # a second train() of this process takes it over again
+    lock, why = output_lock.acquire(out)
+    assert lock is not None and not lock.locked, why
+    output_lock.release(lock)
+    assert _record(out)["host"] == "node-gone"
 
 
 def test_a_requeue_on_the_same_host_takes_over_from_a_dead_run_that_took_over(tmp_path: Path, holder, taker,

@@ -42,7 +42,8 @@ second JitTrainer on the same output_dir) before opening the file.
 
 Only global rank 0 takes the lock, so a multi-node job holds one lock; the other ranks learn the verdict from
 rank 0 (the trainer broadcasts it). The lock is released when ``train()`` ends: the file is emptied (so that the
-content-only fallback sees it free) and closed, never deleted (deleting a lock file races: a waiter may hold the
+content-only fallback sees it free; a takeover still without the kernel lock puts back the record it took over,
+for the next requeue) and closed, never deleted (deleting a lock file races: a waiter may hold the
 old inode while a third process locks a new file of the same name).
 
 Opening the lock file is also the start-of-training check that ``output_dir`` can be written: a read-only or
@@ -136,6 +137,7 @@ class OutputLock:
     guard: threading.Lock = field(default_factory=threading.Lock, repr=False)
     released: threading.Event = field(default_factory=threading.Event, repr=False)
     retry: threading.Thread | None = field(default=None, repr=False)
+    taken_from: Holder | None = None  # the earlier run whose record a takeover replaced (its lease holds the lock)
 
 
 def lock_path(output_dir: str | os.PathLike[str]) -> Path:
@@ -239,6 +241,7 @@ def _busy(path: Path, fd: int, me: Holder, unsupported: bool) -> tuple[OutputLoc
                    "requeue: taking it over (the kernel lock is retried every %.0f s until that run's lease ends)",
                    path, holder.describe(), TAKEOVER_RETRY_S)
     lock = _hold(path, fd, me, locked=False)
+    lock.taken_from = holder
     lock.retry = threading.Thread(target=_retry_kernel_lock, args=(lock, me), name="slurm-jit-output-lock",
                                   daemon=True)
     lock.retry.start()
@@ -481,15 +484,19 @@ def _write_holder(fd: int, holder: Holder) -> None:
 
 
 def release(lock: OutputLock | None) -> None:
-    """Empty the file (free for the content-only fallback) and close it, which drops the lock; the retry thread
-    of a takeover ends."""
+    """Empty the file and close it, which drops the lock; a takeover's retry ends. Without the kernel lock yet, the
+    record taken over is put back: the dead node's lease (NFSv3's: until it reboots) still holds the lock, and the
+    next requeue must find the run it may take over from, not an empty record under a busy lock (refused)."""
     if lock is None:
         return
     with lock.guard:
         lock.released.set()
         try:
             _HELD_HERE.discard(_file_key(lock.fd))
-            os.ftruncate(lock.fd, 0)
+            if lock.taken_from is not None and not lock.locked:
+                _write_holder(lock.fd, lock.taken_from)
+            else:
+                os.ftruncate(lock.fd, 0)
         except OSError as exc:  # releasing must not mask what ended training; closing drops the lock anyway
             logger.warning("slurm_jit: could not empty %s: %s", lock.path, exc)
         finally:
