@@ -64,10 +64,13 @@ def _record(out: Path) -> Path:
                                      b'{"log_dir": "runs/' + b"x" * 300 + b'"}',  # before: ENAMETOOLONG
                                      # before: written into, then deleted whole by the next checkpoint rotation
                                      b'{"log_dir": ".slurm-jit-deleting-runs"}',
-                                     b'{"log_dir": "run-1/checkpoint-5/tb"}'],  # a search trial's checkpoint
+                                     b'{"log_dir": "run-1/checkpoint-5/tb"}',  # a search trial's checkpoint
+                                     # before: a directory where the final save writes its file
+                                     b'{"log_dir": "model.safetensors"}', b'{"log_dir": "runs/checkpoint-5"}'],
                          ids=["corrupt", "not-a-dict", "not-a-string", "not-utf8", "empty", "outside", "escapes",
                               "huge", "nested", "nul", "newline", "out-dir-itself", "into-a-checkpoint",
-                              "into-slurm-jit", "name-too-long", "into-a-deletion", "into-a-trial-checkpoint"])
+                              "into-slurm-jit", "name-too-long", "into-a-deletion", "into-a-trial-checkpoint",
+                              "in-the-final-saves-way", "a-checkpoint-name-in-runs"])
 def test_an_unusable_record_starts_a_new_run_with_one_warning_line(tmp_path: Path, content: bytes,
                                                                     caplog: pytest.LogCaptureFixture,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:

@@ -21,7 +21,6 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from slurm_jit.checkpoint import protocol
 from slurm_jit.timing import TIMING_DIR
 from slurm_jit.train.refusals import JitRefusal
 from slurm_jit.train.trackers import one_line, printable_name, read_bounded_json, write_small_json
@@ -31,6 +30,7 @@ logger = logging.getLogger(__name__)
 TENSORBOARD_RECORD = "tensorboard.json"  # the TensorBoard run directory a resumed job continues
 # A record is one short JSON object (~60 bytes): a bigger file is not one we wrote, and is not read whole.
 TENSORBOARD_RECORD_MAX_BYTES = 64 * 1024
+RUNS_DIR = "runs"  # transformers' default_logdir(): runs/<time>_<host>, the only run directory the record names
 PROGRESS_BARS_ENV = "SLURM_JIT_PROGRESS_BARS"  # "1": tqdm bars even when stderr is a file (a Slurm job log)
 
 # The range tested (keep equal to pyproject.toml's dependencies; tests/test_compat_hooks.py checks it).
@@ -225,12 +225,11 @@ def _recorded_log_dir(out_dir: Path, record: Path) -> str | None:
 
 
 def _run_dir_name(name: str) -> bool:
-    """Relative, inside OUT_DIR, and neither in a checkpoint (a search trial's too: ``run-1/checkpoint-5``) nor in
-    slurm-jit's own directory (their files are ours), nor in a directory named as one being deleted (removed
-    whole by the next checkpoint rotation, with every event file of the run)."""
+    """A run directory as :func:`_write_record` names them, ``runs/<time>_<host>``: inside OUT_DIR and never in
+    the way of what else is there (a directory ``model.safetensors`` or ``config.json`` would fail the final
+    save; a checkpoint's, slurm-jit's or a directory being deleted are not the run's to write into)."""
     parts = Path(name).parts
-    return (bool(parts) and not os.path.isabs(name) and ".." not in parts and parts[0] != TIMING_DIR
-            and not parts[0].startswith(protocol.DELETING_PREFIX)
+    return (len(parts) >= 2 and parts[0] == RUNS_DIR and not os.path.isabs(name) and ".." not in parts
             and not any(part.startswith("checkpoint-") for part in parts))
 
 
