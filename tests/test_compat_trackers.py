@@ -5,6 +5,10 @@ DeepSpeed ranks, a SIGTERM and a resume, is the GRPO row of tests/test_compat_ma
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,7 +19,7 @@ pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 from transformers.integrations.integration_utils import TensorBoardCallback  # noqa: E402
 
-from slurm_jit.train import compat, trackers  # noqa: E402
+from slurm_jit.train import compat, output_lock, trackers  # noqa: E402
 
 
 def _job(out: Path, resume_from: str | None, steps: range, offset: float) -> str:
@@ -52,9 +56,21 @@ def _record(out: Path) -> Path:
 @pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b'{"log_dir": 7}', b"\xff\xfe", b'{"log_dir": ""}',
                                      b'{"log_dir": "TMP/elsewhere"}',
                                      b'{"log_dir": "runs/../../elsewhere"}',
-                                     b"{" + b" " * 2**20 + b"}"],  # 1 MiB,
+                                     b"{" + b" " * 2**20 + b"}",  # 1 MiB
+                                     b"[" * 60_000,  # under the cap; before: RecursionError out of train()
+                                     b'{"log_dir": "runs/a\\u0000b"}',  # before: ValueError in SummaryWriter
+                                     b'{"log_dir": "runs/a\\nb"}', b'{"log_dir": "."}',
+                                     b'{"log_dir": "checkpoint-5/tb"}', b'{"log_dir": "slurm-jit"}',
+                                     b'{"log_dir": "runs/' + b"x" * 300 + b'"}',  # before: ENAMETOOLONG
+                                     # before: written into, then deleted whole by the next checkpoint rotation
+                                     b'{"log_dir": ".slurm-jit-deleting-runs"}',
+                                     b'{"log_dir": "run-1/checkpoint-5/tb"}',  # a search trial's checkpoint
+                                     # before: a directory where the final save writes its file
+                                     b'{"log_dir": "model.safetensors"}', b'{"log_dir": "runs/checkpoint-5"}'],
                          ids=["corrupt", "not-a-dict", "not-a-string", "not-utf8", "empty", "outside", "escapes",
-                              "huge"])
+                              "huge", "nested", "nul", "newline", "out-dir-itself", "into-a-checkpoint",
+                              "into-slurm-jit", "name-too-long", "into-a-deletion", "into-a-trial-checkpoint",
+                              "in-the-final-saves-way", "a-checkpoint-name-in-runs"])
 def test_an_unusable_record_starts_a_new_run_with_one_warning_line(tmp_path: Path, content: bytes,
                                                                     caplog: pytest.LogCaptureFixture,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
@@ -80,6 +96,62 @@ def test_a_record_that_is_a_directory_or_a_dangling_link_is_not_a_traceback(tmp_
     _record(out).symlink_to(tmp_path / "gone.json")
     assert Path(_job(out, str(out / "checkpoint-6"), range(7, 8), offset=0.0)).parent == out / "runs"
     assert _record(out).is_file() and not _record(out).is_symlink()
+
+
+@pytest.mark.timeout(30)  # before: a FIFO was waited on forever
+@pytest.mark.parametrize("kind", ["record-fifo", "temporary-fifo", "temporary-link"])
+def test_a_record_or_its_temporary_file_that_is_not_a_file_is_not_waited_on_nor_written_through(
+        tmp_path: Path, kind: str) -> None:
+    out = tmp_path / "out"
+    precious = tmp_path / "precious"
+    precious.write_text("keep me")
+    _record(out).parent.mkdir(parents=True)
+    if kind == "record-fifo":
+        os.mkfifo(_record(out))
+    elif kind == "temporary-fifo":
+        os.mkfifo(_record(out).with_suffix(".tmp"))
+    else:
+        _record(out).with_suffix(".tmp").symlink_to(precious)
+    log_dir = _job(out, str(out / "checkpoint-5"), range(6, 7), offset=0.0)
+    assert Path(log_dir).parent == out / "runs", log_dir
+    assert _record(out).is_file() and precious.read_text() == "keep me"
+    assert _job(out, str(out / "checkpoint-6"), range(7, 8), offset=0.0) == log_dir
+
+
+LOCK_BUSY = """\
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR)
+try:
+    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+except OSError:
+    print("busy")
+else:
+    print("free")
+"""
+
+
+@pytest.mark.parametrize("link", ["symbolic", "hard"])
+def test_a_record_linked_to_the_output_lock_keeps_the_lock_held(tmp_path: Path, link: str) -> None:
+    # Before: reading the record opened and closed the lock file, and closing any descriptor of it drops this
+    # process's POSIX lock: a second training could take the output_dir while this one trains.
+    out = tmp_path / "out"
+    lock, why = output_lock.acquire(out)
+    assert lock is not None and lock.locked, why
+    try:
+        path = output_lock.lock_path(out)
+        for record in (_record(out), path.parent / trackers.WANDB_RECORD):
+            if link == "symbolic":
+                record.symlink_to(path.name)
+            else:
+                os.link(path, record)
+        assert Path(_job(out, str(out / "checkpoint-5"), range(6, 7), offset=0.0)).parent == out / "runs"
+        assert trackers._read_record(path.parent / trackers.WANDB_RECORD) is None
+        probe = subprocess.run([sys.executable, "-c", LOCK_BUSY, str(path)], capture_output=True, text=True,
+                               timeout=60, check=True)
+        assert probe.stdout.strip() == "busy", "a tracker record read dropped the output lock"
+        assert json.loads(path.read_text())["pid"] == os.getpid()  # the lock's record is untouched
+    finally:
+        output_lock.release(lock)
 
 
 def test_a_moved_output_dir_continues_its_own_run(tmp_path: Path) -> None:
@@ -181,3 +253,38 @@ def test_a_failure_after_the_stop_checkpoint_still_logs_the_jit_stop(tmp_path: P
     texts = [e.tensor_proto.string_val[0].decode() for e in events.Tensors(f"{trackers.STOP_KEY}/text_summary")]
     assert len(texts) == 1 and texts[0].startswith(f"stopped for a JIT checkpoint at step {record['step']} "), texts
     assert texts[0].endswith("after the checkpoint: RuntimeError: upload failed"), texts
+
+
+def test_a_poisoned_record_on_a_real_resume_is_one_warning_and_a_new_run(tmp_path: Path,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """One process, a real JitTrainer, no DeepSpeed (~15 s): a record of 60,000 nested brackets (under the size
+    cap) killed rank 0 with RecursionError at the resume. The promise: one warning, a new run, the training goes
+    on from its checkpoint."""
+    import transformers
+
+    from slurm_jit import demo_train
+    from slurm_jit.train.trainer import JitConfig, JitTrainer
+
+    out = tmp_path / "out"
+
+    def train(max_steps: int, resume: bool) -> JitTrainer:
+        targs = transformers.TrainingArguments(output_dir=str(out), use_cpu=True, report_to=["tensorboard"],
+                                               max_steps=max_steps, save_steps=2, per_device_train_batch_size=2,
+                                               disable_tqdm=True, logging_steps=1)
+        trainer = JitTrainer(model=demo_train.build_model("gpt2", 16, 1), args=targs,
+                             train_dataset=demo_train._Tokens(8, seed=1), jit_config=JitConfig(kill_wait_s=0))
+        trainer.train(resume_from_checkpoint=resume or None)
+        return trainer
+
+    train(2, resume=False)
+    [first] = (out / "runs").iterdir()
+    _record(out).write_bytes(b"[" * 60_000)
+    with caplog.at_level("WARNING", logger=compat.__name__):
+        trainer = train(4, resume=True)
+    assert trainer.state.global_step == 4
+    warnings = [r.getMessage() for r in caplog.records if r.name == compat.__name__ and r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "HINT:" in warnings[0] and "\n" not in warnings[0], warnings
+    [second] = [run for run in (out / "runs").iterdir() if run != first]
+    events = EventAccumulator(str(second))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [3, 4]

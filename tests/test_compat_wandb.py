@@ -79,8 +79,10 @@ def test_a_run_the_user_chose_is_left_alone(tmp_path: Path, offline: Path, monke
 
 @pytest.mark.parametrize("content", [b"{not json", b"[1]", b'{"run_id": 7}', b'{"run_id": "a/../b"}', b"\xff",
                                      b'{"run_id": "abc", "logged": {"loss": "x"}}',
-                                     b"{" + b" " * trackers.WANDB_RECORD_MAX_BYTES + b"}"],
-                         ids=["corrupt", "not-a-dict", "not-a-string", "not-an-id", "not-utf8", "bad-steps", "huge"])
+                                     b"{" + b" " * trackers.WANDB_RECORD_MAX_BYTES + b"}",
+                                     b"[" * 60_000 + b"]" * 60_000],  # before: RecursionError out of train()
+                         ids=["corrupt", "not-a-dict", "not-a-string", "not-an-id", "not-utf8", "bad-steps", "huge",
+                              "nested"])
 def test_an_unusable_record_starts_a_new_run_with_one_warning_line(tmp_path: Path, content: bytes, offline: Path,
                                                                     caplog: pytest.LogCaptureFixture) -> None:
     out = tmp_path / "out"
@@ -160,3 +162,39 @@ def test_an_unwritable_record_is_one_warning_line_and_the_run_goes_on(tmp_path: 
     assert len(warnings) == 1 and "HINT:" in warnings[0] and "\n" not in warnings[0], warnings
     [job] = read_wandb_offline(offline)
     assert [row["train/loss"] for row in job.history] == [1.0, 2.0, 3.0]
+
+
+def test_a_poisoned_record_on_a_real_resume_is_one_warning_and_a_new_run(tmp_path: Path, offline: Path,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """One process, a real JitTrainer, no DeepSpeed (~15 s): a record of 60,000 nested brackets (under the size
+    cap) killed rank 0 with RecursionError at the resume. The promise: one warning, a new run, the training goes
+    on from its checkpoint."""
+    import transformers
+    import wandb
+
+    from slurm_jit import demo_train
+    from slurm_jit.train.trainer import JitConfig, JitTrainer
+
+    out = tmp_path / "out"
+
+    def train(max_steps: int, resume: bool) -> JitTrainer:
+        targs = transformers.TrainingArguments(output_dir=str(out), use_cpu=True, report_to=["wandb"],
+                                               max_steps=max_steps, save_steps=2, per_device_train_batch_size=2,
+                                               disable_tqdm=True, logging_steps=1)
+        trainer = JitTrainer(model=demo_train.build_model("gpt2", 16, 1), args=targs,
+                             train_dataset=demo_train._Tokens(8, seed=1), jit_config=JitConfig(kill_wait_s=0))
+        trainer.train(resume_from_checkpoint=resume or None)
+        wandb.finish()  # the job's end: the process exits (upstream's callback leaves the run open until then)
+        return trainer
+
+    train(2, resume=False)
+    record = out / "slurm-jit" / trackers.WANDB_RECORD
+    record.write_bytes(b"[" * 60_000 + b"]" * 60_000)
+    with caplog.at_level("WARNING", logger=trackers.__name__):
+        trainer = train(4, resume=True)
+    assert trainer.state.global_step == 4
+    warnings = [r.getMessage() for r in caplog.records if r.name == trackers.__name__ and r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "HINT:" in warnings[0] and "\n" not in warnings[0], warnings
+    first, second = read_wandb_offline(offline)
+    assert first.run_id != second.run_id and trackers._read_record(record)["run_id"] == second.run_id
+    assert [row["train/global_step"] for row in second.history if "train/loss" in row] == [3, 4]

@@ -31,7 +31,9 @@ def _subprocess_runner(argv: Sequence[str], timeout_s: float) -> str:
             "with tools/local-slurm up"
         )
     try:
-        proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout_s, check=False)
+        # errors="replace": a job name, comment or path in a byte that is not UTF-8 is not a UnicodeDecodeError
+        proc = subprocess.run(list(argv), capture_output=True, text=True, errors="replace", timeout=timeout_s,
+                              check=False)
     except subprocess.TimeoutExpired as exc:
         raise SlurmError(f"{' '.join(argv)} did not answer within {timeout_s:.0f} s") from exc
     if proc.returncode != 0:

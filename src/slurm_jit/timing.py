@@ -30,6 +30,7 @@ import json
 import logging
 import math
 import os
+import stat
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -197,9 +198,26 @@ def read_records(output_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return records
 
 
+def _read_lines(path: Path) -> list[str]:
+    """A timing log's lines, from a regular file only: a FIFO is not waited on, and this process's output lock
+    (through a symbolic or hard link) is never opened: closing it would drop the lock (train/output_lock.py)."""
+    from slurm_jit.train import output_lock  # here: output_lock imports this module
+
+    hint = "HINT: a timing log is a file slurm_jit writes: move this one away"
+    if output_lock.held_here(path):
+        raise TimingLogError(f"{path}: a link to this training's {output_lock.LOCK_NAME}. {hint}")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:  # ELOOP: a symbolic link
+        raise TimingLogError(f"{path}: cannot be read as a file ({exc.strerror}). {hint}") from None
+    with open(fd, encoding="utf-8", errors="replace") as handle:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise TimingLogError(f"{path}: not a regular file. {hint}")
+        return handle.readlines()
+
+
 def _read_file(path: Path) -> Iterable[dict[str, Any]]:
-    with open(path, encoding="utf-8", errors="replace") as handle:
-        lines = handle.readlines()
+    lines = _read_lines(path)
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():
             continue

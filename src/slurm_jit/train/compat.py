@@ -23,13 +23,14 @@ from typing import Any
 
 from slurm_jit.timing import TIMING_DIR
 from slurm_jit.train.refusals import JitRefusal
-from slurm_jit.train.trackers import read_bounded_json, write_small_json
+from slurm_jit.train.trackers import one_line, printable_name, read_bounded_json, write_small_json
 
 logger = logging.getLogger(__name__)
 
 TENSORBOARD_RECORD = "tensorboard.json"  # the TensorBoard run directory a resumed job continues
 # A record is one short JSON object (~60 bytes): a bigger file is not one we wrote, and is not read whole.
 TENSORBOARD_RECORD_MAX_BYTES = 64 * 1024
+RUNS_DIR = "runs"  # transformers' default_logdir(): runs/<time>_<host>, the only run directory the record names
 PROGRESS_BARS_ENV = "SLURM_JIT_PROGRESS_BARS"  # "1": tqdm bars even when stderr is a file (a Slurm job log)
 
 # The range tested (keep equal to pyproject.toml's dependencies; tests/test_compat_hooks.py checks it).
@@ -207,18 +208,29 @@ def _step_of(checkpoint: str) -> int | None:
 
 def _recorded_log_dir(out_dir: Path, record: Path) -> str | None:
     """The run directory the record names inside ``out_dir``, or None (and one warning line) when it is unusable:
-    corrupt, not ours, or pointing outside ``out_dir`` (what it names is written into, never trusted blindly)."""
+    corrupt, not ours, or pointing outside ``out_dir``, into a checkpoint or at a path that cannot be a directory
+    (what it names is written into, never trusted blindly)."""
     try:
         data = read_bounded_json(record, TENSORBOARD_RECORD_MAX_BYTES)
         name = data.get("log_dir") if isinstance(data, dict) else None
-        if not isinstance(name, str) or not name or os.path.isabs(name) or ".." in Path(name).parts:
-            raise ValueError(f"log_dir {name!r} is not a directory name inside OUT_DIR")
-    except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        if not printable_name(name) or not _run_dir_name(name):
+            raise ValueError(f"log_dir {name!r:.100} is not a run directory inside OUT_DIR")
+        os.makedirs(os.path.join(out_dir, name), exist_ok=True)  # a name too long, a file in the way: not later
+    except (OSError, ValueError) as exc:  # read_bounded_json raises nothing else
         logger.warning("slurm_jit: %s unusable (%s): TensorBoard starts a new run directory. HINT: delete the "
                        "file; to continue a run, set TENSORBOARD_LOGGING_DIR to its directory", record,
-                       str(exc).replace("\n", " "))
+                       one_line(exc))
         return None
     return os.path.join(out_dir, name)
+
+
+def _run_dir_name(name: str) -> bool:
+    """A run directory as :func:`_write_record` names them, ``runs/<time>_<host>``: inside OUT_DIR and never in
+    the way of what else is there (a directory ``model.safetensors`` or ``config.json`` would fail the final
+    save; a checkpoint's, slurm-jit's or a directory being deleted are not the run's to write into)."""
+    parts = Path(name).parts
+    return (len(parts) >= 2 and parts[0] == RUNS_DIR and not os.path.isabs(name) and ".." not in parts
+            and not any(part.startswith("checkpoint-") for part in parts))
 
 
 def _write_record(out_dir: Path, record: Path) -> str:

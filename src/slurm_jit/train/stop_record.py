@@ -52,7 +52,9 @@ def write(output_dir: str | os.PathLike[str], state: str, **fields: Any) -> None
     record = {"state": state, "time": time.time(), "job_id": os.environ.get("SLURM_JOB_ID"),
               "restart_count": os.environ.get("SLURM_RESTART_COUNT"), **fields}
     tmp = target.with_suffix(".tmp")
-    with open(tmp, "w", encoding="utf-8") as handle:
+    tmp.unlink(missing_ok=True)  # created anew: a link left in its place is never written through (truncated)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with open(fd, "w", encoding="utf-8") as handle:
         json.dump(record, handle, indent=1, default=str)
         handle.flush()
         os.fsync(handle.fileno())
