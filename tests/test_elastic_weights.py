@@ -1,0 +1,168 @@
+"""An elastic resume loads the checkpoint's weights, all of them, and only that checkpoint's (issue 24, items 2 and
+4): a parameter frozen in the resuming run and a persistent buffer get the checkpoint's values (DeepSpeed's
+universal load fills the optimizer's parameters only), one the checkpoint holds no value for is refused, and a
+universal copy converted from another checkpoint of the same step is converted again instead of loaded.
+
+Real DeepSpeed ranks on CPU: two 2-rank ZeRO-2 runs that differ only in the learning rate, each JIT-stopped at
+step 5, shared by the tests (logging every 500 steps, so that their trainer_state.json are byte-identical; the
+model has a persistent buffer that counts training batches: tests/demo_with_buffer.py). The resumes run on 1 rank
+and dump the state right after the load (``--dump-state-at 5``: demo_train's exactness dump, at on_train_begin),
+which is compared with the checkpoint's. About 3 minutes on an idle 2-core machine.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from demo_with_buffer import BUFFER_NAME
+from jit_helpers import START_TIMEOUT_S, run_demo, start_demo
+
+from slurm_jit.checkpoint import elastic_plan
+from slurm_jit.checkpoint import manifest as manifest_file
+from slurm_jit.train import elastic
+
+ARGS = ["--model", "llama", "--vocab", "96", "--width", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2",
+        "--kill-wait", "0", "--max-steps", "8", "--zero-stage", "2", "--targ", "logging_steps=500"]
+LRS = ("3e-3", "1e-3")  # the two runs' only difference
+STOP_AT = 4  # each 2-rank run signals itself after this step: its JIT checkpoint is checkpoint-5
+STEP = STOP_AT + 1
+# 1 rank takes both ranks' share (the global batch must stay); the state right after the load is dumped.
+ONE_RANK = ["--batch-size", "4", "--resume", "--max-steps", str(STEP + 1), "--dump-state-at", str(STEP)]
+EMBEDDINGS = "model.embed_tokens.weight"
+PROGRAM = [str(Path(__file__).with_name("demo_with_buffer.py"))]
+pytestmark = pytest.mark.deepspeed
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Two 2-rank runs, learning rates LRS, JIT-stopped at step 5 (started together: half the wall time)."""
+    root = tmp_path_factory.mktemp("elastic-weights")
+    outs = (root / "lr-a", root / "lr-b")
+    ranks = [start_demo(out, [*ARGS, "--lr", lr, "--signal-self-at-step", str(STOP_AT)], 2, program=PROGRAM)
+             for out, lr in zip(outs, LRS, strict=True)]
+    try:
+        for group in ranks:
+            codes = group.wait(START_TIMEOUT_S)
+            assert codes == [0, 0], group.log(0)[-4000:]
+    finally:
+        for group in ranks:  # the other run too, when one failed
+            group.kill()
+    return outs
+
+
+def _masters(ckpt: Path) -> dict[str, torch.Tensor]:
+    """Each parameter's fp32 master weight at the stop, put together from the ranks' ZeRO-2 partitions (not from
+    the universal copy: the conversion is what is checked)."""
+    tag = ckpt / f"global_step{STEP}"
+    files = sorted(tag.glob("*_optim_states.pt"), key=lambda p: int(p.name.split("_")[3]))
+    states = [torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"] for f in files]
+    shapes = torch.load(tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["param_shapes"]
+    masters = {}
+    for group, group_shapes in enumerate(shapes):
+        flat = torch.cat([s["single_partition_of_fp32_groups"][group] for s in states])
+        offset = 0
+        for name, shape in group_shapes.items():
+            numel = int(torch.Size(shape).numel())
+            masters[name] = flat[offset:offset + numel].view(shape)
+            offset += numel
+    return masters
+
+
+def _loaded(out: Path) -> dict[str, torch.Tensor]:
+    """The resumed rank's module state right after the load (demo_train's exactness dump)."""
+    dump = torch.load(out / "exact-state" / f"step-{STEP}" / "rank0.pt", map_location="cpu", weights_only=False)
+    return {key.split("/", 1)[1]: value for key, value in dump.items() if key.startswith("module/")}
+
+
+def _differing(loaded: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:
+    """``name max|diff|`` of each wanted tensor the load did not give bit for bit."""
+    return [f"{name} {(loaded[name].double() - value.double()).abs().max().item():.3g}"
+            if name in loaded and loaded[name].shape == value.shape else f"{name} missing or reshaped"
+            for name, value in want.items() if not (name in loaded and torch.equal(loaded[name], value))]
+
+
+def test_a_parameter_frozen_on_resume_and_a_buffer_get_the_checkpoints_values(two_runs: tuple[Path, Path],
+                                                                              tmp_path: Path) -> None:
+    """Stopped on 2 ranks, resumed on 1 with the embeddings frozen: the universal load filled the optimizer's
+    parameters only, so the embeddings (max |diff| 0.004) and the buffer stayed as built. Every parameter is now the
+    checkpoint's fp32 master (the model is fp32: bit for bit), the buffer the saved module's."""
+    out = tmp_path / "out"
+    subprocess.run(["cp", "-a", str(two_runs[0]), str(out)], check=True)
+    log = run_demo(out, [*ARGS, "--lr", LRS[0], *ONE_RANK, "--freeze-embeddings"], 1, program=PROGRAM)
+    assert "world size 2 -> 1" in log, log[-3000:]
+    ckpt = out / f"checkpoint-{STEP}"
+    want = _masters(ckpt)
+    saved = torch.load(ckpt / f"global_step{STEP}" / "mp_rank_00_model_states.pt", map_location="cpu",
+                       weights_only=False)["module"]
+    want[BUFFER_NAME] = saved[BUFFER_NAME]
+    assert EMBEDDINGS in want and int(want[BUFFER_NAME]) == STEP  # one training batch per step on each rank
+    loaded = _loaded(out)
+    assert _differing(loaded, want) == [], log[-3000:]
+
+
+def test_a_frozen_parameter_the_checkpoint_does_not_hold_is_refused_before_converting(
+        two_runs: tuple[Path, Path], tmp_path: Path) -> None:
+    """The embeddings frozen now, and neither held by the checkpoint's optimizer nor in its module (here: its model
+    states rewritten as a save whose optimizer did not hold them and that left frozen parameters out, DeepSpeed's
+    exclude_frozen_parameters): one line with a HINT, before anything is converted."""
+    ckpt = tmp_path / f"checkpoint-{STEP}"
+    subprocess.run(["cp", "-a", str(two_runs[0] / ckpt.name), str(ckpt)], check=True)
+    states_path = ckpt / f"global_step{STEP}" / "mp_rank_00_model_states.pt"
+    states = torch.load(states_path, map_location="cpu", weights_only=False)
+    states["param_shapes"] = [{k: v for k, v in g.items() if k != EMBEDDINGS} for g in states["param_shapes"]]
+    states["module"].pop(EMBEDDINGS, None)
+    torch.save(states, states_path)
+    manifest, _ = manifest_file.read(ckpt)
+    assert manifest is not None
+    one_rank = SimpleNamespace(world_size=1, per_device_train_batch_size=4, gradient_accumulation_steps=1)
+    load_from, refusal, _ = elastic.prepare(str(ckpt), one_rank, manifest, convert_timeout_s=60.0,
+                                            frozen_now=[EMBEDDINGS], unheld_now=[(EMBEDDINGS,)])
+    assert refusal is not None and f"1 tensors this run does not train (e.g. {EMBEDDINGS})" in refusal, refusal
+    assert "HINT:" in refusal and "\n" not in refusal, refusal
+    assert load_from is None and not (ckpt / elastic_plan.UNIVERSAL_DIR_NAME).exists()
+
+
+def _rsync(source: Path, dest: Path) -> None:
+    """``rsync -a source/ dest/``: each file written beside its target and renamed over it."""
+    for path in sorted(source.rglob("*")):
+        target = dest / path.relative_to(source)
+        if path.is_dir():
+            target.mkdir(exist_ok=True)
+            continue
+        temp = target.with_name(f".{target.name}.tmp")
+        shutil.copy2(path, temp)
+        os.replace(temp, target)
+
+
+def test_another_runs_checkpoint_copied_over_a_converted_one_is_converted_again(
+        two_runs: tuple[Path, Path], tmp_path: Path) -> None:
+    """Run A's checkpoint-5 converted for 1 rank, then run B's checkpoint-5 (another learning rate, the same
+    trainer_state.json byte for byte) copied over it, universal/ left inside: the resume loads B's weights, not
+    the stale conversion of A's."""
+    run_a, run_b = two_runs
+    name = f"checkpoint-{STEP}"
+    state = manifest_file.TRAINER_STATE_NAME
+    assert (run_a / name / state).read_bytes() == (run_b / name / state).read_bytes()  # what fooled the old check
+    out = tmp_path / "out"
+    subprocess.run(["cp", "-a", str(run_a), str(out)], check=True)
+    ckpt = out / name
+    manifest, _ = manifest_file.read(ckpt)
+    assert manifest is not None
+    one_rank = SimpleNamespace(world_size=1, per_device_train_batch_size=4, gradient_accumulation_steps=1)
+    load_from, refusal, _ = elastic.prepare(str(ckpt), one_rank, manifest, convert_timeout_s=120.0)
+    assert refusal is None and load_from == str(elastic_plan.universal_dir(ckpt)), refusal
+    assert elastic_plan.plan(ckpt, 1).action == elastic_plan.CONVERTED
+    _rsync(run_b / name, ckpt)
+    assert elastic_plan.plan(ckpt, 1).action == elastic_plan.CONVERT
+    log = run_demo(out, [*ARGS, "--lr", LRS[1], *ONE_RANK], 1, program=PROGRAM)
+    assert "removing the unfinished conversion" in log, log[-3000:]
+    want, stale = _masters(run_b / name), _masters(run_a / name)
+    assert _differing(want, stale)  # the learning rate made a difference
+    assert _differing(_loaded(out), want) == [], log[-3000:]
+    assert elastic_plan.plan(ckpt, 1).action == elastic_plan.CONVERTED
