@@ -12,6 +12,7 @@ which is compared with the checkpoint's. About 3 minutes on an idle 2-core machi
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -23,7 +24,7 @@ import torch
 from demo_with_buffer import BUFFER_NAME
 from jit_helpers import START_TIMEOUT_S, run_demo, start_demo
 
-from slurm_jit.checkpoint import elastic_plan
+from slurm_jit.checkpoint import elastic_plan, protocol
 from slurm_jit.checkpoint import manifest as manifest_file
 from slurm_jit.train import elastic
 
@@ -106,26 +107,32 @@ def test_a_parameter_frozen_on_resume_and_a_buffer_get_the_checkpoints_values(tw
     assert _differing(loaded, want) == [], log[-3000:]
 
 
-def test_a_frozen_parameter_the_checkpoint_does_not_hold_is_refused_before_converting(
+def test_a_frozen_parameter_the_checkpoint_holds_no_value_for_is_refused_before_converting(
         two_runs: tuple[Path, Path], tmp_path: Path) -> None:
-    """The embeddings frozen now, and neither held by the checkpoint's optimizer nor in its module (here: its model
-    states rewritten as a save whose optimizer did not hold them and that left frozen parameters out, DeepSpeed's
-    exclude_frozen_parameters): one line with a HINT, before anything is converted."""
-    ckpt = tmp_path / f"checkpoint-{STEP}"
-    subprocess.run(["cp", "-a", str(two_runs[0] / ckpt.name), str(ckpt)], check=True)
-    states_path = ckpt / f"global_step{STEP}" / "mp_rank_00_model_states.pt"
-    states = torch.load(states_path, map_location="cpu", weights_only=False)
+    """The embeddings frozen now, and neither held by the checkpoint's optimizer nor in its module (its model states
+    rewritten, manifest entry too, as by a save whose optimizer did not hold them and that left frozen parameters
+    out: DeepSpeed's exclude_frozen_parameters): the 1-rank resume ends with one line and a HINT, before any step,
+    with nothing converted or saved."""
+    out = tmp_path / "out"
+    subprocess.run(["cp", "-a", str(two_runs[0]), str(out)], check=True)
+    ckpt = out / f"checkpoint-{STEP}"
+    rel = f"global_step{STEP}/mp_rank_00_model_states.pt"
+    states = torch.load(ckpt / rel, map_location="cpu", weights_only=False)
     states["param_shapes"] = [{k: v for k, v in g.items() if k != EMBEDDINGS} for g in states["param_shapes"]]
     states["module"].pop(EMBEDDINGS, None)
-    torch.save(states, states_path)
-    manifest, _ = manifest_file.read(ckpt)
-    assert manifest is not None
-    one_rank = SimpleNamespace(world_size=1, per_device_train_batch_size=4, gradient_accumulation_steps=1)
-    load_from, refusal, _ = elastic.prepare(str(ckpt), one_rank, manifest, convert_timeout_s=60.0,
-                                            frozen_now=[EMBEDDINGS], unheld_now=[(EMBEDDINGS,)])
-    assert refusal is not None and f"1 tensors this run does not train (e.g. {EMBEDDINGS})" in refusal, refusal
-    assert "HINT:" in refusal and "\n" not in refusal, refusal
-    assert load_from is None and not (ckpt / elastic_plan.UNIVERSAL_DIR_NAME).exists()
+    torch.save(states, ckpt / rel)
+    manifest = json.loads((ckpt / manifest_file.MANIFEST_NAME).read_text())
+    manifest["files"].update(protocol.file_entries(ckpt, [rel]))
+    (ckpt / manifest_file.MANIFEST_NAME).write_text(json.dumps(manifest))
+    assert protocol.inspect(ckpt, STEP, deep=True).status is protocol.Status.COMPLETE
+    ranks = start_demo(out, [*ARGS, "--lr", LRS[0], *ONE_RANK, "--freeze-embeddings"], 1, program=PROGRAM)
+    assert ranks.wait(START_TIMEOUT_S) == [2], ranks.log(0)[-3000:]
+    lines = [line for line in ranks.log(0).splitlines() if line.startswith("demo_train: ")]
+    assert len(lines) == 1 and f"1 tensors this run does not train (e.g. {EMBEDDINGS})" in lines[0], lines
+    assert "HINT:" in lines[0], lines
+    assert not (ckpt / elastic_plan.UNIVERSAL_DIR_NAME).exists()
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == [ckpt.name]
+    assert not (out / "exact-state").exists()  # no load, no step
 
 
 def _rsync(source: Path, dest: Path) -> None:
