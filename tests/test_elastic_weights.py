@@ -173,3 +173,30 @@ def test_another_runs_checkpoint_copied_over_a_converted_one_is_converted_again(
     assert _differing(want, stale)  # the learning rate made a difference
     assert _differing(_loaded(out), want) == [], log[-3000:]
     assert elastic_plan.plan(ckpt, 1).action == elastic_plan.CONVERTED
+
+
+def test_a_checkpoint_copied_over_during_its_conversion_is_refused_and_converted_again_later(
+        two_runs: tuple[Path, Path], tmp_path: Path) -> None:
+    """Run B's checkpoint-5 copied over run A's while A's is being converted: the copy is of neither, so that
+    start is refused in one line (HINT: start again); the conversion keeps its sentinel and the next start
+    converts again (the conversion's own time, no DeepSpeed run)."""
+    run_a, run_b = two_runs
+    ckpt = tmp_path / f"checkpoint-{STEP}"
+    subprocess.run(["cp", "-a", str(run_a / ckpt.name), str(ckpt)], check=True)
+    manifest, _ = manifest_file.read(ckpt)
+    assert manifest is not None
+    copied: list[float] = []
+
+    def copy_once(elapsed_s: float) -> None:  # called while the converter runs
+        if not copied:
+            copied.append(elapsed_s)
+            _rsync(run_b / ckpt.name, ckpt)
+
+    one_rank = SimpleNamespace(world_size=1, per_device_train_batch_size=4, gradient_accumulation_steps=1)
+    load_from, refusal, _ = elastic.prepare(str(ckpt), one_rank, manifest, convert_timeout_s=120.0,
+                                            heartbeat=copy_once)
+    assert copied and load_from is None and refusal is not None, refusal
+    assert "changed while it was being converted" in refusal and "HINT: start again" in refusal, refusal
+    assert "\n" not in refusal
+    assert (elastic_plan.universal_dir(ckpt) / protocol.SENTINEL_NAME).is_file()
+    assert elastic_plan.plan(ckpt, 1).action == elastic_plan.CONVERT
