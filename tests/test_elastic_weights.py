@@ -36,6 +36,8 @@ STEP = STOP_AT + 1
 # 1 rank takes both ranks' share (the global batch must stay); the state right after the load is dumped.
 ONE_RANK = ["--batch-size", "4", "--resume", "--max-steps", str(STEP + 1), "--dump-state-at", str(STEP)]
 EMBEDDINGS = "model.embed_tokens.weight"
+LM_HEAD = "lm_head.weight"
+DOWN_PROJ = "model.layers.0.mlp.down_proj.weight"
 PROGRAM = [str(Path(__file__).with_name("demo_with_buffer.py"))]
 pytestmark = pytest.mark.deepspeed
 
@@ -133,6 +135,80 @@ def test_a_frozen_parameter_the_checkpoint_holds_no_value_for_is_refused_before_
     assert not (ckpt / elastic_plan.UNIVERSAL_DIR_NAME).exists()
     assert sorted(p.name for p in out.glob("checkpoint-*")) == [ckpt.name]
     assert not (out / "exact-state").exists()  # no load, no step
+
+
+@pytest.fixture(scope="module")
+def frozen_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-rank run with the embeddings frozen (its optimizer does not hold them), JIT-stopped at step 5."""
+    out = tmp_path_factory.mktemp("elastic-frozen") / "out"
+    ranks = start_demo(out, [*ARGS, "--lr", LRS[0], "--signal-self-at-step", str(STOP_AT), "--freeze-embeddings"],
+                       2, program=PROGRAM)
+    try:
+        assert ranks.wait(START_TIMEOUT_S) == [0, 0], ranks.log(0)[-4000:]
+    finally:
+        ranks.kill()
+    return out
+
+
+def test_a_parameter_frozen_when_written_and_trained_now_is_refused_before_converting(
+        frozen_run: Path, tmp_path: Path) -> None:
+    """Written with the embeddings frozen, resumed on 1 rank with them trained: the checkpoint holds no optimizer
+    state for them, and DeepSpeed's universal load died after the conversion with a bare AssertionError traceback
+    (``Steps [None, tensor(5.), ...] are not equal``). Now: one line with a HINT, before any conversion or step."""
+    out = tmp_path / "out"
+    subprocess.run(["cp", "-a", str(frozen_run), str(out)], check=True)
+    ckpt = out / f"checkpoint-{STEP}"
+    ranks = start_demo(out, [*ARGS, "--lr", LRS[0], *ONE_RANK], 1, program=PROGRAM)
+    assert ranks.wait(START_TIMEOUT_S) == [2], ranks.log(0)[-3000:]
+    lines = [line for line in ranks.log(0).splitlines() if line.startswith("demo_train: ")]
+    assert len(lines) == 1 and f"{EMBEDDINGS} is trained in this run but was not by the checkpoint's" in lines[0], \
+        ranks.log(0)[-3000:]
+    assert "HINT:" in lines[0] and "Traceback" not in ranks.log(0), lines
+    assert not (ckpt / elastic_plan.UNIVERSAL_DIR_NAME).exists()
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == [ckpt.name]
+    assert not (out / "exact-state").exists()
+
+
+def _prepare_one_rank(ckpt: Path, held: list[tuple[tuple[str, ...], tuple[int, ...]]]) -> tuple[str | None, str | None]:
+    """elastic.prepare for 1 rank (as the JitTrainer calls it) with ``held``: what this run's optimizer holds."""
+    manifest, _ = manifest_file.read(ckpt)
+    assert manifest is not None
+    one_rank = SimpleNamespace(world_size=1, per_device_train_batch_size=4, gradient_accumulation_steps=1)
+    load_from, refusal, _ = elastic.prepare(str(ckpt), one_rank, manifest, 120.0, held_now=held)
+    return load_from, refusal
+
+
+def _held_when_written(ckpt: Path) -> dict[str, tuple[int, ...]]:
+    states = torch.load(ckpt / f"global_step{STEP}" / "mp_rank_00_model_states.pt", map_location="cpu",
+                        weights_only=False)
+    return {name: tuple(shape) for group in states["param_shapes"] for name, shape in group.items()}
+
+
+def test_a_tensor_tied_now_that_was_two_trained_tensors_is_refused(two_runs: tuple[Path, Path]) -> None:
+    """The checkpoint's embeddings and LM head were two trained tensors; a run that ties them (one tensor, both
+    names) would get one of the two trained values and drop the other: refused in one line, nothing converted."""
+    ckpt = two_runs[0] / f"checkpoint-{STEP}"
+    shapes = _held_when_written(ckpt)
+    tied = (EMBEDDINGS, LM_HEAD)
+    held = [(tied, shapes[EMBEDDINGS]), *(((n,), s) for n, s in shapes.items() if n not in tied)]
+    load_from, refusal = _prepare_one_rank(ckpt, held)
+    assert load_from is None and refusal is not None
+    assert f"{EMBEDDINGS} and {LM_HEAD} are one tensor in this run" in refusal and "HINT:" in refusal, refusal
+    assert "\n" not in refusal and not (ckpt / elastic_plan.UNIVERSAL_DIR_NAME).exists()
+
+
+def test_a_parameter_of_another_shape_with_the_same_size_is_refused(two_runs: tuple[Path, Path]) -> None:
+    """A parameter stored transposed now (as a Conv1D <-> Linear change in a library upgrade does), same name and
+    size: DeepSpeed's universal load copies by element count and would load the wrong matrix silently."""
+    ckpt = two_runs[0] / f"checkpoint-{STEP}"
+    shapes = _held_when_written(ckpt)
+    rows, cols = shapes[DOWN_PROJ]
+    assert rows != cols
+    held = [((n,), (cols, rows) if n == DOWN_PROJ else s) for n, s in shapes.items()]
+    load_from, refusal = _prepare_one_rank(ckpt, held)
+    assert load_from is None and refusal is not None
+    assert f"{DOWN_PROJ} is {[cols, rows]} in this run but {[rows, cols]} in the checkpoint" in refusal, refusal
+    assert "HINT:" in refusal and "\n" not in refusal and not (ckpt / elastic_plan.UNIVERSAL_DIR_NAME).exists()
 
 
 def _rsync(source: Path, dest: Path) -> None:

@@ -243,15 +243,17 @@ Prepared = tuple[str | None, str | None, dict[str, Any] | None]  # (load from, r
 
 def prepare(ckpt_dir: str, args: Any, manifest: dict[str, Any], convert_timeout_s: float,
             heartbeat: Callable[[float], None] = lambda _s: None, frozen_now: Sequence[str] = (),
-            unheld_now: Sequence[Sequence[str]] = (), strict: bool = True) -> Prepared:
+            unheld_now: Sequence[Sequence[str]] = (), strict: bool = True,
+            held_now: Sequence[elastic_unheld.Held] = ()) -> Prepared:
     """Rank 0, before the resume with ``args`` (TrainingArguments): the directory the Trainer loads from when it
     is not ``ckpt_dir``, the refusal, and what a conversion done now took (for the timing log: step, dur_s, bytes,
     from_world_size). Logs one line when the world size changed; converts when it must, within
     ``convert_timeout_s``, calling ``heartbeat(elapsed_s)`` meanwhile. This run's samples per optimizer step
     (per-device batch x accumulation x world size) must be the checkpoint's. ``frozen_now``: the names of this
     run's parameters that do not require gradients; ``unheld_now``: the names, grouped per tensor, of what this run's
-    optimizer will not hold (elastic_unheld.unheld_names); ``strict``: the Trainer's load_module_strict (False for
-    PEFT models: what the checkpoint lacks keeps the built value, as in upstream's load)."""
+    optimizer will not hold (elastic_unheld.unheld_names), ``held_now`` what it will (held_names: names, shape);
+    ``strict``: the Trainer's load_module_strict (False for PEFT models: what the checkpoint lacks keeps the built
+    value, as in upstream's load)."""
     world_size = int(args.world_size)
     decided = plan(ckpt_dir, world_size, manifest)
     if decided.action == SAME:
@@ -261,9 +263,11 @@ def prepare(ckpt_dir: str, args: Any, manifest: dict[str, Any], convert_timeout_
         return None, None if decided.resumable else decided.reason, None
     written_by = int(decided.written_by or 0)  # not SAME: the plan knows who wrote it
     refusal = _batch_refusal(Path(ckpt_dir), args, manifest, written_by)
-    if refusal is None and decided.zero_stage == 3:
+    zero3 = decided.zero_stage == 3
+    if refusal is None and zero3:
         refusal = _zero3_refusal(Path(ckpt_dir), args, manifest, written_by, frozen_now)
-    elif refusal is None and strict:
+    refusal = refusal or _held_refusal(Path(ckpt_dir), manifest, held_now, zero3)
+    if refusal is None and strict and not zero3:
         refusal = _unheld_refusal(Path(ckpt_dir), manifest, unheld_now)
     if refusal:
         return None, refusal, None
@@ -337,6 +341,19 @@ def _zero3_refusal(ckpt_dir: Path, args: Any, manifest: dict[str, Any], written_
                 "world size: DeepSpeed's universal format carries the trainable parameters only, so the frozen "
                 f"ones would not be restored from the checkpoint. {hint}")
     return None
+
+
+def _held_refusal(ckpt_dir: Path, manifest: dict[str, Any], held_now: Sequence[elastic_unheld.Held],
+                  zero3: bool) -> str | None:
+    """One line when a parameter this run's ZeRO optimizer will hold has no optimizer state in the checkpoint,
+    another shape there, or is one tensor now but two then (elastic_unheld.held_refusal). Before any conversion."""
+    states = ckpt_dir / str(manifest.get("deepspeed_tag") or "") / elastic_unheld.MODEL_STATES_NAMES[int(zero3)]
+    why = elastic_unheld.held_refusal(states, held_now)
+    if why is None:
+        return None
+    return (f"{ckpt_dir}: {why}; DeepSpeed's universal load cannot resume it on another world size. HINT: resume "
+            "with the model the checkpoint was written with (its parameter shapes, and which are trained, frozen "
+            "and tied); to change them, start a new run from its weights")
 
 
 def _unheld_refusal(ckpt_dir: Path, manifest: dict[str, Any], unheld_now: Sequence[Sequence[str]]) -> str | None:

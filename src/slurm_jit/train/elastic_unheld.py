@@ -39,6 +39,7 @@ PARAM_KEY = "param"  # deepspeed.checkpoint.constants.PARAM: the tensor in a ZeR
 SHOWN_NAMES = 3  # of the names a refusal lists
 
 Group = tuple[str, ...]  # the state-dict names of one tensor
+Held = tuple[Group, tuple[int, ...]]  # a parameter the optimizer holds: its names, its shape
 
 
 def unheld_names(model: Any) -> list[Group]:
@@ -46,6 +47,17 @@ def unheld_names(model: Any) -> list[Group]:
     parameters that do not require gradients, the persistent buffers)."""
     held = {id(p) for p in model.parameters() if p.requires_grad}
     return [names for names, _ in _unheld(model, held)]
+
+
+def held_names(model: Any) -> list[Held]:
+    """Before the engine exists: the names, grouped per tensor (tied ones share it), and the shape of each parameter
+    that requires gradients: what the ZeRO optimizer will hold and the universal load fills from ``zero/<name>/``."""
+    groups: dict[int, tuple[list[str], tuple[int, ...]]] = {}
+    for name, tensor in model.named_parameters(remove_duplicate=False):
+        if tensor.requires_grad:
+            shape = getattr(tensor, "ds_shape", None) or tensor.shape  # ZeRO-3 (zero.Init): partitioned already
+            groups.setdefault(id(tensor), ([], tuple(shape)))[0].append(name)
+    return [(tuple(names), shape) for names, shape in groups.values()]
 
 
 def _unheld(module: Any, held_ids: set[int], buffers_only: bool = False) -> list[tuple[Group, Any]]:
@@ -76,6 +88,33 @@ def saved_names(states_file: Path) -> set[str] | None:
         names.update(_dict(group))
     names.update(k for k, v in _dict(states.get("shared_params")).items() if v in names)
     return names
+
+
+def held_refusal(states_file: Path, held_now: Sequence[Held]) -> str | None:
+    """Why a parameter this run trains cannot be filled from the checkpoint by the universal load, or None. That
+    load reads ``zero/<name>/`` by name and copies by element count: deepspeed 0.19.8 (universal_checkpoint.py
+    ``load_hp_checkpoint_state``) loads a same-sized parameter of another shape (transposed) silently and dies on
+    another size, or on one its optimizer did not hold, with a bare assertion. So: the checkpoint's optimizer held
+    it (not frozen, nor tied to another parameter, when written), with this shape, and not as two tensors tied
+    into one now (one of their trained values would be dropped). None when the model states (their
+    ``param_shapes``) cannot be read."""
+    states = _load_states(states_file)
+    shapes = states.get("param_shapes") if states is not None else None
+    if not isinstance(shapes, list) or not shapes:
+        return None  # not a ZeRO-1/2 model-states file: the conversion refuses it with DeepSpeed's own words
+    held_then = {name: tuple(shape) for group in shapes for name, shape in _dict(group).items()}
+    for group, shape in held_now:
+        found = [name for name in group if name in held_then]
+        if not found:
+            return (f"{group[0]} is trained in this run but was not by the checkpoint's optimizer (frozen, or tied "
+                    "to another parameter, when written): the checkpoint holds no optimizer state for it")
+        if len(found) > 1:
+            return (f"{found[0]} and {found[1]} are one tensor in this run but were two trained tensors when "
+                    "written (tied now, untied then): one of their values would be dropped")
+        if held_then[found[0]] != tuple(shape):
+            return (f"{found[0]} is {list(shape)} in this run but {list(held_then[found[0]])} in the checkpoint "
+                    "(another model, or a library that changed its layout)")
+    return None
 
 
 def missing_from(unheld: Sequence[Group], saved: set[str]) -> list[str]:

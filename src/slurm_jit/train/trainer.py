@@ -414,8 +414,10 @@ class JitTrainer(transformers.Trainer):
         params = self.model.named_parameters() if self.model is not None else ()
         frozen = [name for name, p in params if not p.requires_grad]  # ZeRO-3's universal load skips them
         unheld = elastic_unheld.unheld_names(self.model) if self.model is not None else []
+        held = elastic_unheld.held_names(self.model) if self.model is not None else []
         return elastic.prepare(path, self.args, manifest, self.jit_config.convert_timeout_s, beat,
-                               frozen_now=frozen, unheld_now=unheld, strict=not _is_peft_model(self.model))
+                               frozen_now=frozen, unheld_now=unheld, strict=not _is_peft_model(self.model),
+                               held_now=held)
 
     # ------------------------------------------------------------ the stop decision
 
