@@ -1,13 +1,16 @@
 """An elastic resume loads the checkpoint's weights, all of them, and only that checkpoint's (issue 24, items 2 and
 4): a parameter frozen in the resuming run and a persistent buffer get the checkpoint's values (DeepSpeed's
 universal load fills the optimizer's parameters only), one the checkpoint holds no value for is refused, and a
-universal copy converted from another checkpoint of the same step is converted again instead of loaded.
+universal copy converted from another checkpoint of the same step is converted again instead of loaded. What the
+universal load cannot fill is refused before converting: a parameter trained now but frozen when written, one of
+another shape, two trained tensors tied into one now.
 
 Real DeepSpeed ranks on CPU: two 2-rank ZeRO-2 runs that differ only in the learning rate, each JIT-stopped at
 step 5, shared by the tests (logging every 500 steps, so that their trainer_state.json are byte-identical; the
 model has a persistent buffer that counts training batches: tests/demo_with_buffer.py). The resumes run on 1 rank
 and dump the state right after the load (``--dump-state-at 5``: demo_train's exactness dump, at on_train_begin),
-which is compared with the checkpoint's. About 3 minutes on an idle 2-core machine.
+which is compared with the checkpoint's. A third 2-rank run, with the embeddings frozen, serves the refusal of
+unfreezing them. About 4 minutes on an idle 2-core machine (6 under load).
 """
 
 from __future__ import annotations
