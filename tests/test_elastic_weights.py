@@ -172,12 +172,16 @@ def test_a_parameter_frozen_when_written_and_trained_now_is_refused_before_conve
     assert not (out / "exact-state").exists()
 
 
-def _prepare_one_rank(ckpt: Path, held: list[tuple[tuple[str, ...], tuple[int, ...]]]) -> tuple[str | None, str | None]:
-    """elastic.prepare for 1 rank (as the JitTrainer calls it) with ``held``: what this run's optimizer holds."""
+Tensors = list[tuple[tuple[str, ...], tuple[int, ...]]]  # (names, shape) of each tensor
+
+
+def _prepare_one_rank(ckpt: Path, held: Tensors, unheld: Tensors = ()) -> tuple[str | None, str | None]:
+    """elastic.prepare for 1 rank (as the JitTrainer calls it) with ``held``: what this run's optimizer holds, and
+    ``unheld``: what it does not."""
     manifest, _ = manifest_file.read(ckpt)
     assert manifest is not None
     one_rank = SimpleNamespace(world_size=1, per_device_train_batch_size=4, gradient_accumulation_steps=1)
-    load_from, refusal, _ = elastic.prepare(str(ckpt), one_rank, manifest, 120.0, held_now=held)
+    load_from, refusal, _ = elastic.prepare(str(ckpt), one_rank, manifest, 120.0, held_now=held, unheld_now=unheld)
     return load_from, refusal
 
 
@@ -212,6 +216,17 @@ def test_a_parameter_of_another_shape_with_the_same_size_is_refused(two_runs: tu
     assert load_from is None and refusal is not None
     assert f"{DOWN_PROJ} is {[cols, rows]} in this run but {[rows, cols]} in the checkpoint" in refusal, refusal
     assert "HINT:" in refusal and "\n" not in refusal and not (ckpt / elastic_plan.UNIVERSAL_DIR_NAME).exists()
+
+
+def test_a_buffer_of_another_shape_is_refused_before_converting(two_runs: tuple[Path, Path]) -> None:
+    """The persistent buffer saved as a scalar, this model's of shape [2]: refused in one line before converting
+    (it was refused only after the conversion, at the load: up to convert_timeout_s spent first)."""
+    ckpt = two_runs[0] / f"checkpoint-{STEP}"
+    held = [((n,), s) for n, s in _held_when_written(ckpt).items()]
+    load_from, refusal = _prepare_one_rank(ckpt, held, [((BUFFER_NAME,), (2,))])
+    assert load_from is None and refusal is not None
+    assert f"{BUFFER_NAME} is saved as [], this model's is [2]. HINT:" in refusal, refusal
+    assert "\n" not in refusal and not (ckpt / elastic_plan.UNIVERSAL_DIR_NAME).exists()
 
 
 def _rsync(source: Path, dest: Path) -> None:

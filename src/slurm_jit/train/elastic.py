@@ -243,15 +243,16 @@ Prepared = tuple[str | None, str | None, dict[str, Any] | None]  # (load from, r
 
 def prepare(ckpt_dir: str, args: Any, manifest: dict[str, Any], convert_timeout_s: float,
             heartbeat: Callable[[float], None] = lambda _s: None, frozen_now: Sequence[str] = (),
-            unheld_now: Sequence[Sequence[str]] = (), strict: bool = True,
+            unheld_now: Sequence[elastic_unheld.Held] = (), strict: bool = True,
             held_now: Sequence[elastic_unheld.Held] = ()) -> Prepared:
     """Rank 0, before the resume with ``args`` (TrainingArguments): the directory the Trainer loads from when it
     is not ``ckpt_dir``, the refusal, and what a conversion done now took (for the timing log: step, dur_s, bytes,
     from_world_size). Logs one line when the world size changed; converts when it must, within
     ``convert_timeout_s``, calling ``heartbeat(elapsed_s)`` meanwhile. This run's samples per optimizer step
     (per-device batch x accumulation x world size) must be the checkpoint's. ``frozen_now``: the names of this
-    run's parameters that do not require gradients; ``unheld_now``: the names, grouped per tensor, of what this run's
-    optimizer will not hold (elastic_unheld.unheld_names), ``held_now`` what it will (held_names: names, shape);
+    run's parameters that do not require gradients; ``unheld_now``: the names, grouped per tensor, and shapes of
+    what this run's optimizer will not hold (elastic_unheld.unheld_names), ``held_now`` of what it will
+    (held_names);
     ``strict``: the Trainer's load_module_strict (False for PEFT models: what the checkpoint lacks keeps the built
     value, as in upstream's load)."""
     world_size = int(args.world_size)
@@ -267,8 +268,8 @@ def prepare(ckpt_dir: str, args: Any, manifest: dict[str, Any], convert_timeout_
     if refusal is None and zero3:
         refusal = _zero3_refusal(Path(ckpt_dir), args, manifest, written_by, frozen_now)
     refusal = refusal or _held_refusal(Path(ckpt_dir), manifest, held_now, zero3)
-    if refusal is None and strict and not zero3:
-        refusal = _unheld_refusal(Path(ckpt_dir), manifest, unheld_now)
+    if refusal is None and not zero3:
+        refusal = _unheld_refusal(Path(ckpt_dir), manifest, unheld_now, strict)
     if refusal:
         return None, refusal, None
     try:
@@ -356,15 +357,20 @@ def _held_refusal(ckpt_dir: Path, manifest: dict[str, Any], held_now: Sequence[e
             "and tied); to change them, start a new run from its weights")
 
 
-def _unheld_refusal(ckpt_dir: Path, manifest: dict[str, Any], unheld_now: Sequence[Sequence[str]]) -> str | None:
-    """One line when a tensor this run's ZeRO-1/2 optimizer will not hold (frozen now, a buffer) has no value in
-    the checkpoint: neither in its module nor held by its optimizer (a save with exclude_frozen_parameters). The
-    universal load would leave it at the value the model was built with. Before any conversion."""
+def _unheld_refusal(ckpt_dir: Path, manifest: dict[str, Any], unheld_now: Sequence[elastic_unheld.Held],
+                    strict: bool) -> str | None:
+    """One line when a tensor this run's ZeRO-1/2 optimizer will not hold (frozen now, a buffer) was saved with
+    another shape, or (``strict``) has no value in the checkpoint: neither in its module nor held by its optimizer
+    (a save with exclude_frozen_parameters); the universal load would leave it at the value the model was built
+    with. Before any conversion."""
     states = ckpt_dir / str(manifest.get("deepspeed_tag") or "") / elastic_unheld.MODEL_STATES_NAMES[0]
-    saved = elastic_unheld.saved_names(states)
+    saved = elastic_unheld.saved_shapes(states)
     if saved is None:
         return None  # no readable model states: the conversion refuses it with DeepSpeed's own words
-    missing = elastic_unheld.missing_from([tuple(g) for g in unheld_now], saved)
+    why = elastic_unheld.reshaped(unheld_now, saved)
+    if why:
+        return f"{ckpt_dir}: {why}. HINT: resume with the model the checkpoint was written with"
+    missing = elastic_unheld.missing_from(unheld_now, saved) if strict else []
     if not missing:
         return None
     return (f"{ckpt_dir}: {len(missing)} tensors this run does not train (e.g. {missing[0]}) are neither held by "

@@ -23,7 +23,7 @@ universal copy holds each parameter's merged master in a file of its own.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,14 +39,14 @@ PARAM_KEY = "param"  # deepspeed.checkpoint.constants.PARAM: the tensor in a ZeR
 SHOWN_NAMES = 3  # of the names a refusal lists
 
 Group = tuple[str, ...]  # the state-dict names of one tensor
-Held = tuple[Group, tuple[int, ...]]  # a parameter the optimizer holds: its names, its shape
+Held = tuple[Group, tuple[int, ...]]  # one tensor: its names, its shape
 
 
-def unheld_names(model: Any) -> list[Group]:
-    """Before the engine exists: the names, grouped per tensor, that the ZeRO-1/2 optimizer will not hold (the
-    parameters that do not require gradients, the persistent buffers)."""
+def unheld_names(model: Any) -> list[Held]:
+    """Before the engine exists: the names, grouped per tensor, and the shape of what the ZeRO-1/2 optimizer will
+    not hold (the parameters that do not require gradients, the persistent buffers)."""
     held = {id(p) for p in model.parameters() if p.requires_grad}
-    return [names for names, _ in _unheld(model, held)]
+    return [(names, tuple(tensor.shape)) for names, tensor in _unheld(model, held)]
 
 
 def held_names(model: Any) -> list[Held]:
@@ -76,18 +76,20 @@ def _unheld(module: Any, held_ids: set[int], buffers_only: bool = False) -> list
     return [(tuple(names), tensor) for names, tensor in groups.values()]
 
 
-def saved_names(states_file: Path) -> set[str] | None:
-    """The names whose values a conversion of the checkpoint carries: its model-states ``module`` keys, the
-    parameters its optimizer held (``param_shapes``) and the tied names recorded for those (``shared_params``);
-    None when the file cannot be read (memory-mapped: no tensor is read)."""
+def saved_shapes(states_file: Path) -> dict[str, tuple[int, ...]] | None:
+    """The names whose values a conversion of the checkpoint carries, with their shapes: its model-states
+    ``module`` tensors, the parameters its optimizer held (``param_shapes``) and the tied names recorded for those
+    (``shared_params``); None when the file cannot be read (memory-mapped: no tensor is read)."""
+    import torch
+
     states = _load_states(states_file)
     if states is None:
         return None
-    names = set(_dict(states.get("module")))
+    shapes = {k: tuple(v.shape) for k, v in _dict(states.get("module")).items() if isinstance(v, torch.Tensor)}
     for group in states.get("param_shapes") or ():
-        names.update(_dict(group))
-    names.update(k for k, v in _dict(states.get("shared_params")).items() if v in names)
-    return names
+        shapes.update((k, tuple(v)) for k, v in _dict(group).items())
+    shapes.update((k, shapes[v]) for k, v in _dict(states.get("shared_params")).items() if v in shapes)
+    return shapes
 
 
 def held_refusal(states_file: Path, held_now: Sequence[Held]) -> str | None:
@@ -117,9 +119,19 @@ def held_refusal(states_file: Path, held_now: Sequence[Held]) -> str | None:
     return None
 
 
-def missing_from(unheld: Sequence[Group], saved: set[str]) -> list[str]:
-    """The first name of each group none of whose names ``saved`` holds."""
-    return [group[0] for group in unheld if group and not any(name in saved for name in group)]
+def missing_from(unheld: Sequence[Held], saved: Mapping[str, Any]) -> list[str]:
+    """The first name of each tensor none of whose names ``saved`` holds."""
+    return [names[0] for names, _ in unheld if names and not any(name in saved for name in names)]
+
+
+def reshaped(unheld: Sequence[Held], saved: Mapping[str, tuple[int, ...]]) -> str | None:
+    """The first tensor saved with another shape than this model's (as :func:`restore` would refuse it after the
+    conversion), in words; None when there is none."""
+    for names, shape in unheld:
+        for name in names:
+            if name in saved and tuple(saved[name]) != tuple(shape):
+                return f"{name} is saved as {list(saved[name])}, this model's is {list(shape)}"
+    return None
 
 
 def _dict(value: Any) -> dict[Any, Any]:
