@@ -272,10 +272,21 @@ def flip_middle_byte(path: Path, mask: int = 0x01) -> None:
 
 
 def start_demo(out: Path, args: list[str], world_size: int = 2, log_dir: Path | None = None,
-               env: dict[str, str] | None = None) -> local_ranks.Ranks:
-    """Start ``world_size`` ranks of demo_train (logs in OUT/../logs-<out name> unless ``log_dir``)."""
-    return local_ranks.start(["-m", "slurm_jit.demo_train", "--output-dir", str(out), *args], world_size,
+               env: dict[str, str] | None = None, program: list[str] | None = None) -> local_ranks.Ranks:
+    """Start ``world_size`` ranks of demo_train, or of ``program`` taking its arguments (logs in
+    OUT/../logs-<out name> unless ``log_dir``)."""
+    return local_ranks.start([*(program or DEMO), "--output-dir", str(out), *args], world_size,
                              log_dir or out.parent / f"logs-{out.name}", env=env)
+
+
+def run_demo(out: Path, args: list[str], world_size: int, program: list[str] | None = None) -> str:
+    """Run ``world_size`` ranks of demo_train (or ``program``) to their end; asserts every rank exits 0; returns
+    their logs."""
+    ranks = start_demo(out, args, world_size, program=program)
+    codes = ranks.wait(START_TIMEOUT_S)
+    log = "\n".join(ranks.log(r) for r in range(world_size))
+    assert codes == [0] * world_size, log[-4000:]
+    return log
 
 
 def wait_for_path(ranks: local_ranks.Ranks, path: Path, timeout_s: float = START_TIMEOUT_S) -> None:

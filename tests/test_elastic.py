@@ -29,7 +29,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from jit_helpers import START_TIMEOUT_S, losses, start_demo, wait_for_path
+from jit_helpers import START_TIMEOUT_S, losses, run_demo, start_demo, wait_for_path
 
 from slurm_jit import local_ranks, timing
 from slurm_jit.checkpoint import elastic_plan, protocol
@@ -52,18 +52,10 @@ ORPHAN_DEADLINE_S = 5.0
 pytestmark = pytest.mark.deepspeed  # the timeout of DeepSpeed tests; the fixtures' runs count towards it
 
 
-def _run(out: Path, args: list[str], world_size: int) -> str:
-    ranks = start_demo(out, args, world_size)
-    codes = ranks.wait(START_TIMEOUT_S)
-    log = "\n".join(ranks.log(r) for r in range(world_size))
-    assert codes == [0] * world_size, log[-4000:]
-    return log
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[int, float]]:
     out = tmp_path_factory.mktemp("elastic-ref") / "out"
-    _run(out, LLAMA, 2)
+    run_demo(out, LLAMA, 2)
     return losses(out)
 
 
@@ -71,7 +63,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[int, float
 def stopped(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-rank ZeRO-2 run JIT-stopped at step 5."""
     out = tmp_path_factory.mktemp("elastic") / "out"
-    _run(out, [*LLAMA, "--signal-self-at-step", str(STOP_AT)], 2)
+    run_demo(out, [*LLAMA, "--signal-self-at-step", str(STOP_AT)], 2)
     assert (out / f"checkpoint-{STOP_AT + 1}" / protocol.MANIFEST_NAME).is_file()
     return out
 
@@ -107,7 +99,7 @@ def killed_then_one_rank(stopped: Path, tmp_path_factory: pytest.TempPathFactory
         os.kill(pid, signal.SIGKILL)
     orphan_files = sorted(_files(universal) - written)  # what a converter wrote after its rank was dead
     after_kill = _ckpt_check(out, "--world-size", "1").stdout
-    log = _run(out, [*one_rank, "--signal-self-at-step", str(ONE_RANK_STOP_AT)], 1)
+    log = run_demo(out, [*one_rank, "--signal-self-at-step", str(ONE_RANK_STOP_AT)], 1)
     return out, f"{after_kill.rstrip()}\norphaned converters: {orphans}, files written after the kill: " \
                 f"{orphan_files}", log
 
@@ -202,7 +194,7 @@ def test_two_ranks_to_one_to_two_continues_the_loss_curve(
     assert protocol.inspect(one_rank_ckpt, ONE_RANK_STOP_AT).world_size == 1
     check = _ckpt_check(out, "--world-size", "2", "--json")
     assert '"action": "convert"' in check.stdout and check.returncode == 0, check.stdout
-    log = _run(out, [*LLAMA, "--resume"], 2)
+    log = run_demo(out, [*LLAMA, "--resume"], 2)
     assert "world size 1 -> 2" in log, log[-3000:]
     _assert_continues(losses(out), reference)
 
@@ -222,12 +214,12 @@ def zero3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[tu
     asked then), and a copy of it resumed on 1 rank to the end. Returns (stopped, resumed, reference losses,
     ckpt-check's answer, the resume's log)."""
     root = tmp_path_factory.mktemp("elastic-z3")
-    _run(root / "ref", ZERO3, 2)
+    run_demo(root / "ref", ZERO3, 2)
     stopped, resumed = root / "stopped", root / "resumed"
-    _run(stopped, [*ZERO3, "--signal-self-at-step", str(STOP_AT)], 2)
+    run_demo(stopped, [*ZERO3, "--signal-self-at-step", str(STOP_AT)], 2)
     check = _ckpt_check(stopped, "--world-size", "1").stdout
     subprocess.run(["cp", "-a", str(stopped), str(resumed)], check=True)
-    log = _run(resumed, [*ZERO3, "--batch-size", str(2 * PER_RANK_BATCH), "--resume"], 1)
+    log = run_demo(resumed, [*ZERO3, "--batch-size", str(2 * PER_RANK_BATCH), "--resume"], 1)
     return stopped, resumed, losses(root / "ref"), check, log
 
 
@@ -387,8 +379,8 @@ def test_the_best_model_written_by_another_world_size_is_loaded_at_the_end(tmp_p
     out = tmp_path / "out"
     best_args = [*LLAMA, "--save-steps", "2", "--eval-steps", "2", "--metric-for-best", "loss",
                  "--targ", "load_best_model_at_end=true"]
-    _run(out, [*best_args, "--signal-self-at-step", str(STOP_AT)], 2)
-    log = _run(out, [*best_args, "--batch-size", str(2 * PER_RANK_BATCH), "--resume"], 1)
+    run_demo(out, [*best_args, "--signal-self-at-step", str(STOP_AT)], 2)
+    log = run_demo(out, [*best_args, "--batch-size", str(2 * PER_RANK_BATCH), "--resume"], 1)
     final = json.loads((out / "final-state.json").read_text())
     best = out / str(final["best_model_checkpoint"])
     assert protocol.inspect(best, int(best.name.split("-")[1])).world_size == 2, (final, log[-3000:])

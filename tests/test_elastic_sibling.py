@@ -123,8 +123,13 @@ def test_a_bad_world_size_for_ckpt_check_is_one_line_with_a_hint(tmp_path: Path)
         assert len(run.stderr.splitlines()) == 1 and "HINT:" in run.stderr and "--world-size" in run.stderr, run
 
 
-def _complete_universal(ckpt: Path, deepspeed_version: str) -> None:
-    """A finished conversion as elastic.ensure_universal writes it (crafted files), by ``deepspeed_version``."""
+def _complete_universal(ckpt: Path, deepspeed_version: str, converted_from: object = True) -> None:
+    """A finished conversion as elastic.ensure_universal writes it (crafted files), by ``deepspeed_version``;
+    ``converted_from``: the record of the parent it was converted from (True: ``ckpt``'s manifest's digest)."""
+    parent, _ = manifest_file.read(ckpt)
+    assert parent is not None
+    record = {elastic_plan.CONVERTED_FROM_KEY: elastic_plan.parent_digest(parent) if converted_from is True
+              else converted_from}
     universal = elastic_plan.universal_dir(ckpt)
     protocol.write_sentinel(universal, 5, "jit")
     ckpt_factory.torch_like_zip(universal / "global_step5" / "zero" / "lm_head.weight" / "fp32.pt")
@@ -133,7 +138,8 @@ def _complete_universal(ckpt: Path, deepspeed_version: str) -> None:
     protocol.write_manifest(universal, step=5, kind="jit", world_size=2, zero_stage=2, deepspeed_tag="global_step5",
                             files=protocol.file_entries(universal, protocol.payload_files(universal)),
                             extra={elastic_plan.UNIVERSAL_OF_KEY: 2,
-                                   elastic_plan.CONVERTER_VERSION_KEY: deepspeed_version})
+                                   elastic_plan.CONVERTER_VERSION_KEY: deepspeed_version,
+                                   **({} if converted_from is None else record)})
 
 
 def test_a_conversion_by_another_deepspeed_version_is_redone(tmp_path: Path) -> None:
@@ -167,6 +173,18 @@ def test_a_universal_copy_of_another_checkpoint_5_is_not_loaded(tmp_path: Path) 
                             files=protocol.file_entries(ckpt, protocol.payload_files(ckpt)))
     assert protocol.inspect(ckpt, 5, deep=True).status is protocol.Status.COMPLETE
     assert elastic_plan.plan(ckpt, 1).action == elastic_plan.CONVERT
+
+
+def test_a_universal_copy_whose_parent_record_is_missing_or_garbage_is_converted_again(tmp_path: Path) -> None:
+    """A copy written before the record existed, or with a record that is not the digest of this checkpoint's
+    manifest (edited, truncated, of another type): not known to be this checkpoint's, so converted again."""
+    import importlib.metadata
+
+    installed = importlib.metadata.version("deepspeed")
+    for i, record in enumerate((None, "", "0" * 32, 12345, ["x"], {"files": {}})):
+        ckpt = ckpt_factory.checkpoint(tmp_path / str(i), 5, world=2, deepspeed=True)
+        _complete_universal(ckpt, installed, converted_from=record)
+        assert elastic_plan.plan(ckpt, 1).action == elastic_plan.CONVERT, record
 
 
 def test_the_size_counts_hard_linked_files_once(tmp_path: Path) -> None:

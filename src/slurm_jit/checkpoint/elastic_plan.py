@@ -6,10 +6,13 @@ not at all (with the reason). Pure reads of the manifest; ``ckpt-check --world-s
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import xxhash
 
 from slurm_jit.checkpoint import manifest as manifest_file
 from slurm_jit.checkpoint import protocol, structure
@@ -19,6 +22,12 @@ UNIVERSAL_OF_KEY = "universal_of_world_size"  # in the universal copy's manifest
 # ... and the DeepSpeed version that converted them: the universal layout is that converter's, so a copy made by
 # another version (a DeepSpeed upgrade between requeues) is converted again rather than loaded.
 CONVERTER_VERSION_KEY = "deepspeed_version"
+# ... and what it was converted from: a digest of the parent manifest's content fields (every file's size and
+# checksum, step, world size, ZeRO stage, tag, weights layout). Another run's checkpoint of the same step copied
+# over the directory (an rsync of checkpoint-S) changes it even where trainer_state.json is byte-identical (runs
+# that differ only in learning rate, logging every 500 steps), so a copy converted from the old one is redone.
+CONVERTED_FROM_KEY = "converted_from_xxh3_128"
+PARENT_CONTENT_KEYS = ("files", "step", "world_size", "zero_stage", "deepspeed_tag", "weights")
 # ZeRO stages whose optimizer state is partitioned over the ranks: ds_to_universal handles 1 and 2 through
 # DeepSpeedCheckpoint and 3 through its own path; the JitTrainer verifies all three element for element
 # (tests: test_elastic.py).
@@ -110,14 +119,21 @@ def universal_complete(ckpt_dir: Path, step: int) -> bool:
 
 
 def _converted_from(ckpt_dir: Path, universal_manifest: dict[str, Any]) -> bool:
-    """The copy was converted from this very checkpoint: the trainer state it links is the one ``ckpt_dir``'s
-    manifest lists (size and checksum). Another checkpoint of the same step copied over the directory (rsync of
-    another run's checkpoint-S) leaves a universal/ that verifies on its own but holds other weights."""
+    """The copy was converted from this very checkpoint: the digest it records is that of ``ckpt_dir``'s manifest
+    now (:func:`parent_digest`). A missing or garbage record, or no readable parent manifest, is not a match."""
     parent, _ = manifest_file.read(ckpt_dir)
     if parent is None:
         return False
-    name = manifest_file.TRAINER_STATE_NAME
-    return bool(parent["files"].get(name) == universal_manifest["files"].get(name))
+    recorded = universal_manifest.get(CONVERTED_FROM_KEY)
+    return isinstance(recorded, str) and recorded == parent_digest(parent)
+
+
+def parent_digest(parent_manifest: dict[str, Any]) -> str:
+    """xxh3-128 of the parent manifest's content fields (PARENT_CONTENT_KEYS) as canonical JSON: what a universal
+    copy records at conversion and is compared with before it is reused."""
+    content = {key: parent_manifest.get(key) for key in PARENT_CONTENT_KEYS}
+    text = json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=repr)
+    return xxhash.xxh3_128_hexdigest(text.encode("ascii"))
 
 
 def converter_version() -> str | None:

@@ -11,7 +11,8 @@ engine loads that on any world size when its ``load_universal_checkpoint`` is se
   checkpoint protocol (sentinel first, manifest last): a conversion killed half-way leaves the original as it was
   and is redone at the next start. The universal directory is a whole Trainer checkpoint (trainer state,
   scheduler, RNG files linked from the original, ``latest_universal``), so the Trainer resumes from it as usual.
-- :func:`install_universal_load` sets the engine's ``load_universal_checkpoint`` for the Trainer's one resume load.
+- :func:`install_universal_load` sets the engine's ``load_universal_checkpoint`` for the Trainer's one resume load,
+  and after it restores what that load leaves out (``train/elastic_unheld.py``: frozen parameters, buffers).
 """
 
 from __future__ import annotations
@@ -29,19 +30,22 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from slurm_jit.checkpoint import manifest as manifest_file
 from slurm_jit.checkpoint import protocol
 from slurm_jit.checkpoint.elastic_plan import (
+    CONVERTED_FROM_KEY,
     CONVERTER_VERSION_KEY,
     DIRECT,
     REFUSED,
     SAME,
     UNIVERSAL_OF_KEY,
     converter_version,
+    parent_digest,
     plan,
     universal_complete,
     universal_dir,
 )
-from slurm_jit.train import output_lock
+from slurm_jit.train import elastic_unheld, output_lock
 
 logger = logging.getLogger(__name__)
 
@@ -141,15 +145,17 @@ def _convert_locked(path: Path, manifest: dict[str, Any], timeout_s: float, writ
     step = int(manifest["step"])
     target = universal_dir(path)
     started = time.monotonic()
-    if os.path.lexists(target):  # a conversion killed half-way: its sentinel is still there
+    if os.path.lexists(target):  # killed half-way (its sentinel is still there), or stale: another DeepSpeed's,
+        # or converted from another checkpoint of this step copied over this one (its parent record differs)
         logger.warning("slurm_jit: removing the unfinished conversion %s (or one by another DeepSpeed "
-                       "version) and converting again", target)
+                       "version, or of another checkpoint copied over this one) and converting again", target)
         _remove(target)
     tag = str(manifest.get("deepspeed_tag") or f"global_step{step}")
     protocol.write_sentinel(target, step, str(manifest.get("kind") or "jit"))
     _convert(path / tag, target / tag, timeout_s, heartbeat)
     converted_bytes = sum(f.stat().st_size for f in (target / tag).rglob("*") if f.is_file())
     _link_trainer_files(path, target)
+    _check_unchanged(path, manifest)
     (target / LATEST_UNIVERSAL_NAME).write_text(tag, encoding="utf-8")
     protocol.fsync_tree(target)
     files = protocol.file_entries(target, protocol.payload_files(target))
@@ -159,8 +165,17 @@ def _convert_locked(path: Path, manifest: dict[str, Any], timeout_s: float, writ
         zero_stage=manifest.get("zero_stage"), deepspeed_tag=tag, files=files,
         run_id=manifest.get("run_id") if isinstance(manifest.get("run_id"), str) else None,
         extra={UNIVERSAL_OF_KEY: written_by, CONVERTER_VERSION_KEY: converter_version(),
-               "convert_s": round(elapsed_s, 3)})
+               CONVERTED_FROM_KEY: parent_digest(manifest), "convert_s": round(elapsed_s, 3)})
     return target, elapsed_s, converted_bytes
+
+
+def _check_unchanged(path: Path, manifest: dict[str, Any]) -> None:
+    """The checkpoint is still the one whose manifest was read before converting: another copied over it meanwhile
+    would leave a conversion of neither (its sentinel stays: it is converted again at the next start)."""
+    now, _ = manifest_file.read(path)
+    if now is None or parent_digest(now) != parent_digest(manifest):
+        raise ElasticError(f"{path}: its manifest changed while it was being converted to DeepSpeed's universal format "
+                           "(another checkpoint copied over it?). HINT: start again once the copy is done")
 
 
 def _remove(target: Path) -> None:
@@ -227,13 +242,19 @@ Prepared = tuple[str | None, str | None, dict[str, Any] | None]  # (load from, r
 
 
 def prepare(ckpt_dir: str, args: Any, manifest: dict[str, Any], convert_timeout_s: float,
-            heartbeat: Callable[[float], None] = lambda _s: None, frozen_now: Sequence[str] = ()) -> Prepared:
+            heartbeat: Callable[[float], None] = lambda _s: None, frozen_now: Sequence[str] = (),
+            unheld_now: Sequence[elastic_unheld.Held] = (), strict: bool = True,
+            held_now: Sequence[elastic_unheld.Held] = ()) -> Prepared:
     """Rank 0, before the resume with ``args`` (TrainingArguments): the directory the Trainer loads from when it
     is not ``ckpt_dir``, the refusal, and what a conversion done now took (for the timing log: step, dur_s, bytes,
     from_world_size). Logs one line when the world size changed; converts when it must, within
     ``convert_timeout_s``, calling ``heartbeat(elapsed_s)`` meanwhile. This run's samples per optimizer step
     (per-device batch x accumulation x world size) must be the checkpoint's. ``frozen_now``: the names of this
-    run's parameters that do not require gradients."""
+    run's parameters that do not require gradients; ``unheld_now``: the names, grouped per tensor, and shapes of
+    what this run's optimizer will not hold (elastic_unheld.unheld_names), ``held_now`` of what it will
+    (held_names);
+    ``strict``: the Trainer's load_module_strict (False for PEFT models: what the checkpoint lacks keeps the built
+    value, as in upstream's load)."""
     world_size = int(args.world_size)
     decided = plan(ckpt_dir, world_size, manifest)
     if decided.action == SAME:
@@ -243,8 +264,12 @@ def prepare(ckpt_dir: str, args: Any, manifest: dict[str, Any], convert_timeout_
         return None, None if decided.resumable else decided.reason, None
     written_by = int(decided.written_by or 0)  # not SAME: the plan knows who wrote it
     refusal = _batch_refusal(Path(ckpt_dir), args, manifest, written_by)
-    if refusal is None and decided.zero_stage == 3:
+    zero3 = decided.zero_stage == 3
+    if refusal is None and zero3:
         refusal = _zero3_refusal(Path(ckpt_dir), args, manifest, written_by, frozen_now)
+    refusal = refusal or _held_refusal(Path(ckpt_dir), manifest, held_now, zero3)
+    if refusal is None and not zero3:
+        refusal = _unheld_refusal(Path(ckpt_dir), manifest, unheld_now, strict)
     if refusal:
         return None, refusal, None
     try:
@@ -319,6 +344,41 @@ def _zero3_refusal(ckpt_dir: Path, args: Any, manifest: dict[str, Any], written_
     return None
 
 
+def _held_refusal(ckpt_dir: Path, manifest: dict[str, Any], held_now: Sequence[elastic_unheld.Held],
+                  zero3: bool) -> str | None:
+    """One line when a parameter this run's ZeRO optimizer will hold has no optimizer state in the checkpoint,
+    another shape there, or is one tensor now but two then (elastic_unheld.held_refusal). Before any conversion."""
+    states = ckpt_dir / str(manifest.get("deepspeed_tag") or "") / elastic_unheld.MODEL_STATES_NAMES[int(zero3)]
+    why = elastic_unheld.held_refusal(states, held_now)
+    if why is None:
+        return None
+    return (f"{ckpt_dir}: {why}; DeepSpeed's universal load cannot resume it on another world size. HINT: resume "
+            "with the model the checkpoint was written with (its parameter shapes, and which are trained, frozen "
+            "and tied); to change them, start a new run from its weights")
+
+
+def _unheld_refusal(ckpt_dir: Path, manifest: dict[str, Any], unheld_now: Sequence[elastic_unheld.Held],
+                    strict: bool) -> str | None:
+    """One line when a tensor this run's ZeRO-1/2 optimizer will not hold (frozen now, a buffer) was saved with
+    another shape, or (``strict``) has no value in the checkpoint: neither in its module nor held by its optimizer
+    (a save with exclude_frozen_parameters); the universal load would leave it at the value the model was built
+    with. Before any conversion."""
+    states = ckpt_dir / str(manifest.get("deepspeed_tag") or "") / elastic_unheld.MODEL_STATES_NAMES[0]
+    saved = elastic_unheld.saved_shapes(states)
+    if saved is None:
+        return None  # no readable model states: the conversion refuses it with DeepSpeed's own words
+    why = elastic_unheld.reshaped(unheld_now, saved)
+    if why:
+        return f"{ckpt_dir}: {why}. HINT: resume with the model the checkpoint was written with"
+    missing = elastic_unheld.missing_from(unheld_now, saved) if strict else []
+    if not missing:
+        return None
+    return (f"{ckpt_dir}: {len(missing)} tensors this run does not train (e.g. {missing[0]}) are neither held by "
+            "the checkpoint's optimizer nor saved in its module: DeepSpeed's universal load would leave them at the "
+            "values the model was built with. HINT: resume with the model and the frozen parameters the "
+            "checkpoint was written with")
+
+
 def _global_batch(ckpt_dir: Path, manifest: dict[str, Any], written_by: int) -> int | None:
     """Samples per optimizer step of the run that wrote the checkpoint, from the DeepSpeed config the engine saves
     in its model states file and in each ZeRO shard (memory-mapped: no tensor is read); None when it cannot be
@@ -371,6 +431,8 @@ def install_universal_load() -> None:
             original(engine, checkpoint_path, load_module_strict=load_module_strict)
         finally:
             config.load_universal_checkpoint = before
+        tag = (Path(checkpoint_path) / LATEST_UNIVERSAL_NAME).read_text(encoding="utf-8").strip()
+        elastic_unheld.restore(engine, checkpoint_path, tag, strict=load_module_strict)
 
     load.slurm_jit_original = original  # type: ignore[attr-defined]
     hf_trainer.deepspeed_load_checkpoint = load

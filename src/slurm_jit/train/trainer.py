@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import transformers
-from transformers.trainer_utils import TrainOutput
+from transformers.trainer_utils import TrainOutput, _is_peft_model
 
 from slurm_jit.checkpoint import manifest as manifest_file
 from slurm_jit.checkpoint import protocol
@@ -45,6 +45,7 @@ from slurm_jit.timing import WARMUP_STEPS, TimingLog
 from slurm_jit.train import (
     compat,
     elastic,
+    elastic_unheld,
     exact_resume,
     output_lock,
     runtime_grace,
@@ -412,8 +413,11 @@ class JitTrainer(transformers.Trainer):
                                        lambda s: self._agreement.broadcast((elastic.HEARTBEAT, s)))
         params = self.model.named_parameters() if self.model is not None else ()
         frozen = [name for name, p in params if not p.requires_grad]  # ZeRO-3's universal load skips them
+        unheld = elastic_unheld.unheld_names(self.model) if self.model is not None else []
+        held = elastic_unheld.held_names(self.model) if self.model is not None else []
         return elastic.prepare(path, self.args, manifest, self.jit_config.convert_timeout_s, beat,
-                               frozen_now=frozen)
+                               frozen_now=frozen, unheld_now=unheld, strict=not _is_peft_model(self.model),
+                               held_now=held)
 
     # ------------------------------------------------------------ the stop decision
 
