@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from slurm_jit import local_ranks, timing
 from slurm_jit.checkpoint import protocol
@@ -379,3 +380,33 @@ def _read_wandb_file(path: Path) -> WandbJob:
             elif kind == "exit":
                 job.exit_code = record.exit.exit_code
     return job
+
+
+# A child process that says whether another process holds a POSIX lock on argv[1] ("busy") or not ("free").
+LOCK_BUSY = """\
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR)
+try:
+    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+except OSError:
+    print("busy")
+else:
+    print("free")
+"""
+
+
+def train_one_process(out: Path, report_to: str, max_steps: int, resume: bool) -> Any:
+    """One process, a real JitTrainer on a tiny GPT-2, no DeepSpeed (~15 s): trains to ``max_steps``, saving every
+    2 steps, resuming from the newest checkpoint when ``resume``; returns the trainer."""
+    import transformers
+
+    from slurm_jit import demo_train
+    from slurm_jit.train.trainer import JitConfig, JitTrainer
+
+    targs = transformers.TrainingArguments(output_dir=str(out), use_cpu=True, report_to=[report_to],
+                                           max_steps=max_steps, save_steps=2, per_device_train_batch_size=2,
+                                           disable_tqdm=True, logging_steps=1)
+    trainer = JitTrainer(model=demo_train.build_model("gpt2", 16, 1), args=targs,
+                         train_dataset=demo_train._Tokens(8, seed=1), jit_config=JitConfig(kill_wait_s=0))
+    trainer.train(resume_from_checkpoint=resume or None)
+    return trainer

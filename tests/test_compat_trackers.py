@@ -11,11 +11,13 @@ import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
 pytest.importorskip("tensorboard")
 
+from jit_helpers import LOCK_BUSY, train_one_process  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 from transformers.integrations.integration_utils import TensorBoardCallback  # noqa: E402
 
@@ -116,18 +118,6 @@ def test_a_record_or_its_temporary_file_that_is_not_a_file_is_not_waited_on_nor_
     assert Path(log_dir).parent == out / "runs", log_dir
     assert _record(out).is_file() and precious.read_text() == "keep me"
     assert _job(out, str(out / "checkpoint-6"), range(7, 8), offset=0.0) == log_dir
-
-
-LOCK_BUSY = """\
-import fcntl, os, sys
-fd = os.open(sys.argv[1], os.O_RDWR)
-try:
-    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-except OSError:
-    print("busy")
-else:
-    print("free")
-"""
 
 
 @pytest.mark.parametrize("link", ["symbolic", "hard"])
@@ -260,21 +250,10 @@ def test_a_poisoned_record_on_a_real_resume_is_one_warning_and_a_new_run(tmp_pat
     """One process, a real JitTrainer, no DeepSpeed (~15 s): a record of 60,000 nested brackets (under the size
     cap) killed rank 0 with RecursionError at the resume. The promise: one warning, a new run, the training goes
     on from its checkpoint."""
-    import transformers
-
-    from slurm_jit import demo_train
-    from slurm_jit.train.trainer import JitConfig, JitTrainer
-
     out = tmp_path / "out"
 
-    def train(max_steps: int, resume: bool) -> JitTrainer:
-        targs = transformers.TrainingArguments(output_dir=str(out), use_cpu=True, report_to=["tensorboard"],
-                                               max_steps=max_steps, save_steps=2, per_device_train_batch_size=2,
-                                               disable_tqdm=True, logging_steps=1)
-        trainer = JitTrainer(model=demo_train.build_model("gpt2", 16, 1), args=targs,
-                             train_dataset=demo_train._Tokens(8, seed=1), jit_config=JitConfig(kill_wait_s=0))
-        trainer.train(resume_from_checkpoint=resume or None)
-        return trainer
+    def train(max_steps: int, resume: bool) -> Any:
+        return train_one_process(out, "tensorboard", max_steps, resume)
 
     train(2, resume=False)
     [first] = (out / "runs").iterdir()

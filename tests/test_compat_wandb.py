@@ -9,12 +9,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
 pytest.importorskip("wandb")
 
-from jit_helpers import read_wandb_offline  # noqa: E402
+from jit_helpers import read_wandb_offline, train_one_process  # noqa: E402
 from transformers.integrations.integration_utils import WandbCallback  # noqa: E402
 
 from slurm_jit.train import trackers  # noqa: E402
@@ -169,21 +170,12 @@ def test_a_poisoned_record_on_a_real_resume_is_one_warning_and_a_new_run(tmp_pat
     """One process, a real JitTrainer, no DeepSpeed (~15 s): a record of 60,000 nested brackets (under the size
     cap) killed rank 0 with RecursionError at the resume. The promise: one warning, a new run, the training goes
     on from its checkpoint."""
-    import transformers
     import wandb
-
-    from slurm_jit import demo_train
-    from slurm_jit.train.trainer import JitConfig, JitTrainer
 
     out = tmp_path / "out"
 
-    def train(max_steps: int, resume: bool) -> JitTrainer:
-        targs = transformers.TrainingArguments(output_dir=str(out), use_cpu=True, report_to=["wandb"],
-                                               max_steps=max_steps, save_steps=2, per_device_train_batch_size=2,
-                                               disable_tqdm=True, logging_steps=1)
-        trainer = JitTrainer(model=demo_train.build_model("gpt2", 16, 1), args=targs,
-                             train_dataset=demo_train._Tokens(8, seed=1), jit_config=JitConfig(kill_wait_s=0))
-        trainer.train(resume_from_checkpoint=resume or None)
+    def train(max_steps: int, resume: bool) -> Any:
+        trainer = train_one_process(out, "wandb", max_steps, resume)
         wandb.finish()  # the job's end: the process exits (upstream's callback leaves the run open until then)
         return trainer
 

@@ -439,22 +439,13 @@ def test_a_third_job_asks_slurm_whether_the_run_that_took_over_on_another_host_r
 def test_a_holder_job_whose_name_is_not_utf8_is_still_asked_about(tmp_path: Path, jobs: list[str]) -> None:
     # Before: scontrol's answer, with the job name's byte 0xff, raised UnicodeDecodeError out of acquire() on
     # rank 0 (the other ranks waiting for its verdict).
-    from slurm_jit import slurm
 
     argv = [b"sbatch", b"--parsable", b"--ntasks=1", b"--cpus-per-task=1", b"--mem=100M", b"--time=5",
             b"--output=" + os.fsencode(tmp_path) + b"/%j.out", b"--job-name=run-\xff", b"--wrap=sleep 600"]
     job_id = subprocess.run(argv, capture_output=True, check=True, timeout=60).stdout.decode().strip()
     jobs.append(job_id)
-    _until(lambda: slurm.run(["squeue", "-h", "-o", "%T", "-j", job_id]).strip() == "RUNNING",  # no name
-           f"job {job_id} running", timeout_s=600)
-    out = tmp_path / "out"
-    path = output_lock.lock_path(out)
-    path.parent.mkdir(parents=True)
-    path.write_text(json.dumps({"job_id": job_id, "restart_count": "1", "host": "node-b", "pid": 4242,
-                                "since": time.time(), "kernel_lock": False}))
-    lock, why = output_lock.acquire(out)
-    assert lock is None and why is not None and f"Slurm job {job_id} (restart 1) on host node-b" in why, why
-    assert "HINT:" in why and "\n" not in why, why
+    why = _newcomer_refused_while_taken_over_by(job_id, tmp_path / "out")
+    assert "HINT:" in why, why
 
 
 @pytest.mark.slurm
@@ -468,16 +459,7 @@ def test_a_holder_job_whose_name_spells_another_state_is_still_running(tmp_path:
                         f"--output={tmp_path}/%j.out", "--job-name=lr=3e-4 JobState=COMPLETED",
                         "--wrap=sleep 600"]).strip().split(";")[0]
     jobs.append(job_id)
-    _until(lambda: slurm.run(["squeue", "-h", "-o", "%T", "-j", job_id]).strip() == "RUNNING",
-           f"job {job_id} running", timeout_s=600)
-    out = tmp_path / "out"
-    path = output_lock.lock_path(out)
-    path.parent.mkdir(parents=True)
-    path.write_text(json.dumps({"job_id": job_id, "restart_count": "1", "host": "node-b", "pid": 4242,
-                                "since": time.time(), "kernel_lock": False}))
-    lock, why = output_lock.acquire(out)
-    assert lock is None and why is not None, "took a directory a running job's run trains in"
-    assert f"Slurm job {job_id} (restart 1) on host node-b" in why and "\n" not in why, why
+    _newcomer_refused_while_taken_over_by(job_id, tmp_path / "out")
     assert slurm.show_job(job_id)["JobName"] == "lr=3e-4 JobState=COMPLETED"
 
 
@@ -569,3 +551,20 @@ def test_a_lock_path_that_is_not_our_file_is_refused_and_left_alone(tmp_path: Pa
     lock, why = output_lock.acquire(out)
     assert lock is None and why is not None and f"HINT: remove {path}" in why and "\n" not in why, why
     assert precious.read_text() == "keep me"
+
+
+def _newcomer_refused_while_taken_over_by(job_id: str, out: Path) -> str:
+    """Once ``job_id`` runs: a takeover record naming it (on another host) refuses a newcomer in one line; the
+    line."""
+    from slurm_jit import slurm
+
+    _until(lambda: slurm.run(["squeue", "-h", "-o", "%T", "-j", job_id]).strip() == "RUNNING",  # no name
+           f"job {job_id} running", timeout_s=600)
+    path = output_lock.lock_path(out)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"job_id": job_id, "restart_count": "1", "host": "node-b", "pid": 4242,
+                                "since": time.time(), "kernel_lock": False}))
+    lock, why = output_lock.acquire(out)
+    assert lock is None and why is not None, "took a directory a running job's run trains in"
+    assert f"Slurm job {job_id} (restart 1) on host node-b" in why and "\n" not in why, why
+    return why

@@ -9,20 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from jit_helpers import LOCK_BUSY
 
 from slurm_jit import timing
 from slurm_jit.train import output_lock, runtime_grace
-
-LOCK_BUSY = """\
-import fcntl, os, sys
-fd = os.open(sys.argv[1], os.O_RDWR)
-try:
-    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-except OSError:
-    print("busy")
-else:
-    print("free")
-"""
 
 
 @pytest.mark.timeout(60)  # before: the FIFO was waited on forever

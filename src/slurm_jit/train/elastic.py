@@ -402,15 +402,8 @@ def _saved_ds_config(path: Path) -> dict[str, Any]:
 
 def _saved_entry(path: Path, key: str) -> Any:
     """``key`` of a DeepSpeed state file (memory-mapped: no tensor is read); None when missing or unreadable."""
-    import torch
-
-    if not path.is_file():
-        return None
-    try:
-        saved = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    except Exception:  # noqa: BLE001 - another layout or a newer DeepSpeed: the caller asks the next file
-        return None
-    return saved.get(key) if isinstance(saved, dict) else None
+    saved = elastic_unheld.load_states(path)  # None: missing, another layout or a newer DeepSpeed
+    return None if saved is None else saved.get(key)
 
 
 def install_universal_load() -> None:

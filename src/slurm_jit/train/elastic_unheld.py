@@ -82,7 +82,7 @@ def saved_shapes(states_file: Path) -> dict[str, tuple[int, ...]] | None:
     (``shared_params``); None when the file cannot be read (memory-mapped: no tensor is read)."""
     import torch
 
-    states = _load_states(states_file)
+    states = load_states(states_file)
     if states is None:
         return None
     shapes = {k: tuple(v.shape) for k, v in _dict(states.get("module")).items() if isinstance(v, torch.Tensor)}
@@ -100,7 +100,7 @@ def held_refusal(states_file: Path, held_now: Sequence[Held]) -> str | None:
     it (not frozen, nor tied to another parameter, when written), with this shape, and not as two tensors tied
     into one now (one of their trained values would be dropped). None when the model states (their
     ``param_shapes``) cannot be read."""
-    states = _load_states(states_file)
+    states = load_states(states_file)
     shapes = states.get("param_shapes") if states is not None else None
     if not isinstance(shapes, list) or not shapes:
         return None  # not a ZeRO-1/2 model-states file: the conversion refuses it with DeepSpeed's own words
@@ -138,7 +138,7 @@ def _dict(value: Any) -> dict[Any, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _load_states(path: Path) -> dict[str, Any] | None:
+def load_states(path: Path) -> dict[str, Any] | None:
     import torch
 
     if not path.is_file():
@@ -154,7 +154,7 @@ class _Saved:
     """The values a universal copy holds for the tensors its optimizer load does not fill."""
 
     def __init__(self, tag_dir: Path) -> None:
-        states = next((s for s in map(_load_states, (tag_dir / n for n in MODEL_STATES_NAMES)) if s), None)
+        states = next((s for s in map(load_states, (tag_dir / n for n in MODEL_STATES_NAMES)) if s), None)
         if states is None:
             raise JitRefusal(f"slurm_jit: {tag_dir}: no readable model-states file ({' or '.join(MODEL_STATES_NAMES)})"
                              ". HINT: remove the universal/ directory beside it and resume again (it is converted "
