@@ -46,6 +46,7 @@ from slurm_jit.train import (
     compat,
     elastic,
     exact_resume,
+    model_match,
     output_lock,
     runtime_grace,
     save_errors,
@@ -403,7 +404,8 @@ class JitTrainer(transformers.Trainer):
                 carried["owed_evaluation_step"] = manifest["step"]
             carried["load_from"], refusal, carried["conversion"] = self._prepare_elastic(path, manifest)
             if not refusal and not carried["load_from"]:  # a universal load rebuilds the weights itself
-                refusal = slim_save.resume_refusal(path, manifest, self._ds_config())
+                refusal = (slim_save.resume_refusal(path, manifest, self._ds_config())
+                           or model_match.stage_refusal(path, manifest, self._ds_config()))
         return path, refusal, carried
 
     def _prepare_elastic(self, path: str, manifest: dict[str, Any]) -> elastic.Prepared:
