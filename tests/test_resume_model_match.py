@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from jit_helpers import losses, run_logged
+from jit_helpers import START_TIMEOUT_S, losses, run_logged, start_demo
 
 from slurm_jit.checkpoint import protocol
 from slurm_jit.train import stop_record
@@ -63,20 +63,21 @@ def _hashes(ckpt: Path) -> dict[str, str]:
             for p in sorted(ckpt.rglob("*")) if p.is_file()}
 
 
-def _refused(run: Path, tmp_path: Path, layout: str, args: list[str]) -> str:
-    """Resume a copy of ``run``'s ``layout`` checkpoint with ``args`` changed: both ranks exit 2 with the same one
+def _refused(run: Path, tmp_path: Path, layout: str, args: list[str], world_size: int = 2) -> str:
+    """Resume a copy of ``run``'s ``layout`` checkpoint with ``args`` changed: every rank exits 2 with the same one
     refusal line, nothing was trained, the checkpoint is byte for byte what it was and still complete. Returns
     the line."""
     out = tmp_path / "out"
     shutil.copytree(run, out, symlinks=True)
     ckpt = out / _checkpoint(run, layout).name
     before, trained = _hashes(ckpt), losses(out)
-    result = run_logged(out, [*BASE, *args, "--resume-from", str(ckpt)])
-    logs = [(tmp_path / "logs-out" / f"rank{r}.log").read_text(errors="replace") for r in range(2)]
-    assert result.codes == [2, 2], result.log[-4000:]
+    ranks = start_demo(out, [*BASE, *args, "--resume-from", str(ckpt)], world_size)
+    codes = ranks.wait(START_TIMEOUT_S)
+    logs = [ranks.log(r) for r in range(world_size)]
+    assert codes == [2] * world_size, logs[0][-4000:]
     lines = [[line for line in log.splitlines() if line.startswith(REFUSAL_PREFIX)] for log in logs]
-    assert len(lines[0]) == 1 and lines[0] == lines[1], result.log[-4000:]
-    assert "HINT: " in lines[0][0] and "Traceback" not in result.log, result.log[-4000:]
+    assert len(lines[0]) == 1 and all(other == lines[0] for other in lines), logs[0][-4000:]
+    assert "HINT: " in lines[0][0] and not any("Traceback" in log for log in logs), logs[0][-4000:]
     assert losses(out) == trained, "a step ran before the refusal"
     assert _hashes(ckpt) == before, "the checkpoint resumed from was written to"
     info = protocol.inspect(ckpt, int(ckpt.name.rsplit("-", 1)[1]), deep=True)
@@ -122,6 +123,15 @@ def test_a_zero3_checkpoint_under_zero2_on_the_same_world_size_is_refused(zero3_
     line = _refused(zero3_run, tmp_path, "slim", ["--zero-stage", "2"])
     assert "written under ZeRO stage 3, and this run uses ZeRO stage 2" in line, line
     assert "HINT: resume with zero_optimization.stage 3 (as written)" in line, line
+
+
+def test_a_zero3_checkpoint_under_zero2_on_another_world_size_is_refused_before_converting(
+        zero3_run: Path, tmp_path: Path) -> None:
+    """1 rank with the 2 ranks' global batch: before, converted to the universal format and then the same bare
+    AssertionError (DeepSpeed's ZeRO-2 load looks for the ZeRO-1/2 model-states file)."""
+    line = _refused(zero3_run, tmp_path, "slim", ["--zero-stage", "2", "--batch-size", "4"], world_size=1)
+    assert "written under ZeRO stage 3, and this run uses ZeRO stage 2" in line, line
+    assert not list((tmp_path / "out").glob("checkpoint-*/universal")), "converted before the refusal"
 
 
 def test_a_zero2_checkpoint_under_zero3_on_the_same_world_size_is_refused(zero2_run: Path, tmp_path: Path) -> None:

@@ -402,11 +402,21 @@ class JitTrainer(transformers.Trainer):
                 carried["run_id"] = manifest["run_id"]
             if manifest.get("owed_evaluation") is True:
                 carried["owed_evaluation_step"] = manifest["step"]
-            carried["load_from"], refusal, carried["conversion"] = self._prepare_elastic(path, manifest)
-            if not refusal and not carried["load_from"]:  # a universal load rebuilds the weights itself
-                refusal = (slim_save.resume_refusal(path, manifest, self._ds_config())
-                           or model_match.stage_refusal(path, manifest, self._ds_config()))
+            refusal = self._prepare_load(path, manifest, carried)
         return path, refusal, carried
+
+    def _prepare_load(self, path: str, manifest: dict[str, Any], carried: dict[str, Any]) -> str | None:
+        """Rank 0: why ``path`` cannot be loaded by this run's engine, or None, with what the load needs in
+        ``carried`` (an elastic resume's universal copy). The ZeRO stage first, on every world size: a conversion
+        keeps the stage's file layout (ZeRO-3 under ZeRO-2 would be converted and then fail in DeepSpeed's load)."""
+        ds_config = self._ds_config()
+        refusal = model_match.stage_refusal(path, manifest, ds_config)
+        if refusal:  # a slim save's own words where it has them (its weights are only in the shards)
+            return slim_save.resume_refusal(path, manifest, ds_config) or refusal
+        carried["load_from"], refusal, carried["conversion"] = self._prepare_elastic(path, manifest)
+        if not refusal and not carried["load_from"]:  # a universal load rebuilds the weights itself
+            refusal = slim_save.resume_refusal(path, manifest, ds_config)
+        return refusal
 
     def _prepare_elastic(self, path: str, manifest: dict[str, Any]) -> elastic.Prepared:
         """Rank 0: elastic.prepare for loading ``path`` on this run's world size, heartbeating to the others."""
