@@ -58,15 +58,17 @@ def _checkpoint(out: Path, layout: str) -> Path:
     return ckpt
 
 
-def _hashes(ckpt: Path) -> dict[str, str]:
+def _hashes(ckpt: Path, but: tuple[str, ...] = ()) -> dict[str, str]:
+    """sha256 of every file under ``ckpt`` (``but``: not those under these top-level names)."""
     return {str(p.relative_to(ckpt)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(ckpt.rglob("*")) if p.is_file()}
+            for p in sorted(ckpt.rglob("*")) if p.is_file() and p.relative_to(ckpt).parts[0] not in but}
 
 
-def _refused(run: Path, tmp_path: Path, layout: str, args: list[str], world_size: int = 2) -> str:
+def _refused(run: Path, tmp_path: Path, layout: str, args: list[str], world_size: int = 2,
+             but: tuple[str, ...] = ()) -> str:
     """Resume a copy of ``run``'s ``layout`` checkpoint with ``args`` changed: every rank exits 2 with the same one
-    refusal line, nothing was trained, the checkpoint is byte for byte what it was and still complete. Returns
-    the line."""
+    refusal line, nothing was trained, the checkpoint is byte for byte what it was (``but``: names that may be
+    added) and still complete. Returns the line."""
     out = tmp_path / "out"
     shutil.copytree(run, out, symlinks=True)
     ckpt = out / _checkpoint(run, layout).name
@@ -79,7 +81,7 @@ def _refused(run: Path, tmp_path: Path, layout: str, args: list[str], world_size
     assert len(lines[0]) == 1 and all(other == lines[0] for other in lines), logs[0][-4000:]
     assert "HINT: " in lines[0][0] and not any("Traceback" in log for log in logs), logs[0][-4000:]
     assert losses(out) == trained, "a step ran before the refusal"
-    assert _hashes(ckpt) == before, "the checkpoint resumed from was written to"
+    assert _hashes(ckpt, but) == before, "the checkpoint resumed from was written to"
     info = protocol.inspect(ckpt, int(ckpt.name.rsplit("-", 1)[1]), deep=True)
     assert info.status is protocol.Status.COMPLETE, info
     return lines[0][0].removeprefix(REFUSAL_PREFIX)
@@ -137,3 +139,12 @@ def test_a_zero3_checkpoint_under_zero2_on_another_world_size_is_refused_before_
 def test_a_zero2_checkpoint_under_zero3_on_the_same_world_size_is_refused(zero2_run: Path, tmp_path: Path) -> None:
     line = _refused(zero2_run, tmp_path, "full", ["--zero-stage", "3"])
     assert "written under ZeRO stage 2, and this run uses ZeRO stage 3" in line, line
+
+
+def test_a_transposed_parameter_is_refused_on_another_world_size_by_name(zero2_run: Path, tmp_path: Path) -> None:
+    """1 rank: the elastic path's universal copy is loaded by name, and compared by name. The copy (universal/ and its
+    conversion lock: the elastic path's cache of this checkpoint) is made before the engine exists; the original
+    files stay as they were."""
+    line = _refused(zero2_run, tmp_path, "slim", ["--variant", "transposed", "--batch-size", "4"], world_size=1,
+                    but=("universal", "universal.lock"))
+    assert "universal: 'transformer.h.0.mlp.c_fc.weight' has shape [64, 256] in the checkpoint and [256, 64]" in line
