@@ -141,10 +141,18 @@ def test_a_zero2_checkpoint_under_zero3_on_the_same_world_size_is_refused(zero2_
     assert "written under ZeRO stage 2, and this run uses ZeRO stage 3" in line, line
 
 
-def test_a_transposed_parameter_is_refused_on_another_world_size_by_name(zero2_run: Path, tmp_path: Path) -> None:
-    """1 rank: the elastic path's universal copy is loaded by name, and compared by name. The copy (universal/ and its
-    conversion lock: the elastic path's cache of this checkpoint) is made before the engine exists; the original
-    files stay as they were."""
-    line = _refused(zero2_run, tmp_path, "slim", ["--variant", "transposed", "--batch-size", "4"], world_size=1,
-                    but=("universal", "universal.lock"))
-    assert "universal: 'transformer.h.0.mlp.c_fc.weight' has shape [64, 256] in the checkpoint and [256, 64]" in line
+def test_a_transposed_parameter_is_refused_on_another_world_size_before_converting(
+        zero2_run: Path, tmp_path: Path) -> None:
+    """1 rank: the names and shapes are compared by name with the original model-states file's records before the
+    elastic conversion (before: refused only at the universal load, with universal/ already written into it)."""
+    line = _refused(zero2_run, tmp_path, "slim", ["--variant", "transposed", "--batch-size", "4"], world_size=1)
+    assert "'transformer.h.0.mlp.c_fc.weight' has shape [64, 256] in the checkpoint and [256, 64]" in line, line
+    assert not list((tmp_path / "out").glob("checkpoint-*/universal*")), "converted before the refusal"
+
+
+def test_a_renamed_module_on_another_world_size_is_refused_before_converting(zero2_run: Path, tmp_path: Path) -> None:
+    """1 rank: a name the checkpoint does not hold is named before the conversion writes universal/."""
+    line = _refused(zero2_run, tmp_path, "full", ["--variant", "renamed", "--batch-size", "4"], world_size=1)
+    assert ("this model's parameter 'transformer.h.0.mlp.proj_out.weight' is not in the checkpoint (renamed, or "
+            "another model)") in line, line
+    assert not list((tmp_path / "out").glob("checkpoint-*/universal*")), "converted before the refusal"

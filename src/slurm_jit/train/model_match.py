@@ -312,6 +312,46 @@ def _shared_params(module: Any, zero3: bool) -> dict[str, str]:
     return shared
 
 
+def pick_refusal(ckpt_dir: str, model: Any) -> str | None:
+    """Why ``model`` (built, no engine yet) must not be resumed from ``ckpt_dir`` on another world size, or None:
+    the names, shapes and ties of its parameters against those rank 0's original model-states file records, by
+    name (the universal copy is loaded so). Asked before the elastic conversion, so that a checkpoint of another
+    model is refused without ``universal/`` being written into it."""
+    tag = _read_latest_tag(Path(ckpt_dir))
+    saved = saved_record(Path(ckpt_dir) / tag) if tag else None
+    if saved is None or model is None:
+        return None
+    built = _built_record(model)
+    why = _tie_difference(saved, built) or _named_shape_difference(saved, built) or _name_difference(saved, built)
+    return f"{ckpt_dir}: {why}" if why else None
+
+
+def _built_record(model: Any) -> ModelRecord:
+    """A built model's parameter names, shapes, trainable set and ties (no dtypes: the engine casts them later;
+    ties by object, as named_parameters tells them: a ZeRO-3 partitioned parameter's storage is empty)."""
+    params = dict(model.named_parameters())
+    first: dict[int, str] = {id(p): n for n, p in reversed(params.items())}
+    shared = {n: first[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if first[id(p)] != n}
+    return ModelRecord(groups=[[(n, _shape(p)) for n, p in params.items() if p.requires_grad]],
+                       frozen={n: _shape(p) for n, p in params.items() if not p.requires_grad}, shared=shared,
+                       tensors={n: (None, str(p.dtype)) for n, p in params.items()})  # the model's order only
+
+
+def _name_difference(saved: ModelRecord, live: ModelRecord) -> str | None:
+    """A parameter on one side only (held, frozen or a tied alias on the other: the elastic path's to check)."""
+    saved_names = saved.held | set(saved.frozen or {}) | set(saved.shared or {})
+    if saved.frozen is None:  # ZeRO-1: the frozen ones are module entries
+        saved_names |= set(saved.tensors) - (saved.buffers or set())
+    live_names = live.held | set(live.frozen or {}) | set(live.shared or {})
+    for name in _in_order(live.held | set(live.frozen or {}), live):
+        if name not in saved_names:
+            return f"this model's parameter '{name}' is not in the checkpoint (renamed, or another model). {MODEL_HINT}"
+    for name in _in_order(saved.held | set(saved.frozen or {}), saved):
+        if name not in live_names:
+            return f"the checkpoint's parameter '{name}' is not in this model (renamed, or another model). {MODEL_HINT}"
+    return None
+
+
 def load_refusal(engine: Any, checkpoint_path: str) -> str | None:
     """Why ``engine`` must not load the DeepSpeed checkpoint in ``checkpoint_path`` (the tag its ``latest`` names;
     a universal copy's ``latest_universal``: compared by name), as one line with a HINT, or None (also when the
