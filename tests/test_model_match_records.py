@@ -75,8 +75,8 @@ def test_a_checkpoint_that_records_nothing_is_not_refused() -> None:
      [f"'{WPE}' has shape [32, 16] in the checkpoint and [64, 16]"]),
     ({"stage": 3}, {}, ["written under ZeRO stage 3, and this run uses ZeRO stage 2",
                         "HINT: resume with zero_optimization.stage 3 (as written), or start a new run"]),
-    ({"slim": False}, {"dtype": torch.bfloat16}, [f"'{WTE}' is torch.float32 in the checkpoint and torch.bfloat16",
-                                                  "HINT: resume with the precision it was written with"]),
+    ({"slim": False, "dtype": torch.int64}, {}, [f"'{WTE}' is torch.int64 in the checkpoint and torch.float32",
+                                                 "HINT: resume with the model the checkpoint was written with"]),
 ])
 def test_the_first_difference_is_one_line_with_a_hint(saved: dict[str, Any], live: dict[str, Any],
                                                       needles: list[str]) -> None:
@@ -84,6 +84,16 @@ def test_the_first_difference_is_one_line_with_a_hint(saved: dict[str, Any], liv
     assert why is not None and "\n" not in why and "HINT:" in why, why
     for needle in needles:
         assert needle in why, why
+
+
+def test_another_floating_point_precision_is_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """bf16 switched on after an fp32 stop: DeepSpeed's load casts the module's tensors and restores the fp32 master
+    exactly, so the weights are right; before, a full checkpoint was refused (a slim one, whose module holds no
+    trained weight, was not)."""
+    with caplog.at_level("WARNING", logger="slurm_jit.train.model_match"):
+        assert model_match.difference(_record(slim=False), _live(dtype=torch.bfloat16)) is None
+    assert f"'{WTE}' is torch.float32 in the checkpoint and torch.bfloat16 in this model" in caplog.text
+    assert len(caplog.records) == 1, caplog.text
 
 
 def test_a_zero1_checkpoint_tells_frozen_from_held_by_its_module_entries() -> None:

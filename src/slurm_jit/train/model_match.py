@@ -36,6 +36,8 @@ Shape = tuple[int, ...]
 MODEL_STATES_NAMES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
 ZERO3 = 3
 LATEST, LATEST_UNIVERSAL = "latest", "latest_universal"  # the files that name the tag engine.load_checkpoint reads
+# a module tensor in another of these is cast by load_state_dict, and the held ones come from the fp32 master
+FLOAT_DTYPES = {"torch.float32", "torch.bfloat16", "torch.float16", "torch.float64"}
 INTERCHANGEABLE_STAGES = {1, 2}  # one optimizer (stage_1_and_2.py), the same partitions of the fp32 master
 MODEL_HINT = ("HINT: resume with the model the checkpoint was written with (the same config and transformers "
               "version), or start a new run in another output_dir")
@@ -206,14 +208,21 @@ def _frozen_difference(saved: ModelRecord, live: ModelRecord) -> str | None:
 
 
 def _tensor_difference(saved: ModelRecord, live: ModelRecord) -> str | None:
+    """Shapes; dtypes between integer and floating point (another tensor). Another floating-point precision
+    (switching bf16 on after a stop) is a warning: DeepSpeed's load casts, the optimizer's fp32 master is exact."""
+    warned = False
     for name, (shape, dtype) in live.tensors.items():
         if name not in saved.tensors:
             continue
         was_shape, was_dtype = saved.tensors[name]
-        if was_dtype != dtype:
+        if was_dtype != dtype and not {was_dtype, dtype} <= FLOAT_DTYPES:
             return (f"'{name}' is {was_dtype} in the checkpoint and {dtype} in this model. HINT: resume with the "
-                    "precision it was written with (bf16/fp16 and the model's dtype), or start a new run in "
-                    "another output_dir")
+                    "model the checkpoint was written with, or start a new run in another output_dir")
+        if was_dtype != dtype and not warned:
+            warned = True
+            logger.warning("slurm_jit: '%s' is %s in the checkpoint and %s in this model: loaded in this run's "
+                           "precision (the fp32 master weights the optimizer holds are restored as saved)",
+                           name, was_dtype, dtype)
         if shape is not None and was_shape is not None and was_shape != shape:
             return _shape_difference(name, was_shape, shape)
     return None
