@@ -23,6 +23,7 @@ from slurm_jit.train import dist_env
 
 VOCAB = 128
 SEQ_LEN = 32
+VARIANTS = ("transposed", "renamed")  # --variant: what a library upgrade may change in a model's layout
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -88,6 +89,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=VOCAB)
     p.add_argument("--heads", type=int, default=2)
     p.add_argument("--kv-heads", type=int, default=2, help="Llama only")
+    p.add_argument("--untie-embeddings", action="store_true",
+                   help="tie_word_embeddings=False: the output layer is a parameter of its own (GPT-2 ties it)")
+    p.add_argument("--variant", choices=VARIANTS, default=None,
+                   help="GPT-2 only, the same function in another layout: 'transposed': layer 0's MLP input is an "
+                        "nn.Linear (its weight stored transposed, as a Conv1D->Linear change); 'renamed': layer "
+                        "0's MLP output projection is registered as 'proj_out' (as a renamed module)")
     p.add_argument("--dump-state-at", default="",
                    help="comma-separated steps: write the complete training state of each rank to "
                         "OUT/exact-state/step-N/ (compare two runs with python -m slurm_jit.exactness)")
@@ -127,17 +134,41 @@ class _Tokens:
 
 
 def build_model(kind: str, width: int, layers: int, dropout: float = 0.0, vocab: int = VOCAB, heads: int = 2,
-                kv_heads: int = 2) -> Any:
+                kv_heads: int = 2, untie: bool = False, variant: str | None = None) -> Any:
     import transformers
+
+    tied = {"tie_word_embeddings": False} if untie else {}  # else the config's default (GPT-2: tied)
 
     if kind == "gpt2":
         cfg: Any = transformers.GPT2Config(vocab_size=vocab, n_positions=SEQ_LEN * 2, n_embd=width, n_layer=layers,
-                                           n_head=heads, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
-        return transformers.GPT2LMHeadModel(cfg)
+                                           n_head=heads, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1,
+                                           **tied)
+        return _relayout(transformers.GPT2LMHeadModel(cfg), variant)
+    if variant:
+        raise SystemExit(f"demo_train: --variant {variant} is GPT-2 only. HINT: --model gpt2")
     cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=width, intermediate_size=width * 2,
                                    num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                                   max_position_embeddings=SEQ_LEN * 2, attention_dropout=dropout)
+                                   max_position_embeddings=SEQ_LEN * 2, attention_dropout=dropout, **tied)
     return transformers.LlamaForCausalLM(cfg)
+
+
+def _relayout(model: Any, variant: str | None) -> Any:
+    """``model`` computing the same function with layer 0's MLP in another layout (``--variant``)."""
+    import torch
+
+    mlp = model.transformer.h[0].mlp
+    if variant == "transposed":  # Conv1D computes x @ W (W: [in, out]); nn.Linear x @ W.T (W: [out, in])
+        conv = mlp.c_fc
+        with torch.random.fork_rng(devices=[]):  # its initial values are replaced: draw nothing from the seed
+            linear = torch.nn.Linear(conv.weight.shape[0], conv.weight.shape[1])
+        with torch.no_grad():
+            linear.weight.copy_(conv.weight.t())
+            linear.bias.copy_(conv.bias)
+        mlp.c_fc = linear
+    elif variant == "renamed":  # registered as proj_out, in c_proj's place; forward still finds self.c_proj
+        mlp._modules = {("proj_out" if k == "c_proj" else k): m for k, m in mlp._modules.items()}
+        mlp.__dict__["c_proj"] = mlp._modules["proj_out"]
+    return model
 
 
 # The optimizer section as a user writes it: Trainer fills each "auto" from TrainingArguments.
@@ -343,7 +374,8 @@ def main(argv: Sequence[str] | None = None, trainer_cls: Any = None) -> None:
         save_on_each_node=args.save_on_each_node,
     )
     targs = transformers.TrainingArguments(**{**base, **_extra_training_args(args.targ)})  # --targ wins
-    model = build_model(args.model, args.width, args.layers, args.dropout, args.vocab, args.heads, args.kv_heads)
+    model = build_model(args.model, args.width, args.layers, args.dropout, args.vocab, args.heads, args.kv_heads,
+                        untie=args.untie_embeddings, variant=args.variant)
     if args.freeze_embeddings:
         model.get_input_embeddings().weight.requires_grad_(False)
     common: dict[str, Any] = dict(

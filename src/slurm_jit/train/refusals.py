@@ -47,9 +47,9 @@ def refused_settings(*, save_on_each_node: bool, ds_config: dict[str, Any] | Non
     return None
 
 
-def _read_latest_tag(ckpt_dir: Path) -> str | None:
-    """The DeepSpeed tag in ``latest`` (a regular file only, bounded read), or None when there is none."""
-    path = ckpt_dir / "latest"
+def _read_latest_tag(ckpt_dir: Path, name: str = "latest") -> str | None:
+    """The DeepSpeed tag in ``latest`` (or ``name``; a regular file only, bounded read), or None when there is none."""
+    path = ckpt_dir / name
     try:
         if not stat.S_ISREG(os.lstat(path).st_mode):
             return None

@@ -29,6 +29,7 @@ from typing import Any
 
 from slurm_jit.checkpoint import manifest as manifest_file
 from slurm_jit.checkpoint.manifest import WEIGHTS_FULL, WEIGHTS_MASTER_ONLY, ZERO3
+from slurm_jit.train import model_match
 from slurm_jit.train.refusals import JitRefusal
 
 logger = logging.getLogger(__name__)
@@ -184,7 +185,8 @@ ORIGINAL_ATTR = "slurm_jit_slim_original"  # not elastic.py's attribute: its wra
 def install_load() -> None:
     """Until :func:`uninstall_load`, the Trainer's DeepSpeed loads (the resume, the best model at the end) by a
     ZeRO-1/2 engine, or of a checkpoint whose manifest says master-only ZeRO-1/2, go through :func:`load_slim`;
-    every other load (ZeRO-3, universal copies, no DeepSpeed tag) is transformers' own."""
+    every other load (ZeRO-3, universal copies, no DeepSpeed tag) is transformers' own. Before each of them the
+    checkpoint's model is compared with the engine's (model_match.py: JitRefusal)."""
     import transformers.trainer as hf_trainer
 
     current: Callable[..., Any] = hf_trainer.deepspeed_load_checkpoint
@@ -192,10 +194,15 @@ def install_load() -> None:
         return
 
     def load(engine: Any, checkpoint_path: str, load_module_strict: bool = True) -> None:
+        universal = engine.load_universal_checkpoint()  # elastic.py's copy: compared by name, not by position
+        if _has_deepspeed_tag(checkpoint_path):  # every DeepSpeed load: slim, full, ZeRO-3, universal
+            refusal = model_match.load_refusal(engine, checkpoint_path)
+            if refusal:
+                raise JitRefusal(f"slurm_jit: {refusal}")
         # Every ZeRO-1/2 load, not only those whose manifest says slim: an edited or lost manifest must not turn
         # the left-out weights into a traceback or, with load_module_strict=False (PEFT), the built model's ones.
         ours = slim_capable(engine) or _is_slim(checkpoint_path)
-        if engine.load_universal_checkpoint() or not _has_deepspeed_tag(checkpoint_path) or not ours:
+        if universal or not _has_deepspeed_tag(checkpoint_path) or not ours:
             current(engine, checkpoint_path, load_module_strict=load_module_strict)
         else:
             load_slim(engine, checkpoint_path, load_module_strict=load_module_strict)

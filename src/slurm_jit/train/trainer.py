@@ -37,8 +37,8 @@ from typing import Any
 import transformers
 from transformers.trainer_utils import TrainOutput, _is_peft_model
 
+from slurm_jit.checkpoint import elastic_plan, protocol
 from slurm_jit.checkpoint import manifest as manifest_file
-from slurm_jit.checkpoint import protocol
 from slurm_jit.grace.calc import AGREE_BLOCKING, SLURM_SIGNAL_LEAD_MAX_S
 from slurm_jit.signal_names import parse_signal
 from slurm_jit.timing import WARMUP_STEPS, TimingLog
@@ -47,6 +47,7 @@ from slurm_jit.train import (
     elastic,
     elastic_unheld,
     exact_resume,
+    model_match,
     output_lock,
     runtime_grace,
     save_errors,
@@ -402,10 +403,27 @@ class JitTrainer(transformers.Trainer):
                 carried["run_id"] = manifest["run_id"]
             if manifest.get("owed_evaluation") is True:
                 carried["owed_evaluation_step"] = manifest["step"]
-            carried["load_from"], refusal, carried["conversion"] = self._prepare_elastic(path, manifest)
-            if not refusal and not carried["load_from"]:  # a universal load rebuilds the weights itself
-                refusal = slim_save.resume_refusal(path, manifest, self._ds_config())
+            refusal = self._prepare_load(path, manifest, carried)
         return path, refusal, carried
+
+    CONVERSIONS = (elastic_plan.CONVERT, elastic_plan.CONVERTED)  # a resume through the universal copy
+
+    def _prepare_load(self, path: str, manifest: dict[str, Any], carried: dict[str, Any]) -> str | None:
+        """Rank 0: why ``path`` cannot be loaded by this run's engine, or None, with what the load needs in
+        ``carried`` (an elastic resume's universal copy). The ZeRO stage first, on every world size: a conversion
+        keeps the stage's file layout (ZeRO-3 under ZeRO-2 would be converted and then fail in DeepSpeed's load)."""
+        ds_config = self._ds_config()
+        refusal = model_match.stage_refusal(path, manifest, ds_config)
+        if refusal:  # a slim save's own words where it has them (its weights are only in the shards)
+            return slim_save.resume_refusal(path, manifest, ds_config) or refusal
+        converting = elastic_plan.plan(path, int(self.args.world_size), manifest).action in self.CONVERSIONS
+        refusal = model_match.pick_refusal(path, self.model) if converting else None
+        if refusal:  # names and shapes, by name, before universal/ is written into the checkpoint
+            return refusal
+        carried["load_from"], refusal, carried["conversion"] = self._prepare_elastic(path, manifest)
+        if not refusal and not carried["load_from"]:  # a universal load rebuilds the weights itself
+            refusal = slim_save.resume_refusal(path, manifest, ds_config)
+        return refusal
 
     def _prepare_elastic(self, path: str, manifest: dict[str, Any]) -> elastic.Prepared:
         """Rank 0: elastic.prepare for loading ``path`` on this run's world size, heartbeating to the others."""
