@@ -35,11 +35,12 @@ TRAIN = ("--max-steps", "300", "--step-sleep", "0.4")
 LIMIT_FROM_NOW_S = 120  # TERM@60: the warning 0-60 s after the limit is moved
 
 
-def _executor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str = "jit-executor") -> JitExecutor:
+def _executor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str = "jit-executor",
+              out: str = "out") -> JitExecutor:
     # sbatch exports this environment: the job imports executor_helpers (and this tree's slurm_jit) from it
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS.parent / "src"), str(TESTS),
                                                       os.environ.get("PYTHONPATH", "")]))
-    ex = JitExecutor(folder=tmp_path / "logs" / "%j", output_dir=tmp_path / "out", max_requeues=3,
+    ex = JitExecutor(folder=tmp_path / "logs" / "%j", output_dir=tmp_path / out, max_requeues=3,
                      signal_lead_s=60)
     ex.update_parameters(timeout_min=3, tasks_per_node=2, cpus_per_task=1, name=name)
     return ex
@@ -115,7 +116,7 @@ def test_a_command_is_execd_as_every_rank_and_a_raising_function_gives_its_reaso
     ex = _executor(tmp_path, monkeypatch)
     show_rank = "import os; print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])"
     command_job = ex.submit(Command([sys.executable, "-c", show_rank]))
-    failing_job = ex.submit(executor_helpers.fail, "boom")
+    failing_job = _executor(tmp_path, monkeypatch, out="out-failing").submit(executor_helpers.fail, "boom")
     jobs.extend([command_job.job_id, failing_job.job_id])
     outcome = command_job.result()
     assert isinstance(outcome, CommandOutcome) and (outcome.srun_exit, outcome.restarts) == (0, 0), _log(command_job)
