@@ -55,6 +55,7 @@ from slurm_jit.checkpoint.manifest import (  # the manifest's names, used by the
     MANIFEST_FORMAT,
     MANIFEST_NAME,
     TRAINER_STATE_NAME,
+    WEIGHTS_FROZEN_EXCLUDED,  # noqa: F401 - re-exported for the trainer and ckpt-check
     WEIGHTS_FULL,
     WEIGHTS_LAYOUTS,
     WEIGHTS_MASTER_ONLY,  # noqa: F401 - re-exported for the trainer and ckpt-check
@@ -503,7 +504,8 @@ def write_manifest(
 
     ``contents``: "full" (everything an exact resume needs) or "model_only" (a save_only_model save: never
     resumed); ``run_id``: the training run's lineage id, shown by ckpt-check; ``weights``: where the module
-    weights are ("full", or "fp32-master-only": only in the optimizer shards' fp32 master partitions).
+    weights are ("full"; "fp32-master-only": only in the optimizer shards' fp32 master partitions;
+    "frozen-excluded": a PEFT model's, the trainable ones only, the frozen base is the model as built).
     """
     if kind not in SAVE_KINDS:
         raise ProtocolError(f"unknown save kind {kind!r}; expected one of {SAVE_KINDS}")

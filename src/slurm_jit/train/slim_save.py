@@ -14,13 +14,19 @@ keys (any other missing key is refused), DeepSpeed restoring the fp32 master par
 (``load_from_fp32_weights``, its default), then the module weights rebuilt from them as the end of an optimizer
 step does (``update_lp_params``: each rank copies its fp32 partition into its
 16-bit partition, then all-gather). The copy is the optimizer step's own, so the weights are bit for bit the ones
-at the stop. A plain ``transformers.Trainer`` cannot resume such a checkpoint (DeepSpeed's strict module load
-refuses it: README). ZeRO-3's model-states files hold placeholders only: its every save is master-only already,
-and DeepSpeed's own load restores it.
+at the stop. A plain ``transformers.Trainer`` cannot resume such a checkpoint of a model that is not PEFT
+(DeepSpeed's strict module load refuses it: README). ZeRO-3's model-states files hold placeholders only: its
+every save is master-only already, and DeepSpeed's own load restores it.
+
+A PEFT model is saved as transformers saves it (:func:`excludes_frozen`: ``exclude_frozen_parameters``), JIT saves
+too: the model-states file holds the trainable weights (the adapters: small) and no frozen ones, which are the model
+as built (the base the user's script loads); both trainers load it back non-strict, and the load above finds
+nothing left out (``weights: frozen-excluded``). Slim, its adapters would be the built ones in a plain Trainer.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from slurm_jit.checkpoint import manifest as manifest_file
-from slurm_jit.checkpoint.manifest import WEIGHTS_FULL, WEIGHTS_MASTER_ONLY, ZERO3
+from slurm_jit.checkpoint.manifest import WEIGHTS_FROZEN_EXCLUDED, WEIGHTS_FULL, WEIGHTS_MASTER_ONLY, ZERO3
 from slurm_jit.train.refusals import JitRefusal
 
 logger = logging.getLogger(__name__)
@@ -47,11 +53,25 @@ def slim_capable(engine: Any) -> bool:
             and hasattr(optimizer, "bit16_groups") and not getattr(engine, "has_moe_layers", False))
 
 
-def layout(engine: Any, slim: bool) -> str:
-    """The weights layout of a save by ``engine`` (None: no DeepSpeed); ``slim``: :func:`slim_model_states` wrote it."""
+def excludes_frozen(model: Any, engine: Any) -> bool:
+    """Whether transformers' save of ``model`` leaves the frozen parameters out: a PEFT model, whose frozen base it
+    loads back from the model as built (its adapter files; with DeepSpeed, ``Trainer._save_optimizer_and_scheduler``'s
+    own test: ``exclude_frozen_parameters``). ``engine``: the DeepSpeed engine, or None."""
+    from transformers.trainer_utils import _is_peft_model
+
+    if not _is_peft_model(model):
+        return False
+    return engine is None or "exclude_frozen_parameters" in inspect.signature(engine.save_checkpoint).parameters
+
+
+def layout(engine: Any, slim: bool, frozen_excluded: bool = False) -> str:
+    """The weights layout of a save by ``engine`` (None: no DeepSpeed); ``slim``: :func:`slim_model_states` wrote it;
+    ``frozen_excluded``: transformers' save of a PEFT model (:func:`excludes_frozen`) wrote it."""
     if engine is not None and engine.zero_optimization_stage() == ZERO3:
         return WEIGHTS_MASTER_ONLY
-    return WEIGHTS_MASTER_ONLY if slim else WEIGHTS_FULL
+    if slim:
+        return WEIGHTS_MASTER_ONLY
+    return WEIGHTS_FROZEN_EXCLUDED if frozen_excluded else WEIGHTS_FULL
 
 
 def held_names(engine: Any) -> set[str]:
@@ -85,6 +105,28 @@ def slim_model_states(engine: Any) -> Iterator[bool]:
 
     with _swapped(engine, "save_checkpoint", slim_save):
         yield True
+
+
+@contextmanager
+def frozen_left_out(engine: Any) -> Iterator[None]:
+    """While inside, the engine's ``module_state_dict(exclude_frozen_parameters=True)`` (transformers' save of a PEFT
+    model) leaves out every name of a frozen parameter: DeepSpeed drops each under its first name only, so a frozen
+    embedding tied to the output layer stayed in whole (``lm_head.weight``). None, or a ZeRO-3 engine: as it is."""
+    if engine is None or engine.zero_optimization_stage() not in SLIM_STAGES:
+        yield
+        return
+    frozen = {name for name, p in engine.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    full = engine.module_state_dict
+
+    def module_state_dict(*args: Any, **kwargs: Any) -> Any:
+        state = full(*args, **kwargs)
+        if kwargs.get("exclude_frozen_parameters"):
+            for name in frozen:
+                state.pop(kwargs.get("prefix", "") + name, None)
+        return state
+
+    with _swapped(engine, "module_state_dict", module_state_dict):
+        yield
 
 
 @contextmanager
