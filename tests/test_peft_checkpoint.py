@@ -21,6 +21,7 @@ import pytest
 from jit_helpers import StopResult, assert_jit_stop, assert_same_losses, losses, run_logged
 
 from slurm_jit.checkpoint import protocol
+from slurm_jit.train import stop_record
 
 MAX_STEPS = 10
 SAVE_STEPS = 4  # one periodic save (checkpoint-4) before the stop: upstream's own save of a PEFT model
@@ -36,17 +37,18 @@ class Stopped:
     out: Path  # the stopped run's OUT_DIR, before any resume
     ckpt: Path  # its JIT checkpoint
     step: int
+    log: str  # what its ranks wrote
 
 
 @pytest.fixture(scope="module")
 def stopped(tmp_path_factory: pytest.TempPathFactory) -> Stopped:
     out = tmp_path_factory.mktemp("peft-stopped") / "out"
     run = run_logged(out, [*ARGS, "--signal-self-at-step", str(STOP_AT_STEP), "--kill-wait", "0"])
-    ckpt = assert_jit_stop(out, StopResult(codes=run.codes, stop_s=0.0, log=run.log),
-                           weights=protocol.WEIGHTS_FROZEN_EXCLUDED)
-    step = int(ckpt.name.split("-")[1])
+    record = stop_record.read(out)
+    assert run.codes == [0, 0] and record is not None and record["state"] == "jit_stop", run.log[-4000:]
+    step = int(record["step"])
     assert SAVE_STEPS < step < MAX_STEPS, step
-    return Stopped(out=out, ckpt=ckpt, step=step)
+    return Stopped(out=out, ckpt=Path(record["checkpoint"]), step=step, log=run.log)
 
 
 @dataclass
@@ -87,7 +89,10 @@ def _module_of(ckpt: Path, step: int) -> dict[str, object]:
 def test_lora_checkpoints_hold_the_adapters_and_no_frozen_base_weight(stopped: Stopped) -> None:
     """The JIT checkpoint's model-states file holds exactly the adapter weights: a few KiB, not the base (nor the
     frozen embedding again under its tied name, lm_head.weight, which DeepSpeed's own exclusion keeps). The
-    periodic save says the same layout in its manifest."""
+    periodic save says the same layout in its manifest; ckpt-check --deep calls the JIT one complete, "adapter"."""
+    ckpt = assert_jit_stop(stopped.out, StopResult(codes=[0, 0], stop_s=0.0, log=stopped.log),
+                           weights=protocol.WEIGHTS_FROZEN_EXCLUDED)
+    assert ckpt == stopped.ckpt
     module = _module_of(stopped.ckpt, stopped.step)
     assert module and all(LORA_MARK in name for name in module), sorted(module)
     adapter_bytes = sum(t.numel() * t.element_size() for t in module.values())  # type: ignore[attr-defined]

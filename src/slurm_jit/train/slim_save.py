@@ -57,11 +57,23 @@ def excludes_frozen(model: Any, engine: Any) -> bool:
     """Whether transformers' save of ``model`` leaves the frozen parameters out: a PEFT model, whose frozen base it
     loads back from the model as built (its adapter files; with DeepSpeed, ``Trainer._save_optimizer_and_scheduler``'s
     own test: ``exclude_frozen_parameters``). ``engine``: the DeepSpeed engine, or None."""
-    from transformers.trainer_utils import _is_peft_model
-
     if not _is_peft_model(model):
         return False
     return engine is None or "exclude_frozen_parameters" in inspect.signature(engine.save_checkpoint).parameters
+
+
+def _is_peft_model(model: Any) -> bool:
+    """transformers' own test (the Trainer's saves and loads ask it), or the one it stands for if it moved: a
+    failing import must not turn a JIT stop into a traceback."""
+    try:
+        from transformers.trainer_utils import _is_peft_model as upstream
+    except ImportError:
+        try:
+            from peft import PeftMixedModel, PeftModel
+        except ImportError:
+            return False
+        return isinstance(model, PeftModel | PeftMixedModel)
+    return bool(upstream(model))
 
 
 def layout(engine: Any, slim: bool, frozen_excluded: bool = False) -> str:
