@@ -124,3 +124,25 @@ def test_plain_trainer_resumes_a_lora_jit_checkpoint_with_its_adapters(
     first = stopped.step  # index of step stopped.step + 1
     assert resumed[first] == reference[first], (resumed[first], reference[first])
     assert_same_losses(resumed[first + 1:], reference[first + 1:], rel_tol=LATER_STEPS_REL_TOL)
+
+
+def _files_of(ckpt: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(ckpt)): (p.stat().st_size, p.stat().st_mtime_ns) for p in ckpt.rglob("*") if p.is_file()}
+
+
+@pytest.mark.deepspeed
+def test_resume_with_a_lora_of_another_rank_is_refused_in_one_line(
+        stopped: Stopped, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A LoRA of rank 8 on the rank-4 checkpoint: its adapters' shapes differ. One line naming the first adapter,
+    with a HINT, exit 2 on both ranks, the checkpoint untouched; before, torch's size-mismatch traceback."""
+    out = tmp_path_factory.mktemp("peft-rank8") / "out"
+    shutil.copytree(stopped.out, out, symlinks=True)
+    ckpt = out / stopped.ckpt.name
+    before = _files_of(ckpt)
+    result = run_logged(out, [*ARGS, "--resume", "--lora-rank", "8"])
+    assert result.codes == [2, 2], result.log[-4000:]
+    assert "Traceback" not in result.log, result.log[-4000:]
+    refusals = [line for line in result.log.splitlines() if "does not fit this model" in line]
+    assert len(refusals) == 2 and all("h.0.attn.c_attn.lora_A.default.weight: shape [4, 64] saved, [8, 64] now" in line
+                                      and "HINT:" in line for line in refusals), refusals
+    assert _files_of(ckpt) == before

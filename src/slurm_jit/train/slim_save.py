@@ -199,15 +199,13 @@ def load_slim(engine: Any, checkpoint_path: str, load_module_strict: bool = True
     left_out: list[str] = []
 
     def load_module(src: dict[str, Any], dst: Any) -> None:
+        misfit = _module_misfit(src, dst.state_dict(), names, load_module_strict)
+        if misfit:
+            raise JitRefusal(f"slurm_jit: {checkpoint_path}: the saved module does not fit this model ({misfit}). "
+                             "HINT: resume with the model the checkpoint was written with (a PEFT model: the same "
+                             "adapter config, its rank and target modules)")
         result = dst.load_state_dict(src, strict=False)
         left_out[:] = sorted(set(result.missing_keys) & names)
-        uncovered = sorted(set(result.missing_keys) - names)
-        unexpected = sorted(result.unexpected_keys)
-        if load_module_strict and (uncovered or unexpected):
-            raise JitRefusal(
-                f"slurm_jit: {checkpoint_path}: the saved module does not fit this model (missing, not held by "
-                f"the optimizer: {uncovered[:SHOWN_KEYS]}; unexpected: {unexpected[:SHOWN_KEYS]}). HINT: resume "
-                "with the model the checkpoint was written with")
         if left_out and not engine.zero_load_from_fp32_weights():  # before the shards: nothing loaded from them
             raise JitRefusal(_unrebuildable(checkpoint_path))
 
@@ -219,6 +217,25 @@ def load_slim(engine: Any, checkpoint_path: str, load_module_strict: bool = True
         engine.optimizer.update_lp_params()  # the end of an optimizer step: fp32 partitions -> module weights
         logger.info("slurm_jit: %s: %d module weights rebuilt from the fp32 master partitions (slim JIT save)",
                     checkpoint_path, len(left_out))
+
+
+def _module_misfit(saved: dict[str, Any], built: dict[str, Any], held: set[str], strict: bool) -> str | None:
+    """What in the saved module does not fit the built one (its state dict), or None: a key of another shape (a
+    LoRA of another rank: torch's load would raise a traceback), a key the model lacks (another adapter set: the
+    non-strict load of a PEFT model would ignore it), some held weights saved and others not (a slim save leaves
+    all of them out, any other save none); strict: also a missing key the optimizer does not hold."""
+    for name, tensor in saved.items():
+        if name in built and tuple(getattr(tensor, "shape", ())) != tuple(built[name].shape):
+            return f"{name}: shape {list(tensor.shape)} saved, {list(built[name].shape)} now"
+    unexpected = sorted(set(saved) - set(built))
+    missing_held = sorted(held - set(saved))
+    uncovered = sorted(set(built) - set(saved) - held) if strict else []
+    if unexpected or uncovered:
+        return (f"missing, not held by the optimizer: {uncovered[:SHOWN_KEYS]}; unexpected: "
+                f"{unexpected[:SHOWN_KEYS]}")
+    if missing_held and len(missing_held) < len(held & set(built)):
+        return f"trained weights missing from it: {missing_held[:SHOWN_KEYS]}"
+    return None
 
 
 def _unrebuildable(checkpoint_path: str) -> str:
