@@ -130,19 +130,29 @@ def _files_of(ckpt: Path) -> dict[str, tuple[int, int]]:
     return {str(p.relative_to(ckpt)): (p.stat().st_size, p.stat().st_mtime_ns) for p in ckpt.rglob("*") if p.is_file()}
 
 
+# Another adapter config on the checkpoint: (demo_train args, what the refusal names)
+OTHER_ADAPTERS = {
+    "rank": (["--lora-rank", "8"], "h.0.attn.c_attn.lora_A.default.weight: shape [4, 64] saved, [8, 64] now"),
+    "targets": (["--lora-targets", "c_attn,c_proj"], "trained weights missing from it: "
+                "['base_model.model.transformer.h.0.attn.c_proj.lora_A.default.weight'"),
+}
+
+
 @pytest.mark.deepspeed
-def test_resume_with_a_lora_of_another_rank_is_refused_in_one_line(
-        stopped: Stopped, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """A LoRA of rank 8 on the rank-4 checkpoint: its adapters' shapes differ. One line naming the first adapter,
-    with a HINT, exit 2 on both ranks, the checkpoint untouched; before, torch's size-mismatch traceback."""
-    out = tmp_path_factory.mktemp("peft-rank8") / "out"
+@pytest.mark.parametrize("change", sorted(OTHER_ADAPTERS))
+def test_resume_with_another_lora_config_is_refused_in_one_line(
+        stopped: Stopped, tmp_path_factory: pytest.TempPathFactory, change: str) -> None:
+    """A LoRA of rank 8 on the rank-4 checkpoint (its adapters' shapes differ), or one with more target modules (its
+    new adapters are not in the file): one line naming the first adapter, with a HINT, exit 2 on both ranks, the
+    checkpoint untouched. Before: torch's size-mismatch traceback; DeepSpeed's own error on the partitions."""
+    args, named = OTHER_ADAPTERS[change]
+    out = tmp_path_factory.mktemp(f"peft-{change}") / "out"
     shutil.copytree(stopped.out, out, symlinks=True)
     ckpt = out / stopped.ckpt.name
     before = _files_of(ckpt)
-    result = run_logged(out, [*ARGS, "--resume", "--lora-rank", "8"])
+    result = run_logged(out, [*ARGS, "--resume", *args])
     assert result.codes == [2, 2], result.log[-4000:]
     assert "Traceback" not in result.log, result.log[-4000:]
     refusals = [line for line in result.log.splitlines() if "does not fit this model" in line]
-    assert len(refusals) == 2 and all("h.0.attn.c_attn.lora_A.default.weight: shape [4, 64] saved, [8, 64] now" in line
-                                      and "HINT:" in line for line in refusals), refusals
+    assert len(refusals) == 2 and all(named in line and "HINT:" in line for line in refusals), refusals
     assert _files_of(ckpt) == before
