@@ -156,3 +156,20 @@ def test_resume_with_another_lora_config_is_refused_in_one_line(
     refusals = [line for line in result.log.splitlines() if "does not fit this model" in line]
     assert len(refusals) == 2 and all(named in line and "HINT:" in line for line in refusals), refusals
     assert _files_of(ckpt) == before
+
+
+@pytest.mark.deepspeed
+def test_lora_model_resuming_a_slim_checkpoint_of_the_plain_model_is_refused_in_one_line(
+        tmp_path: Path) -> None:
+    """The LoRA-wrapped model on the unwrapped model's slim JIT checkpoint: its frozen base is in neither the saved
+    module nor the optimizer's shards. One line with a HINT, exit 2; before, DeepSpeed's KeyError on both ranks."""
+    out = tmp_path / "out"
+    stop = run_logged(out, [*ARGS[1:], "--signal-self-at-step", str(STOP_AT_STEP), "--kill-wait", "0"])
+    record = stop_record.read(out)
+    assert stop.codes == [0, 0] and record is not None and record["state"] == "jit_stop", stop.log[-4000:]
+    result = run_logged(out, [*ARGS, "--resume"])
+    assert result.codes == [2, 2], result.log[-4000:]
+    assert "Traceback" not in result.log, result.log[-4000:]
+    refusals = [line for line in result.log.splitlines() if "does not fit this model" in line]
+    assert len(refusals) == 2 and all("'base_model.model.lm_head.weight'" in line and "HINT:" in line
+                                      for line in refusals), refusals

@@ -223,17 +223,19 @@ def _module_misfit(saved: dict[str, Any], built: dict[str, Any], held: set[str],
     """What in the saved module does not fit the built one (its state dict), or None: a key of another shape (a
     LoRA of another rank: torch's load would raise a traceback), a key the model lacks (another adapter set: the
     non-strict load of a PEFT model would ignore it), some held weights saved and others not (a slim save leaves
-    all of them out, any other save none); strict: also a missing key the optimizer does not hold."""
+    all of them out, any other save none); strict, or a slim save (a PEFT model's frozen base missing from a
+    checkpoint of another model: DeepSpeed's KeyError), also a missing key the optimizer does not hold."""
     for name, tensor in saved.items():
         if name in built and tuple(getattr(tensor, "shape", ())) != tuple(built[name].shape):
             return f"{name}: shape {list(tensor.shape)} saved, {list(built[name].shape)} now"
     unexpected = sorted(set(saved) - set(built))
     missing_held = sorted(held - set(saved))
-    uncovered = sorted(set(built) - set(saved) - held) if strict else []
+    slim = bool(held) and len(missing_held) == len(held & set(built))  # keeps every weight it does not hold
+    uncovered = sorted(set(built) - set(saved) - held) if strict or slim else []
     if unexpected or uncovered:
         return (f"missing, not held by the optimizer: {uncovered[:SHOWN_KEYS]}; unexpected: "
                 f"{unexpected[:SHOWN_KEYS]}")
-    if missing_held and len(missing_held) < len(held & set(built)):
+    if missing_held and not slim:
         return f"trained weights missing from it: {missing_held[:SHOWN_KEYS]}"
     return None
 
