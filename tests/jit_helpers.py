@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from slurm_jit import local_ranks, timing
+from slurm_jit.checkpoint import manifest as manifest_file
 from slurm_jit.checkpoint import protocol
+from slurm_jit.checkpoint.ckpt_check import WEIGHTS_SHOWN
 from slurm_jit.train import stop_record
 
 START_TIMEOUT_S = 300  # a fresh machine builds DeepSpeed's CPU comm op on first use (~80 s on 2 cores)
@@ -174,11 +176,13 @@ def _sizes_on_disk(ckpt: Path) -> dict[str, int]:
     return sizes
 
 
-def assert_byte_report_matches_disk(ckpt: Path) -> None:
+def assert_byte_report_matches_disk(ckpt: Path, jit_weights: str = protocol.WEIGHTS_MASTER_ONLY) -> None:
     """The manifest's byte report against the files on disk: the total is what is there (less the manifest);
     the duplicate is exactly the DeepSpeed model-states file(s) that hold the whole model (ZeRO-0/1/2 periodic and
     final saves), and nothing for a slim JIT save under ZeRO-1/2 (its model-states file leaves the weights out)
-    nor under ZeRO-3, whose per-rank model-states files hold no weights (they are in the optimizer shards)."""
+    nor under ZeRO-3, whose per-rank model-states files hold no weights (they are in the optimizer shards).
+    ``jit_weights``: the layout of a JIT save under ZeRO-1/2 (a PEFT model's: frozen-excluded, whose model-states
+    file holds the adapters again)."""
     manifest = json.loads((ckpt / protocol.MANIFEST_NAME).read_text())
     sizes = _sizes_on_disk(ckpt)
     assert protocol.SENTINEL_NAME not in sizes
@@ -189,15 +193,19 @@ def assert_byte_report_matches_disk(ckpt: Path) -> None:
     assert bool(whole_model) != bool(partitioned), f"model-states files in {ckpt}: {whole_model + partitioned}"
     # a JIT save under ZeRO-1/2 (slim: weights "fp32-master-only") leaves the weights out of the model states
     slim = manifest.get("weights") == protocol.WEIGHTS_MASTER_ONLY
-    expect_slim = bool(partitioned) or (manifest["kind"] == "jit" and manifest["zero_stage"] in (1, 2))
+    jit_zero12 = manifest["kind"] == "jit" and manifest["zero_stage"] in (1, 2)
+    expect_slim = bool(partitioned) or (jit_zero12 and jit_weights == protocol.WEIGHTS_MASTER_ONLY)
     assert slim == expect_slim, (manifest.get("weights"), manifest["kind"], manifest["zero_stage"])
+    if jit_zero12:
+        assert manifest["weights"] == jit_weights, manifest["weights"]
     duplicate = 0 if slim else sum(p.stat().st_size for p in whole_model)
     assert manifest["bytes_weights_duplicate"] == duplicate, (manifest["bytes_weights_duplicate"], duplicate)
     assert manifest["bytes_needed_for_resume"] == on_disk - duplicate
 
 
-def assert_jit_stop(out: Path, result: StopResult) -> Path:
-    """The run stopped for a JIT checkpoint that ckpt-check calls complete, whose DeepSpeed tag is its step."""
+def assert_jit_stop(out: Path, result: StopResult, weights: str = protocol.WEIGHTS_MASTER_ONLY) -> Path:
+    """The run stopped for a JIT checkpoint that ckpt-check calls complete, whose DeepSpeed tag is its step;
+    ``weights``: its layout under ZeRO-1/2 (a PEFT model's: frozen-excluded)."""
     assert result.codes == [0, 0], result.log[-4000:]
     record = stop_record.read(out)
     assert record is not None and record["state"] == "jit_stop", record
@@ -208,13 +216,14 @@ def assert_jit_stop(out: Path, result: StopResult) -> Path:
     info = protocol.inspect(ckpt, record["step"], deep=True)
     assert info.status is protocol.Status.COMPLETE and info.kind == "jit", info
     if info.zero_stage:  # ZeRO-1/2: the slim JIT save; ZeRO-3: DeepSpeed's own layout. ckpt-check says so.
-        assert info.weights == protocol.WEIGHTS_MASTER_ONLY, info
+        expected = protocol.WEIGHTS_MASTER_ONLY if info.zero_stage == manifest_file.ZERO3 else weights
+        assert info.weights == expected, info
         row = next(line for line in check.stdout.splitlines() if line.split()[:1] == [str(record["step"])])
-        assert " master " in row, row
+        assert f" {WEIGHTS_SHOWN[expected]} " in row, row
     assert (ckpt / "latest").read_text().strip() == f"global_step{record['step']}"
     # what resume needs, once: no consolidated weights beside the DeepSpeed shards, and the excess is reported
     assert not (ckpt / "model.safetensors").exists()
-    assert_byte_report_matches_disk(ckpt)
+    assert_byte_report_matches_disk(ckpt, weights)
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert state["global_step"] == record["step"]
     return ckpt

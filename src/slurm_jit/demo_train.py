@@ -80,6 +80,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="JitConfig(jit_save_model_weights=True): JIT saves also write model.safetensors (ZeRO-3: "
                         "the consolidated 16-bit gather)")
     p.add_argument("--freeze-embeddings", action="store_true", help="the input embeddings do not train")
+    p.add_argument("--lora", action="store_true",
+                   help="wrap the model in a LoRA adapter (peft.get_peft_model): only the adapters train")
+    p.add_argument("--lora-rank", type=int, default=LORA_RANK, help="with --lora: LoraConfig.r")
+    p.add_argument("--lora-targets", default="",
+                   help="with --lora: comma-separated target modules (default: the attention projections)")
+    p.add_argument("--lora-modules-to-save", default="",
+                   help="with --lora: comma-separated modules that train whole beside it (LoraConfig.modules_to_save)")
     p.add_argument("--full-jit-save", action="store_true",
                    help="JitConfig(slim_jit_save=False): JIT saves write DeepSpeed's full model-states file")
     p.add_argument("--step-times", action="store_true",
@@ -169,6 +176,20 @@ def _relayout(model: Any, variant: str | None) -> Any:
         mlp._modules = {("proj_out" if k == "c_proj" else k): m for k, m in mlp._modules.items()}
         mlp.__dict__["c_proj"] = mlp._modules["proj_out"]
     return model
+
+
+LORA_RANK = 4  # LoraConfig.r, small as the model
+LORA_TARGETS = {"gpt2": ["c_attn"], "llama": ["q_proj", "v_proj"]}  # the attention projections, as PEFT's examples
+
+
+def _with_lora(model: Any, kind: str, modules_to_save: list[str], rank: int, targets: list[str]) -> Any:
+    """``model`` wrapped in a LoRA adapter: the base frozen, the adapters (and ``modules_to_save``) trainable."""
+    import peft
+
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets or LORA_TARGETS[kind],
+                             fan_in_fan_out=kind == "gpt2",  # GPT-2's Conv1D stores its weight transposed
+                             modules_to_save=modules_to_save or None, task_type="CAUSAL_LM")
+    return peft.get_peft_model(model, config)
 
 
 # The optimizer section as a user writes it: Trainer fills each "auto" from TrainingArguments.
@@ -378,6 +399,9 @@ def main(argv: Sequence[str] | None = None, trainer_cls: Any = None) -> None:
                         untie=args.untie_embeddings, variant=args.variant)
     if args.freeze_embeddings:
         model.get_input_embeddings().weight.requires_grad_(False)
+    if args.lora:
+        model = _with_lora(model, args.model, [m for m in args.lora_modules_to_save.split(",") if m], args.lora_rank,
+                           [m for m in args.lora_targets.split(",") if m])
     common: dict[str, Any] = dict(
         model=model, args=targs, train_dataset=_Tokens(args.samples, args.seed, args.vocab),
         eval_dataset=_Tokens(args.eval_samples, args.seed + 1, args.vocab) if args.eval_steps else None,

@@ -25,7 +25,8 @@ UNKNOWN = "-"  # a size or age that could not be read
 MAX_WORLD_SIZE = structure.MAX_WORLD_SIZE
 RUN_ID_SHOWN_CHARS = 8  # enough to tell runs apart in the table; --json has the whole id
 # The weights layout in the table's narrow column; --json has the manifest's words
-WEIGHTS_SHOWN = {protocol.WEIGHTS_FULL: "full", protocol.WEIGHTS_MASTER_ONLY: "master"}
+WEIGHTS_SHOWN = {protocol.WEIGHTS_FULL: "full", protocol.WEIGHTS_MASTER_ONLY: "master",
+                 protocol.WEIGHTS_FROZEN_EXCLUDED: "adapter"}
 
 EPILOG = f"""\
 exit status:
@@ -39,6 +40,8 @@ weights (where the module weights are; from the manifest, '-' without one):
   full        in DeepSpeed's model-states file too, beside the fp32 master copy in the optimizer shards
   master      only in the fp32 master partitions of the optimizer shards (JitTrainer's JIT saves under ZeRO-1/2,
               every ZeRO-3 save): every rank's shard is needed, and a ZeRO-1/2 one is resumed by JitTrainer only
+  adapter     a PEFT model's ZeRO-1/2 save (transformers' layout, frozen-excluded): the trainable weights (the
+              adapters) only; the frozen base is the model as built. Both trainers resume it
 
 statuses (newest written first; only complete and unverified are resumable):
   complete    manifest verified (sizes; checksums too with --deep) and everything a resume needs is there

@@ -27,7 +27,10 @@ CONTENTS = (CONTENTS_FULL, CONTENTS_MODEL_ONLY)
 # before it) means WEIGHTS_FULL, except under ZeRO-3, whose model-states files never hold them.
 WEIGHTS_FULL = "full"  # DeepSpeed's model-states file holds the module weights (beside the fp32 master copy)
 WEIGHTS_MASTER_ONLY = "fp32-master-only"  # only the optimizer shards' fp32 master partitions hold them
-WEIGHTS_LAYOUTS = (WEIGHTS_FULL, WEIGHTS_MASTER_ONLY)
+# A PEFT model's save (upstream's exclude_frozen_parameters): the model-states file holds the trainable weights (the
+# adapters) and no frozen ones; those are the model as built (the base the user's script loads), as upstream resumes
+WEIGHTS_FROZEN_EXCLUDED = "frozen-excluded"
+WEIGHTS_LAYOUTS = (WEIGHTS_FULL, WEIGHTS_MASTER_ONLY, WEIGHTS_FROZEN_EXCLUDED)
 ZERO3 = 3  # ZeRO stage 3: partitioned parameters, model-states files with placeholders for the weights
 HASH_NAME = "xxh3_128"
 HASH_CHUNK_BYTES = 8 * 1024 * 1024

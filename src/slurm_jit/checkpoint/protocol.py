@@ -55,6 +55,7 @@ from slurm_jit.checkpoint.manifest import (  # the manifest's names, used by the
     MANIFEST_FORMAT,
     MANIFEST_NAME,
     TRAINER_STATE_NAME,
+    WEIGHTS_FROZEN_EXCLUDED,
     WEIGHTS_FULL,
     WEIGHTS_LAYOUTS,
     WEIGHTS_MASTER_ONLY,  # noqa: F401 - re-exported for the trainer and ckpt-check
@@ -285,7 +286,9 @@ def _structural(path: Path, step: int, manifest: dict[str, Any] | None,
     if structure.model_only(path):
         declared = manifest is not None and manifest.get("contents") == CONTENTS_MODEL_ONLY
         why = "save_only_model checkpoint" if declared else f"weights only ({missing})"
-        return info(Status.MODEL_ONLY, f"{why}: model weights whole, no optimizer/RNG state to resume", manifest)
+        adapters = manifest is not None and manifest_mod.weights_layout(manifest) == WEIGHTS_FROZEN_EXCLUDED
+        what = "adapter weights (PEFT)" if adapters else "model weights whole"
+        return info(Status.MODEL_ONLY, f"{why}: {what}, no optimizer/RNG state to resume", manifest)
     if manifest is None:
         return info(Status.INCOMPLETE, f"no manifest; {missing}")
     return info(Status.INCOMPLETE, f"manifest verified but {missing}: cannot be resumed", manifest)
@@ -503,7 +506,8 @@ def write_manifest(
 
     ``contents``: "full" (everything an exact resume needs) or "model_only" (a save_only_model save: never
     resumed); ``run_id``: the training run's lineage id, shown by ckpt-check; ``weights``: where the module
-    weights are ("full", or "fp32-master-only": only in the optimizer shards' fp32 master partitions).
+    weights are ("full"; "fp32-master-only": only in the optimizer shards' fp32 master partitions;
+    "frozen-excluded": a PEFT model's, the trainable ones only, the frozen base is the model as built).
     """
     if kind not in SAVE_KINDS:
         raise ProtocolError(f"unknown save kind {kind!r}; expected one of {SAVE_KINDS}")

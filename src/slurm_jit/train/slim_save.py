@@ -14,13 +14,19 @@ keys (any other missing key is refused), DeepSpeed restoring the fp32 master par
 (``load_from_fp32_weights``, its default), then the module weights rebuilt from them as the end of an optimizer
 step does (``update_lp_params``: each rank copies its fp32 partition into its
 16-bit partition, then all-gather). The copy is the optimizer step's own, so the weights are bit for bit the ones
-at the stop. A plain ``transformers.Trainer`` cannot resume such a checkpoint (DeepSpeed's strict module load
-refuses it: README). ZeRO-3's model-states files hold placeholders only: its every save is master-only already,
-and DeepSpeed's own load restores it.
+at the stop. A plain ``transformers.Trainer`` cannot resume such a checkpoint of a model that is not PEFT
+(DeepSpeed's strict module load refuses it: README). ZeRO-3's model-states files hold placeholders only: its
+every save is master-only already, and DeepSpeed's own load restores it.
+
+A PEFT model is saved as transformers saves it (:func:`excludes_frozen`: ``exclude_frozen_parameters``), JIT saves
+too: the model-states file holds the trainable weights (the adapters: small) and no frozen ones, which are the model
+as built (the base the user's script loads); both trainers load it back non-strict, and the load above finds
+nothing left out (``weights: frozen-excluded``). Slim, its adapters would be the built ones in a plain Trainer.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from slurm_jit.checkpoint import manifest as manifest_file
-from slurm_jit.checkpoint.manifest import WEIGHTS_FULL, WEIGHTS_MASTER_ONLY, ZERO3
+from slurm_jit.checkpoint.manifest import WEIGHTS_FROZEN_EXCLUDED, WEIGHTS_FULL, WEIGHTS_MASTER_ONLY, ZERO3
 from slurm_jit.train import model_match
 from slurm_jit.train.refusals import JitRefusal
 
@@ -48,11 +54,37 @@ def slim_capable(engine: Any) -> bool:
             and hasattr(optimizer, "bit16_groups") and not getattr(engine, "has_moe_layers", False))
 
 
-def layout(engine: Any, slim: bool) -> str:
-    """The weights layout of a save by ``engine`` (None: no DeepSpeed); ``slim``: :func:`slim_model_states` wrote it."""
+def excludes_frozen(model: Any, engine: Any) -> bool:
+    """Whether transformers' save of ``model`` leaves the frozen parameters out: a PEFT model, whose frozen base it
+    loads back from the model as built (its adapter files; with DeepSpeed, ``Trainer._save_optimizer_and_scheduler``'s
+    own test: ``exclude_frozen_parameters``). ``engine``: the DeepSpeed engine, or None."""
+    if not _is_peft_model(model):
+        return False
+    return engine is None or "exclude_frozen_parameters" in inspect.signature(engine.save_checkpoint).parameters
+
+
+def _is_peft_model(model: Any) -> bool:
+    """transformers' own test (the Trainer's saves and loads ask it), or the one it stands for if it moved: a
+    failing import must not turn a JIT stop into a traceback."""
+    try:
+        from transformers.trainer_utils import _is_peft_model as upstream
+    except ImportError:
+        try:
+            from peft import PeftMixedModel, PeftModel
+        except ImportError:
+            return False
+        return isinstance(model, PeftModel | PeftMixedModel)
+    return bool(upstream(model))
+
+
+def layout(engine: Any, slim: bool, frozen_excluded: bool = False) -> str:
+    """The weights layout of a save by ``engine`` (None: no DeepSpeed); ``slim``: :func:`slim_model_states` wrote it;
+    ``frozen_excluded``: transformers' save of a PEFT model (:func:`excludes_frozen`) wrote it."""
     if engine is not None and engine.zero_optimization_stage() == ZERO3:
         return WEIGHTS_MASTER_ONLY
-    return WEIGHTS_MASTER_ONLY if slim else WEIGHTS_FULL
+    if slim:
+        return WEIGHTS_MASTER_ONLY
+    return WEIGHTS_FROZEN_EXCLUDED if frozen_excluded else WEIGHTS_FULL
 
 
 def held_names(engine: Any) -> set[str]:
@@ -86,6 +118,28 @@ def slim_model_states(engine: Any) -> Iterator[bool]:
 
     with _swapped(engine, "save_checkpoint", slim_save):
         yield True
+
+
+@contextmanager
+def frozen_left_out(engine: Any) -> Iterator[None]:
+    """While inside, the engine's ``module_state_dict(exclude_frozen_parameters=True)`` (transformers' save of a PEFT
+    model) leaves out every name of a frozen parameter: DeepSpeed drops each under its first name only, so a frozen
+    embedding tied to the output layer stayed in whole (``lm_head.weight``). None, or a ZeRO-3 engine: as it is."""
+    if engine is None or engine.zero_optimization_stage() not in SLIM_STAGES:
+        yield
+        return
+    frozen = {name for name, p in engine.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    full = engine.module_state_dict
+
+    def module_state_dict(*args: Any, **kwargs: Any) -> Any:
+        state = full(*args, **kwargs)
+        if kwargs.get("exclude_frozen_parameters"):
+            for name in frozen:
+                state.pop(kwargs.get("prefix", "") + name, None)
+        return state
+
+    with _swapped(engine, "module_state_dict", module_state_dict):
+        yield
 
 
 @contextmanager
@@ -146,15 +200,13 @@ def load_slim(engine: Any, checkpoint_path: str, load_module_strict: bool = True
     left_out: list[str] = []
 
     def load_module(src: dict[str, Any], dst: Any) -> None:
+        misfit = _module_misfit(src, dst.state_dict(), names, load_module_strict)
+        if misfit:
+            raise JitRefusal(f"slurm_jit: {checkpoint_path}: the saved module does not fit this model ({misfit}). "
+                             "HINT: resume with the model the checkpoint was written with (a PEFT model: the same "
+                             "adapter config, its rank and target modules)")
         result = dst.load_state_dict(src, strict=False)
         left_out[:] = sorted(set(result.missing_keys) & names)
-        uncovered = sorted(set(result.missing_keys) - names)
-        unexpected = sorted(result.unexpected_keys)
-        if load_module_strict and (uncovered or unexpected):
-            raise JitRefusal(
-                f"slurm_jit: {checkpoint_path}: the saved module does not fit this model (missing, not held by "
-                f"the optimizer: {uncovered[:SHOWN_KEYS]}; unexpected: {unexpected[:SHOWN_KEYS]}). HINT: resume "
-                "with the model the checkpoint was written with")
         if left_out and not engine.zero_load_from_fp32_weights():  # before the shards: nothing loaded from them
             raise JitRefusal(_unrebuildable(checkpoint_path))
 
@@ -166,6 +218,27 @@ def load_slim(engine: Any, checkpoint_path: str, load_module_strict: bool = True
         engine.optimizer.update_lp_params()  # the end of an optimizer step: fp32 partitions -> module weights
         logger.info("slurm_jit: %s: %d module weights rebuilt from the fp32 master partitions (slim JIT save)",
                     checkpoint_path, len(left_out))
+
+
+def _module_misfit(saved: dict[str, Any], built: dict[str, Any], held: set[str], strict: bool) -> str | None:
+    """What in the saved module does not fit the built one (its state dict), or None: a key of another shape (a
+    LoRA of another rank: torch's load would raise a traceback), a key the model lacks (another adapter set: the
+    non-strict load of a PEFT model would ignore it), some held weights saved and others not (a slim save leaves
+    all of them out, any other save none); strict, or a slim save (a PEFT model's frozen base missing from a
+    checkpoint of another model: DeepSpeed's KeyError), also a missing key the optimizer does not hold."""
+    for name, tensor in saved.items():
+        if name in built and tuple(getattr(tensor, "shape", ())) != tuple(built[name].shape):
+            return f"{name}: shape {list(tensor.shape)} saved, {list(built[name].shape)} now"
+    unexpected = sorted(set(saved) - set(built))
+    missing_held = sorted(held - set(saved))
+    slim = bool(held) and len(missing_held) == len(held & set(built))  # keeps every weight it does not hold
+    uncovered = sorted(set(built) - set(saved) - held) if strict or slim else []
+    if unexpected or uncovered:
+        return (f"missing, not held by the optimizer: {uncovered[:SHOWN_KEYS]}; unexpected: "
+                f"{unexpected[:SHOWN_KEYS]}")
+    if missing_held and not slim:
+        return f"trained weights missing from it: {missing_held[:SHOWN_KEYS]}"
+    return None
 
 
 def _unrebuildable(checkpoint_path: str) -> str:

@@ -100,7 +100,8 @@ class JitConfig:
     signals: tuple[str, ...] = ("TERM",)  # signal names that request a JIT stop (e.g. ("TERM", "USR1"))
     jit_save_model_weights: bool = False  # also write model.safetensors (under ZeRO-3: gather 16-bit weights)
     # Under ZeRO-1/2 a JIT save writes the module weights once, in the optimizer shards' fp32 master copy, not again
-    # in DeepSpeed's model-states file (train/slim_save.py); False: DeepSpeed's layout (a plain Trainer resumes it)
+    # in DeepSpeed's model-states file (train/slim_save.py); False: DeepSpeed's layout (a plain Trainer resumes it).
+    # A PEFT model's saves are transformers' layout either way (the adapters only, no frozen base: both resume it)
     slim_jit_save: bool = True
     ignore_signals_in_workers: bool = True  # DataLoader workers ignore the stop signals
     grace_check: bool = True  # under Slurm, warn when the signal lead is shorter than the grace needed
@@ -774,13 +775,16 @@ class JitTrainer(transformers.Trainer):
         if kind == "jit":
             self.args.save_only_model = False
         engine = self.model_wrapped if self.is_deepspeed_enabled else None
-        slim_engine = engine if kind == "jit" and self.jit_config.slim_jit_save else None
+        # A PEFT model's saves are upstream's (frozen base left out, adapters kept): both trainers resume them
+        peft = slim_save.excludes_frozen(self.model, engine)
+        slim_engine = engine if kind == "jit" and self.jit_config.slim_jit_save and not peft else None
         try:
-            with slim_save.slim_model_states(slim_engine) as slim:
+            with (slim_save.slim_model_states(slim_engine) as slim,
+                  slim_save.frozen_left_out(engine if peft else None)):
                 super()._save_checkpoint(model, trial)
-            if self.args.save_only_model:  # model.safetensors, whole: no DeepSpeed files at all
-                return protocol.CONTENTS_MODEL_ONLY, protocol.WEIGHTS_FULL
-            return protocol.CONTENTS_FULL, slim_save.layout(engine, slim)
+            if self.args.save_only_model:  # model.safetensors (a PEFT model's: its adapters), no DeepSpeed files
+                return protocol.CONTENTS_MODEL_ONLY, slim_save.layout(None, False, frozen_excluded=peft)
+            return protocol.CONTENTS_FULL, slim_save.layout(engine, slim, frozen_excluded=peft)
         finally:
             self.args.save_total_limit, self.args.save_only_model = limit, only_model
 

@@ -1,0 +1,175 @@
+"""A PEFT model's checkpoints: transformers' layout (the trainable adapter weights kept, the frozen base left out:
+``exclude_frozen_parameters``), JIT saves too, so that both the JitTrainer and a plain ``transformers.Trainer``
+resume them. The frozen base comes from the model as built (the PEFT contract: the user's script loads it).
+
+Real DeepSpeed ZeRO-2 on 2 CPU ranks, a tiny GPT-2 from a config wrapped in a LoRA adapter (``demo_train --lora``),
+a real SIGTERM. One stopped run is resumed twice, once by each trainer, and compared with the uninterrupted run.
+Before, a JIT save of a LoRA model left out exactly the adapters (what the optimizer holds) and wrote the whole
+frozen base; a plain Trainer (non-strict load for every PEFT model) then ran its first resumed step on the
+adapters as built (loss 4.733044 vs 4.739069 in the review).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from jit_helpers import StopResult, assert_jit_stop, assert_same_losses, losses, run_logged
+
+from slurm_jit.checkpoint import protocol
+from slurm_jit.train import stop_record
+
+MAX_STEPS = 10
+SAVE_STEPS = 4  # one periodic save (checkpoint-4) before the stop: upstream's own save of a PEFT model
+STOP_AT_STEP = 5  # each rank sends itself SIGTERM at the end of this step; kill_wait 0: the stop lands at 5 or 6
+ARGS = ["--lora", "--zero-stage", "2", "--max-steps", str(MAX_STEPS), "--save-steps", str(SAVE_STEPS)]
+LORA_MARK = ".lora_"  # PEFT's adapter parameter names: ...c_attn.lora_A.default.weight
+REBUILT_LINE = "rebuilt from the fp32 master partitions"  # slim_save.load_slim's log line
+LATER_STEPS_REL_TOL = 1e-5  # a plain Trainer's later steps (no exact-resume restore of its own); wrong weights: 1e-3
+
+
+@dataclass
+class Stopped:
+    out: Path  # the stopped run's OUT_DIR, before any resume
+    ckpt: Path  # its JIT checkpoint
+    step: int
+    log: str  # what its ranks wrote
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory: pytest.TempPathFactory) -> Stopped:
+    out = tmp_path_factory.mktemp("peft-stopped") / "out"
+    run = run_logged(out, [*ARGS, "--signal-self-at-step", str(STOP_AT_STEP), "--kill-wait", "0"])
+    record = stop_record.read(out)
+    assert run.codes == [0, 0] and record is not None and record["state"] == "jit_stop", run.log[-4000:]
+    step = int(record["step"])
+    assert SAVE_STEPS < step < MAX_STEPS, step
+    return Stopped(out=out, ckpt=Path(record["checkpoint"]), step=step, log=run.log)
+
+
+@dataclass
+class Resumed:
+    losses: list[tuple[int, float]]  # every step's, the stopped run's first
+    log: str  # what the resumed ranks wrote
+
+
+def _resumed(stopped: Stopped, tmp_path_factory: pytest.TempPathFactory, name: str, args: list[str]) -> Resumed:
+    """A copy of the stopped run, resumed to the end with ``args``."""
+    out = tmp_path_factory.mktemp(name) / "out"
+    shutil.copytree(stopped.out, out, symlinks=True)
+    result = run_logged(out, [*ARGS, "--resume", *args])
+    assert result.codes == [0, 0], result.log[-4000:]
+    return Resumed(losses=losses(out), log=result.log)
+
+
+@pytest.fixture(scope="module")
+def jit_resumed(stopped: Stopped, tmp_path_factory: pytest.TempPathFactory) -> Resumed:
+    return _resumed(stopped, tmp_path_factory, "peft-jit", [])
+
+
+@pytest.fixture(scope="module")
+def plain_resumed(stopped: Stopped, tmp_path_factory: pytest.TempPathFactory) -> Resumed:
+    return _resumed(stopped, tmp_path_factory, "peft-plain", ["--trainer", "plain"])
+
+
+def _module_of(ckpt: Path, step: int) -> dict[str, object]:
+    import torch
+
+    states = torch.load(ckpt / f"global_step{step}" / "mp_rank_00_model_states.pt", map_location="cpu",
+                        weights_only=False)
+    assert states["param_shapes"], "no param_shapes: zero_to_fp32 could not rebuild the adapters"
+    return dict(states["module"])
+
+
+@pytest.mark.deepspeed
+def test_lora_checkpoints_hold_the_adapters_and_no_frozen_base_weight(stopped: Stopped) -> None:
+    """The JIT checkpoint's model-states file holds exactly the adapter weights: a few KiB, not the base (nor the
+    frozen embedding again under its tied name, lm_head.weight, which DeepSpeed's own exclusion keeps). The
+    periodic save says the same layout in its manifest; ckpt-check --deep calls the JIT one complete, "adapter"."""
+    ckpt = assert_jit_stop(stopped.out, StopResult(codes=[0, 0], stop_s=0.0, log=stopped.log),
+                           weights=protocol.WEIGHTS_FROZEN_EXCLUDED)
+    assert ckpt == stopped.ckpt
+    module = _module_of(stopped.ckpt, stopped.step)
+    assert module and all(LORA_MARK in name for name in module), sorted(module)
+    adapter_bytes = sum(t.numel() * t.element_size() for t in module.values())  # type: ignore[attr-defined]
+    states_bytes = (stopped.ckpt / f"global_step{stopped.step}" / "mp_rank_00_model_states.pt").stat().st_size
+    # the file: the adapters and DeepSpeed's bookkeeping (param_shapes, ds_config, ...), no 32 KiB embedding
+    assert states_bytes < adapter_bytes + 24 * 1024, (states_bytes, adapter_bytes)
+    periodic = stopped.out / f"checkpoint-{SAVE_STEPS}"
+    manifest = json.loads((periodic / protocol.MANIFEST_NAME).read_text())
+    assert manifest["kind"] == "periodic" and manifest["weights"] == protocol.WEIGHTS_FROZEN_EXCLUDED, manifest
+    assert set(_module_of(periodic, SAVE_STEPS)) == set(module)
+
+
+@pytest.mark.deepspeed
+def test_jit_trainer_resumes_a_lora_checkpoint_bitwise_with_the_adapters_from_the_file(
+        stopped: Stopped, jit_resumed: Resumed, reference_losses: Callable[..., list[tuple[int, float]]]) -> None:
+    """Every loss bitwise the uninterrupted run's; the adapters were in the file, nothing was rebuilt."""
+    assert f"/out/checkpoint-{stopped.step} (complete)" in jit_resumed.log, jit_resumed.log[-3000:]  # resuming
+    assert REBUILT_LINE not in jit_resumed.log, "the adapters were left out of the file and rebuilt"
+    assert_same_losses(jit_resumed.losses, reference_losses(ARGS))
+
+
+@pytest.mark.deepspeed
+def test_plain_trainer_resumes_a_lora_jit_checkpoint_with_its_adapters(
+        stopped: Stopped, plain_resumed: Resumed, reference_losses: Callable[..., list[tuple[int, float]]]) -> None:
+    """The first resumed step runs on the checkpoint's adapters (bitwise the uninterrupted run's loss); before, on
+    the adapters as built."""
+    resumed, reference = plain_resumed.losses, reference_losses(ARGS)
+    assert [s for s, _ in resumed] == [s for s, _ in reference], resumed
+    first = stopped.step  # index of step stopped.step + 1
+    assert resumed[first] == reference[first], (resumed[first], reference[first])
+    assert_same_losses(resumed[first + 1:], reference[first + 1:], rel_tol=LATER_STEPS_REL_TOL)
+
+
+def _files_of(ckpt: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(ckpt)): (p.stat().st_size, p.stat().st_mtime_ns) for p in ckpt.rglob("*") if p.is_file()}
+
+
+# Another adapter config on the checkpoint: (demo_train args, what the refusal names)
+OTHER_ADAPTERS = {
+    "rank": (["--lora-rank", "8"], "h.0.attn.c_attn.lora_A.default.weight: shape [4, 64] saved, [8, 64] now"),
+    "targets": (["--lora-targets", "c_attn,c_proj"], "trained weights missing from it: "
+                "['base_model.model.transformer.h.0.attn.c_proj.lora_A.default.weight'"),
+}
+
+
+@pytest.mark.deepspeed
+@pytest.mark.parametrize("change", sorted(OTHER_ADAPTERS))
+def test_resume_with_another_lora_config_is_refused_in_one_line(
+        stopped: Stopped, tmp_path_factory: pytest.TempPathFactory, change: str) -> None:
+    """A LoRA of rank 8 on the rank-4 checkpoint (its adapters' shapes differ), or one with more target modules (its
+    new adapters are not in the file): one line naming the first adapter, with a HINT, exit 2 on both ranks, the
+    checkpoint untouched. Before: torch's size-mismatch traceback; DeepSpeed's own error on the partitions."""
+    args, named = OTHER_ADAPTERS[change]
+    out = tmp_path_factory.mktemp(f"peft-{change}") / "out"
+    shutil.copytree(stopped.out, out, symlinks=True)
+    ckpt = out / stopped.ckpt.name
+    before = _files_of(ckpt)
+    result = run_logged(out, [*ARGS, "--resume", *args])
+    assert result.codes == [2, 2], result.log[-4000:]
+    assert "Traceback" not in result.log, result.log[-4000:]
+    refusals = [line for line in result.log.splitlines() if "does not fit this model" in line]
+    assert len(refusals) == 2 and all(named in line and "HINT:" in line for line in refusals), refusals
+    assert _files_of(ckpt) == before
+
+
+@pytest.mark.deepspeed
+def test_lora_model_resuming_a_slim_checkpoint_of_the_plain_model_is_refused_in_one_line(
+        tmp_path: Path) -> None:
+    """The LoRA-wrapped model on the unwrapped model's slim JIT checkpoint: its frozen base is in neither the saved
+    module nor the optimizer's shards. One line with a HINT, exit 2; before, DeepSpeed's KeyError on both ranks."""
+    out = tmp_path / "out"
+    stop = run_logged(out, [*ARGS[1:], "--signal-self-at-step", str(STOP_AT_STEP), "--kill-wait", "0"])
+    record = stop_record.read(out)
+    assert stop.codes == [0, 0] and record is not None and record["state"] == "jit_stop", stop.log[-4000:]
+    result = run_logged(out, [*ARGS, "--resume"])
+    assert result.codes == [2, 2], result.log[-4000:]
+    assert "Traceback" not in result.log, result.log[-4000:]
+    refusals = [line for line in result.log.splitlines() if "does not fit this model" in line]
+    assert len(refusals) == 2 and all("'base_model.model.lm_head.weight'" in line and "HINT:" in line
+                                      for line in refusals), refusals
