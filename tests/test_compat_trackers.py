@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -258,6 +259,8 @@ def test_a_poisoned_record_on_a_real_resume_is_one_warning_and_a_new_run(tmp_pat
     train(2, resume=False)
     [first] = (out / "runs").iterdir()
     _record(out).write_bytes(b"[" * 60_000)
+    # upstream names a new run runs/<%b%d_%H-%M-%S>_<host>: one started within the same second shares its directory
+    time.sleep(1.1)
     with caplog.at_level("WARNING", logger=compat.__name__):
         trainer = train(4, resume=True)
     assert trainer.state.global_step == 4
