@@ -126,3 +126,17 @@ def test_a_universal_copy_is_compared_by_name() -> None:
     assert why is not None and f"'{FC_W}' has shape [16, 24] in the checkpoint and [24, 16]" in why, why
     why = model_match.difference(_record(stage=3), _live(tied=False), by_name=True)
     assert why is not None and "was tied to" in why, why
+
+
+def test_a_tie_under_names_the_checkpoint_lacks_is_reported_as_another_model_not_as_a_tie() -> None:
+    """A LoRA-wrapped model (every name prefixed) on the plain model's checkpoint: the first difference named must
+    be the parameters, not "tied ... was a parameter of its own in the checkpoint", which it never had."""
+    prefix = "base_model.model."
+    states = _states(slim=False)
+    live_states = {**states, "module": {prefix + n: t for n, t in states["module"].items()},
+                   "param_shapes": [OrderedDict((prefix + n, s) for n, s in g.items()) for g in states["param_shapes"]],
+                   "shared_params": {prefix + LM_HEAD: prefix + WTE}}
+    live = model_match.record_of_states(live_states)
+    assert live is not None
+    why = model_match.difference(_record(), live)
+    assert why is not None and "tied" not in why and prefix in why and "HINT:" in why, why

@@ -109,15 +109,22 @@ def _tie_difference(saved: ModelRecord, live: ModelRecord) -> str | None:
         return None
     hint = ("HINT: resume with the parameters tied as they were (tie_word_embeddings in the model config), or "
             "start a new run in another output_dir")
+    saved_names, live_names = _names(saved), _names(live)
+    # a tie whose names the other side has none of is the name check's (another model, a PEFT wrapper's prefix)
     for alias, owner in live.shared.items():
-        if saved.shared.get(alias) != owner:
+        if saved.shared.get(alias) != owner and saved_names & {alias, owner}:
             then = f"tied to '{saved.shared[alias]}'" if alias in saved.shared else "a parameter of its own"
             return f"'{alias}' is tied to '{owner}' in this model and was {then} in the checkpoint. {hint}"
     for alias, owner in saved.shared.items():
-        if alias not in live.shared:
+        if alias not in live.shared and live_names & {alias, owner}:
             return (f"'{alias}' was tied to '{owner}' in the checkpoint and is a parameter of its own in this "
                     f"model. {hint}")
     return None
+
+
+def _names(record: ModelRecord) -> set[str]:
+    """Every parameter name the record knows of: held, frozen, tied aliases, module entries."""
+    return record.held | (record.frozen_names() or set()) | set(record.shared or {}) | set(record.tensors)
 
 
 def _held_frozen_difference(saved: ModelRecord, live: ModelRecord) -> str | None:

@@ -417,7 +417,12 @@ class JitTrainer(transformers.Trainer):
         refusal = model_match.stage_refusal(path, manifest, ds_config)
         if refusal:  # a slim save's own words where it has them (its weights are only in the shards)
             return slim_save.resume_refusal(path, manifest, ds_config) or refusal
-        converting = elastic_plan.plan(path, int(self.args.world_size), manifest).action in self.CONVERSIONS
+        decided = elastic_plan.plan(path, int(self.args.world_size), manifest)
+        converting = decided.action in self.CONVERSIONS
+        if converting and manifest.get("weights") == manifest_file.WEIGHTS_FROZEN_EXCLUDED:
+            return (f"slurm_jit: {path}: a PEFT checkpoint (frozen base left out, weights: frozen-excluded) on "
+                    f"another world size ({decided.written_by} -> {self.args.world_size} ranks) is not supported: "
+                    f"its conversion is untested. HINT: resume it on {decided.written_by} ranks")
         refusal = model_match.pick_refusal(path, self.model) if converting else None
         if refusal:  # names and shapes, by name, before universal/ is written into the checkpoint
             return refusal
