@@ -5,7 +5,7 @@ gateway is faked at its one boundary (tests/test_executor_slurm.py runs the real
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import executor_helpers
@@ -19,6 +19,14 @@ from slurm_jit.launch.job import JitJob
 from slurm_jit.train import stop_record
 
 JOB = "77"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_watcher() -> Iterator[None]:
+    """JitJob's watcher is shared by the process: what these fakes said of job 77 must not reach a real job 77
+    of the local cluster in a later test."""
+    yield
+    JitJob.watcher.clear()
 
 
 @pytest.fixture
@@ -233,3 +241,13 @@ def test_a_function_whose_module_is_missing_on_the_node_fails_in_one_line(
     _finish(folder, out, srun_exit=2, after_step_exit=2, tasks=1)
     outcome = _results(folder, tasks=1)[0]
     assert outcome is not None and outcome[0] == "error" and "No module named 'only_here'" in str(outcome[1])
+
+
+def test_a_new_job_with_the_id_of_an_ended_one_is_not_done(job_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """slurmctld reuses job ids after its state is reset: the executor forgets what the watcher knew of the id it
+    was just given. Before, a real job 77 submitted after a test's fake job 77 ended was done() at once."""
+    folder = job_env / "logs"
+    assert _job(folder, monkeypatch, "COMPLETED").done(force_check=True)
+    monkeypatch.setattr(slurm, "runner", Gateway("PENDING"))
+    JitJob.watcher.forget(JOB)
+    assert not JitJob(folder=folder, job_id=JOB, tasks=[0, 1]).done()

@@ -369,6 +369,7 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
             script_path.unlink(missing_ok=True)
             raise
         job_id = self._get_job_id_from_submission_command(output)
+        JitJob.watcher.forget(job_id)
         job = JitJob(folder=self.folder, job_id=job_id, tasks=list(range(self.world_size)))
         job.paths.move_temporary_file(script_path, "submission_file", keep_as_symlink=True)
         return job

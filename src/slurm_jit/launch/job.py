@@ -34,6 +34,12 @@ class GatewayWatcher(core.InfoWatcher):
     def is_done(self, job_id: str, mode: str = "standard") -> bool:
         return self.get_state(job_id, mode=mode) not in NOT_DONE
 
+    def forget(self, job_id: str) -> None:
+        """A newly submitted job: nothing known of an earlier job of the same id (slurmctld reuses ids after its
+        state is reset; a test's fake gateway used one) may make it look done."""
+        self._finished.discard(job_id)
+        self._info_dict.pop(job_id, None)
+
     def update(self) -> None:
         self._num_calls += 1
         for job_id in sorted(self._registered - self._finished):
