@@ -1,0 +1,208 @@
+"""Terms measured or estimated rather than given: step, save, evaluation and teardown times from a timing log
+summary (:func:`measured_terms`), the bytes a checkpoint writes per node and the save time they take, and an
+elastic resume's conversion, paid at the start of the next job. Pure: the timing log is read by the caller.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from slurm_jit import timing
+from slurm_jit.grace.rules import (
+    DTYPE_BYTES,
+    LATENCY_STEPS,
+    MASTER_COPY_BYTES,
+    MIN_STEP_SAMPLES,
+    OPTIMIZER_STATE_BYTES,
+    SLURM_SIGNAL_EARLY_S,
+    GraceError,
+    agreement_mode,
+    latency_reason,
+)
+
+
+def select_world_size(records: list[dict[str, Any]], world_size: int | None) -> list[dict[str, Any]]:
+    """The records of one world size; GraceError when the log was written by another one (or mixes them)."""
+    sizes = sorted({r["world_size"] for r in records if isinstance(r.get("world_size"), int)})
+    if world_size is None:
+        if len(sizes) > 1:
+            raise GraceError(
+                f"the timing log mixes world sizes {sizes}; step and save times differ between them. HINT: "
+                "pass --world-size N for the job you are sizing"
+            )
+        return records
+    if world_size not in sizes:
+        raise GraceError(
+            f"the timing log was written with world size {sizes}, not {world_size}. HINT: measure a run at "
+            f"world size {world_size}, or give --step-time and --save-time"
+        )
+    return [r for r in records if r.get("world_size") == world_size]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Measured:
+    """Terms read from a timing log, with how many samples each rests on."""
+
+    step_s: float | None
+    step_source: str
+    latency_steps: int | None  # 1 or 2: steps from the signal to the stop, as the runs read their rounds
+    latency_source: str
+    save_s: float | None
+    save_source: str
+    eval_s: float | None
+    eval_source: str
+    kill_wait_s: float | None  # as the trainer recorded it
+    teardown_s: float | None
+    teardown_source: str
+    warnings: tuple[str, ...]
+
+
+def _worst_stop_window(summary: timing.TimingSummary, step_stat: str) -> tuple[float, int, str, int] | None:
+    """(step, latency steps, mode, samples) of the mode whose latency x step is longest; None without steps."""
+    windows = []
+    for mode, stats in summary.steps_by_mode.items():
+        step_s = stats.max_s if step_stat == "max" else stats.p99_s
+        steps = LATENCY_STEPS.get(mode) or LATENCY_STEPS[agreement_mode(step_s)]
+        windows.append((steps * step_s, step_s, steps, mode, stats.n))
+    if not windows:
+        return None
+    _, step_s, steps, mode, n = max(windows)
+    return step_s, steps, mode, n
+
+
+def measured_terms(summary: timing.TimingSummary, *, step_stat: str = "max") -> Measured:
+    """Step (max or p99) and the latency the runs' agreement mode gives it, longest save of any kind, longest
+    evaluation, the recorded kill_wait and the longest teardown, from a timing summary."""
+    runs = f"{summary.n_runs} run{'s' if summary.n_runs != 1 else ''}"
+    worst = _worst_stop_window(summary, step_stat)
+    step_s: float | None = None
+    step_source, latency_source, steps = f"no steps over {runs} in the timing log", "", None
+    if worst is not None:
+        step_s, steps, mode, n = worst
+        mixed = f" ({mode} runs)" if len(summary.steps_by_mode) > 1 else ""
+        step_source = f"{step_stat} of {n} steps over {runs} in the timing log{mixed}"
+        latency_source = latency_reason(steps, recorded=mode in LATENCY_STEPS)
+    warnings = []
+    if summary.n_steps < MIN_STEP_SAMPLES:
+        warnings.append(f"only {summary.n_steps} step samples (warm-up left out); the {step_stat} is rough. "
+                        "HINT: let the run go longer before sizing from it")
+    save_s, save_source = None, "not measured"
+    if summary.saves:
+        kind, stats = max(summary.saves.items(), key=lambda kv: kv[1].max_dur_s)
+        total = sum(s.count for s in summary.saves.values())
+        save_s, save_source = stats.max_dur_s, f"longest of {total} saves ({kind}) in the timing log"
+    teardown_source = "no JIT stop in the timing log yet: not counted (the margin covers it)"
+    if summary.teardown_max_s is not None:
+        teardown_source = f"longest of {summary.n_stops} JIT stops (all ranks) in the timing log: save end to " \
+                          "train() returning"
+    return Measured(
+        step_s=step_s,
+        step_source=step_source,
+        latency_steps=steps,
+        latency_source=latency_source,
+        save_s=save_s,
+        save_source=save_source,
+        eval_s=summary.eval_max_s,
+        eval_source=f"longest of {summary.n_evals} evaluations in the timing log",
+        kill_wait_s=summary.kill_wait_s,
+        teardown_s=summary.teardown_max_s,
+        teardown_source=teardown_source,
+        warnings=tuple(warnings),
+    )
+
+
+def checkpoint_bytes_per_node(
+    *, params: int, dtype: str = "bf16", optimizer: str = "adamw", zero_stage: int = 0,
+    world_size: int = 1, nodes: int = 1,
+) -> int:
+    """Bytes the busiest node (the one with rank 0) writes for one checkpoint; nodes write in parallel.
+
+    Weights are written by rank 0 unless ZeRO-3 shards them; the optimizer state (fp32 master copy and
+    moments) is sharded over all ranks from ZeRO-1 on.
+    """
+    if dtype not in DTYPE_BYTES or optimizer not in OPTIMIZER_STATE_BYTES or zero_stage not in range(4):
+        raise GraceError(f"unknown dtype {dtype!r}, optimizer {optimizer!r} or ZeRO stage {zero_stage}. "
+                         f"HINT: dtype {sorted(DTYPE_BYTES)}, optimizer {sorted(OPTIMIZER_STATE_BYTES)}, "
+                         "stage 0..3")
+    if world_size < 1 or nodes < 1 or nodes > world_size:
+        raise GraceError(f"world size {world_size} over {nodes} nodes. HINT: 1 <= --nodes <= --world-size")
+    weights = DTYPE_BYTES[dtype]
+    master = MASTER_COPY_BYTES if weights < MASTER_COPY_BYTES and optimizer != "none" else 0
+    optim = master + OPTIMIZER_STATE_BYTES[optimizer]
+    ranks_on_node0 = math.ceil(world_size / nodes)
+    per_param: float = weights + optim  # ZeRO-0: rank 0 writes everything
+    if zero_stage in (1, 2):
+        per_param = weights + optim * ranks_on_node0 / world_size
+    elif zero_stage == 3:
+        per_param = (weights + optim) * ranks_on_node0 / world_size
+    return math.ceil(params * per_param)
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def estimate_save_s(nbytes: int, bandwidth_bps: float) -> float:
+    if not (math.isfinite(bandwidth_bps) and bandwidth_bps > 0):
+        raise GraceError(f"write bandwidth {bandwidth_bps!r} B/s. HINT: measure it with --probe DIR")
+    return nbytes / bandwidth_bps
+
+
+# --- an elastic resume's conversion, paid at the start of the next job -----------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Conversion:
+    """The next start converts its checkpoint to DeepSpeed's universal format (another world size) before its
+    first step: not part of the grace period (the end of a job), but of the next job's time limit."""
+
+    written_by: int  # the ranks that wrote the checkpoint
+    world_size: int  # the ranks of the job being sized
+    checkpoint: str
+    seconds: float | None  # estimated; None: no conversion in the timing log to estimate from
+    source: str  # where the estimate came from, in words
+
+
+def conversion_estimate(converts: list[tuple[float, int]], ckpt_bytes: int | None) -> tuple[float | None, str]:
+    """(seconds, source) of converting a checkpoint of ``ckpt_bytes``, from earlier conversions ((dur_s, bytes
+    written) in the timing log): the slowest seconds per byte seen, times the bytes (the converter reads the
+    shards and writes as many bytes again); the longest one where bytes are unknown; (None, ...) without any."""
+    if not converts:
+        return None, "no conversion in the timing log yet: not estimated (seconds for small models, minutes for " \
+                     "billions of parameters)"
+    rates = [dur_s / nbytes for dur_s, nbytes in converts if nbytes > 0]
+    n = f"{len(converts)} conversion{'s' if len(converts) != 1 else ''} in the timing log"
+    if rates and ckpt_bytes:
+        return max(rates) * ckpt_bytes, f"the slowest seconds per byte of {n} x {format_bytes(ckpt_bytes)}"
+    return max(dur_s for dur_s, _ in converts), f"longest of {n}"
+
+
+def conversion_note(conversion: Conversion) -> str:
+    """One line for grace-calc's notes (and the launcher's plan)."""
+    took = f"~{conversion.seconds:.0f} s" if conversion.seconds is not None else "time unknown"
+    return (f"the next start on {conversion.world_size} ranks converts {conversion.checkpoint} (written by "
+            f"{conversion.written_by} ranks) to DeepSpeed's universal format before its first step: {took} "
+            f"({conversion.source}); it comes out of that job's --time, not out of the --signal lead")
+
+
+def conversion_finding(conversion: Conversion, time_limit_s: int | None, lead_s: int,
+                       step_s: float) -> str | None:
+    """A warning when the job's --time cannot fit the conversion and one step before the signal can come (lead +
+    Slurm's early minute; the save after it is inside the lead): that job would end without saving progress (the
+    converted copy is kept, so the start after it does not convert again). None when it fits or is unknown."""
+    if time_limit_s is None or conversion.seconds is None:
+        return None
+    needed_s = conversion.seconds + step_s
+    available_s = time_limit_s - lead_s - SLURM_SIGNAL_EARLY_S
+    if needed_s <= available_s:
+        return None
+    return (f"--time {time_limit_s} s leaves {max(available_s, 0)} s before the signal (lead {lead_s} s + "
+            f"{SLURM_SIGNAL_EARLY_S} s early), but the next start converts first: ~{conversion.seconds:.0f} s + one "
+            f"step {step_s:.3g} s = {needed_s:.0f} s: that job would end without saving any progress. HINT: ask for "
+            f"a longer --time, or resume on {conversion.written_by} ranks")
