@@ -28,25 +28,33 @@ clock stepped back, cannot reorder them; the others are placed by :attr:`Checkpo
 manifest's ``created``, else the directory's mtime).
 
 Nothing is ever unpickled to check it: checkpoint files are untrusted input (see :mod:`slurm_jit.checkpoint.formats`).
+
+This module reads (:func:`inspect`, :func:`scan`, :func:`find_resumable`) and is the one place the trainer,
+ckpt-check, the launchers and the tests import the protocol from: its parts live in :mod:`~.names` (directory
+names, the set-aside ones), :mod:`~.verdict` (the verdict types, "newest"), :mod:`~.writing` (the four steps) and
+:mod:`~.housekeeping` (rotation, deletion, quarantine), and are re-exported here.
 """
 
 from __future__ import annotations
 
-import enum
-import json
 import os
-import re
-import shutil
 import stat
-import time
-from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from slurm_jit.checkpoint import formats, structure
 from slurm_jit.checkpoint import manifest as manifest_mod
-from slurm_jit.checkpoint.manifest import (  # the manifest's names, used by the trainer and the tests through here
+
+# Re-exported: the protocol's names, used by the trainer, ckpt-check, the launchers and the tests through here.
+from slurm_jit.checkpoint.housekeeping import (  # noqa: F401
+    QuarantineError,
+    delete_checkpoint,
+    quarantine,
+    remove_deletion_leftovers,
+    rotation_victims,
+)
+from slurm_jit.checkpoint.manifest import (  # noqa: F401
     CONTENTS,
     CONTENTS_FULL,
     CONTENTS_MODEL_ONLY,
@@ -58,87 +66,44 @@ from slurm_jit.checkpoint.manifest import (  # the manifest's names, used by the
     WEIGHTS_FROZEN_EXCLUDED,
     WEIGHTS_FULL,
     WEIGHTS_LAYOUTS,
-    WEIGHTS_MASTER_ONLY,  # noqa: F401 - re-exported for the trainer and ckpt-check
+    WEIGHTS_MASTER_ONLY,
     hash_file,
 )
+from slurm_jit.checkpoint.names import (  # noqa: F401
+    CHECKPOINT_RE,
+    DELETING_PREFIX,
+    MAX_STEP_DIGITS,
+    QUARANTINE_SUFFIX,
+    QUARANTINED_RE,
+    SENTINEL_NAME,
+    SUPERSEDED_RE,
+    SUPERSEDED_SUFFIX,
+    SetAside,
+    is_set_aside,
+    quarantine_path,
+    set_aside,
+    superseded_path,
+)
+from slurm_jit.checkpoint.verdict import (  # noqa: F401
+    WHOLE_STATUSES,
+    CheckpointInfo,
+    Resolution,
+    Status,
+    newest_written_first,
+)
+from slurm_jit.checkpoint.writing import (  # noqa: F401
+    SAVE_KINDS,
+    ProtocolError,
+    file_entries,
+    fsync_dir,
+    fsync_tree,
+    next_save_seq,
+    payload_files,
+    write_manifest,
+    write_sentinel,
+)
 
-SENTINEL_NAME = "checkpoint-is-incomplete.txt"  # transformers' own name (trainer_jit_checkpoint.py)
-MAX_STEP_DIGITS = 18  # 10**18 steps is beyond any run; int() refuses over 4300 digits (CPython's str limit)
-# transformers.trainer_utils uses ^checkpoint-(\d+)$, whose $ also matches before a final newline and whose \d
-# matches any Unicode digit; ours is used with fullmatch and ASCII digits only
-CHECKPOINT_RE = re.compile(r"checkpoint-([0-9]+)", re.ASCII)
 SHOWN_VALUE_CHARS = 40  # of a value from a checkpoint file, in a reason
-QUARANTINE_SUFFIX = ".incomplete"
-QUARANTINED_RE = re.compile(r"checkpoint-[0-9]+\.incomplete(\.[0-9]+)?", re.ASCII)
-SAVE_KINDS = ("jit", "periodic", "final")
-DELETING_PREFIX = ".slurm-jit-deleting-"  # a checkpoint being deleted: out of every checkpoint-* pattern first
-
-
-class Status(str, enum.Enum):
-    COMPLETE = "complete"
-    INCOMPLETE = "incomplete"
-    CORRUPT = "corrupt"
-    UNVERIFIED = "unverified"
-    MODEL_ONLY = "model-only"  # verified, but holds only what inference needs (save_only_model): never resumed
-
-
-WHOLE_STATUSES = (Status.COMPLETE, Status.UNVERIFIED, Status.MODEL_ONLY)  # every file there: rotation may delete
-
-
-@dataclass(frozen=True, kw_only=True)
-class CheckpointInfo:
-    path: Path  # the checkpoint directory
-    step: int  # from the directory name
-    status: Status
-    reason: str  # why this status ("" for a verified complete checkpoint)
-    kind: str | None = None  # jit / periodic / final, from the manifest
-    size_bytes: int | None = None  # regular files under the directory (symlinks not followed); None: unknown
-    mtime: float = 0.0  # the directory's own mtime (0.0: unknown)
-    written_at: float = 0.0  # the verified manifest's ``created``, else ``mtime``: what "newest" means
-    run_id: str | None = None  # the writing run's lineage id, from a verified manifest
-    world_size: int | None = None  # the number of ranks that wrote it, from a verified manifest
-    save_seq: int | None = None  # the order of writes in the output directory, from a verified manifest
-    zero_stage: int | None = None  # the DeepSpeed ZeRO stage it was written with, from a verified manifest
-    weights: str | None = None  # where the module weights are (manifest.WEIGHTS_LAYOUTS), from a verified manifest
-
-    def resumable(self, strict: bool = False) -> bool:
-        return self.status is Status.COMPLETE or (self.status is Status.UNVERIFIED and not strict)
-
-
-def newest_written_first(checkpoints: Iterable[CheckpointInfo]) -> list[CheckpointInfo]:
-    """Most recently written first: by time (the higher step first among equal times), then the checkpoints
-    with a save sequence number reordered among the places they hold by it, so clocks cannot reorder them."""
-    by_time = sorted(checkpoints, key=lambda c: (c.written_at, c.step), reverse=True)
-    places = [i for i, c in enumerate(by_time) if c.save_seq is not None]
-    by_seq = sorted((by_time[i] for i in places), key=lambda c: (c.save_seq, c.step), reverse=True)
-    for place, ckpt in zip(places, by_seq, strict=True):
-        by_time[place] = ckpt
-    return by_time
-
-
-@dataclass(frozen=True, kw_only=True)
-class Resolution:
-    """The answer to "where do I resume from?"."""
-
-    checkpoint: CheckpointInfo | None  # the most recently written resumable checkpoint, or None
-    passed_over: list[CheckpointInfo]  # every checkpoint written after it, with its status and reason
-    checkpoints: list[CheckpointInfo]  # all checkpoint directories, newest written first
-    ignored: list[str] = field(default_factory=list)  # entries named like checkpoints that are not
-
-
-class QuarantineError(OSError):
-    """A rename of :func:`quarantine` failed; ``moved`` says what was renamed before it (nothing is deleted)."""
-
-    def __init__(self, src: Path, dst: Path, cause: OSError, moved: list[tuple[Path, Path]]) -> None:
-        super().__init__(cause.errno, cause.strerror, str(src))
-        self.src, self.dst, self.moved = src, dst, moved
-
-
-class ProtocolError(RuntimeError):
-    """A checkpoint could not be written through the protocol; the message says why."""
-
-
-# ---------------------------------------------------------------- reading
 
 
 def _raise(exc: OSError) -> None:
@@ -306,7 +271,7 @@ def scan(out_dir: str | os.PathLike[str], deep: bool = False,
             ignored.append(f"checkpoint-<{len(match.group(1))} digits>: step out of range")
             continue
         if match is None:
-            if name.startswith("checkpoint-") and not QUARANTINED_RE.fullmatch(name):
+            if name.startswith("checkpoint-") and not is_set_aside(name):
                 ignored.append(f"{name}: not checkpoint-<step>")
             continue
         entry = root / name
@@ -333,216 +298,12 @@ def find_resumable(out_dir: str | os.PathLike[str], strict: bool = False, deep: 
     if not _present(Path(out_dir)):  # EACCES on the way is an error, not a fresh start
         return Resolution(checkpoint=None, passed_over=[], checkpoints=[])
     checkpoints, ignored = scan(out_dir, deep=deep, progress=progress)
+    aside = set_aside(out_dir)
     passed_over: list[CheckpointInfo] = []
     for ckpt in checkpoints:
         if ckpt.resumable(strict):
-            return Resolution(checkpoint=ckpt, passed_over=passed_over, checkpoints=checkpoints, ignored=ignored)
+            return Resolution(checkpoint=ckpt, passed_over=passed_over, checkpoints=checkpoints, ignored=ignored,
+                              set_aside=aside)
         passed_over.append(ckpt)
-    return Resolution(checkpoint=None, passed_over=passed_over, checkpoints=checkpoints, ignored=ignored)
-
-
-def rotation_victims(checkpoints: Iterable[CheckpointInfo], limit: int,
-                     keep: Collection[str | os.PathLike[str]] = ()) -> list[CheckpointInfo]:
-    """The checkpoints a ``save_total_limit`` rotation may delete, newest written first.
-
-    Only whole checkpoints (complete, unverified, model-only) are candidates: an incomplete or corrupt one is
-    never returned (it is evidence, set aside by quarantine, not deleted). Kept: the ``limit`` most recently
-    written whole checkpoints, the most recently written resumable one (so that rotation never removes the last
-    resume point), and every path in ``keep`` (the caller's: the one just written, the best model, the one
-    resumed from). ``limit < 1`` means no limit, as in transformers.
-    """
-    if limit < 1:
-        return []
-    kept_paths = {os.path.realpath(p) for p in keep}
-    whole = [c for c in newest_written_first(checkpoints) if c.status in WHOLE_STATUSES]
-    newest_resumable = next((c for c in whole if c.resumable()), None)
-    return [c for c in whole[limit:]
-            if c is not newest_resumable and os.path.realpath(c.path) not in kept_paths]
-
-
-def quarantine_path(ckpt_dir: Path) -> Path:
-    """``checkpoint-<step>.incomplete``, or ``.incomplete.N`` when that name is taken."""
-    target = ckpt_dir.with_name(ckpt_dir.name + QUARANTINE_SUFFIX)
-    n = 1
-    while os.path.lexists(target):
-        target = ckpt_dir.with_name(f"{ckpt_dir.name}{QUARANTINE_SUFFIX}.{n}")
-        n += 1
-    return target
-
-
-def delete_checkpoint(ckpt_dir: Path) -> None:
-    """Delete a checkpoint so that no instant of it can be taken for a resume point: first an atomic rename out of
-    the ``checkpoint-*`` names (durable), then the removal. Deleting in place could leave, after a kill, the files
-    without the manifest: a whole-looking ``unverified`` checkpoint whose directory mtime (the removal's) makes it
-    the newest."""
-    doomed = ckpt_dir.with_name(f"{DELETING_PREFIX}{ckpt_dir.name}.{time.time_ns()}")
-    try:
-        os.rename(ckpt_dir, doomed)
-    except FileNotFoundError:
-        return  # already gone
-    fsync_dir(ckpt_dir.parent)
-    shutil.rmtree(doomed, ignore_errors=True)
-
-
-def remove_deletion_leftovers(out_dir: Path) -> None:
-    """Finish deletions that a kill interrupted (directories renamed by :func:`delete_checkpoint`)."""
-    for leftover in out_dir.glob(f"{DELETING_PREFIX}*"):
-        if leftover.is_dir() and not leftover.is_symlink():
-            shutil.rmtree(leftover, ignore_errors=True)
-
-
-def quarantine(resolution: Resolution) -> list[tuple[Path, Path]]:
-    """Rename every non-resumable directory newer than the resume point; never deletes anything. A model-only
-    checkpoint is whole (just not a resume point): it stays where it is."""
-    moved: list[tuple[Path, Path]] = []
-    for ckpt in resolution.passed_over:
-        if ckpt.status is Status.MODEL_ONLY:
-            continue
-        target = quarantine_path(ckpt.path)
-        try:
-            os.rename(ckpt.path, target)
-        except OSError as exc:
-            raise QuarantineError(ckpt.path, target, exc, moved) from None
-        moved.append((ckpt.path, target))
-    for parent in {src.parent for src, _ in moved}:
-        fsync_dir(parent)
-    return moved
-
-
-# ---------------------------------------------------------------- writing
-
-
-def fsync_dir(directory: str | os.PathLike[str]) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(directory: str | os.PathLike[str]) -> None:
-    """fsync every regular file and directory under ``directory`` (the files this rank wrote among them)."""
-    for root, _dirs, files in formats.walk(directory):
-        for name in files:
-            path = os.path.join(root, name)
-            if stat.S_ISREG(os.lstat(path).st_mode):  # a FIFO would block the open, a symlink leads elsewhere
-                with formats.open_regular(path) as handle:
-                    os.fsync(handle.fileno())
-        fsync_dir(root)
-
-
-def write_sentinel(ckpt_dir: str | os.PathLike[str], step: int, kind: str) -> None:
-    """Step 1: create the directory and the sentinel, durably. Global rank 0 only."""
-    path = Path(ckpt_dir)
-    path.mkdir(parents=True, exist_ok=True)
-    sentinel = path / SENTINEL_NAME
-    with open(sentinel, "w", encoding="utf-8") as handle:
-        handle.write(f"slurm-jit: {kind} checkpoint of step {step} started at {time.time():.3f}; "
-                     "it is not complete until this file is gone and the manifest exists.\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    fsync_dir(path)
-    fsync_dir(path.parent)
-
-
-def payload_files(ckpt_dir: str | os.PathLike[str]) -> list[str]:
-    """Relative paths of the files a manifest lists: everything but the sentinel and the manifest."""
-    root = Path(ckpt_dir)
-    rels = []
-    for dirpath, _dirs, files in formats.walk(root):
-        for name in files:
-            rel = os.path.relpath(os.path.join(dirpath, name), root)
-            if rel not in (SENTINEL_NAME, MANIFEST_NAME) and not name.startswith(f".{MANIFEST_NAME}"):
-                rels.append(rel.replace(os.sep, "/"))
-    return sorted(rels)
-
-
-def file_entries(ckpt_dir: str | os.PathLike[str], rels: Iterable[str]) -> dict[str, dict[str, Any]]:
-    """Size and checksum of each file: the manifest's ``files`` (ranks may each hash a share)."""
-    root = Path(ckpt_dir)
-    entries = {}
-    for rel in rels:
-        path = root / rel
-        try:
-            entries[rel] = {"size": os.lstat(path).st_size, HASH_NAME: hash_file(path)}
-        except formats.UntrustedFile as exc:
-            raise ProtocolError(f"{path}: {exc}. HINT: only regular files belong in a checkpoint; remove it (a "
-                                "callback's on_save?) and save again") from None
-    return entries
-
-
-def next_save_seq(out_dir: str | os.PathLike[str]) -> int:
-    """One more than the highest ``save_seq`` of any readable manifest in a ``checkpoint-*`` directory (quarantined
-    ones too) under ``out_dir``; 1 when there is none. Reads only manifests, each bounded."""
-    highest = 0
-    try:
-        names = os.listdir(out_dir)
-    except OSError:
-        return 1
-    for name in names:
-        if not name.startswith("checkpoint-") or not structure.real_dir(Path(out_dir) / name):
-            continue
-        manifest, _ = manifest_mod.read(Path(out_dir) / name)
-        seq = manifest_mod.save_seq(manifest) if manifest is not None else None
-        highest = max(highest, seq or 0)
-    return min(highest + 1, manifest_mod.SAVE_SEQ_MAX)
-
-
-def write_manifest(
-    ckpt_dir: str | os.PathLike[str],
-    *,
-    step: int,
-    kind: str,
-    world_size: int,
-    zero_stage: int | None,
-    deepspeed_tag: str | None,
-    files: dict[str, dict[str, Any]],
-    contents: str = CONTENTS_FULL,
-    run_id: str | None = None,
-    weights: str = WEIGHTS_FULL,
-    extra: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Step 3 and 4: write the manifest atomically, then remove the sentinel. Global rank 0 only.
-
-    ``contents``: "full" (everything an exact resume needs) or "model_only" (a save_only_model save: never
-    resumed); ``run_id``: the training run's lineage id, shown by ckpt-check; ``weights``: where the module
-    weights are ("full"; "fp32-master-only": only in the optimizer shards' fp32 master partitions;
-    "frozen-excluded": a PEFT model's, the trainable ones only, the frozen base is the model as built).
-    """
-    if kind not in SAVE_KINDS:
-        raise ProtocolError(f"unknown save kind {kind!r}; expected one of {SAVE_KINDS}")
-    if contents not in CONTENTS:
-        raise ProtocolError(f"unknown contents {contents!r}; expected one of {CONTENTS}")
-    if weights not in WEIGHTS_LAYOUTS:
-        raise ProtocolError(f"unknown weights layout {weights!r}; expected one of {WEIGHTS_LAYOUTS}")
-    root = Path(ckpt_dir)
-    if not (root / SENTINEL_NAME).exists():
-        raise ProtocolError(f"{root}: no sentinel; write_sentinel() must run before the checkpoint is written")
-    manifest = {
-        "format": MANIFEST_FORMAT,
-        "version": FORMAT_VERSION,
-        "step": step,
-        "kind": kind,
-        "world_size": world_size,
-        "zero_stage": zero_stage,
-        "deepspeed_tag": deepspeed_tag,
-        "contents": contents,
-        "run_id": run_id,
-        "weights": weights,
-        "hash": HASH_NAME,
-        "created": time.time(),
-        "save_seq": next_save_seq(root.parent),
-        "total_bytes": sum(entry["size"] for entry in files.values()),
-        "files": files,
-        **(extra or {}),
-    }
-    tmp = root / f".{MANIFEST_NAME}.tmp"
-    with open(tmp, "w", encoding="utf-8") as handle:
-        json.dump(manifest, handle, indent=1, sort_keys=True)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.rename(tmp, root / MANIFEST_NAME)
-    fsync_dir(root)
-    os.remove(root / SENTINEL_NAME)
-    fsync_dir(root)
-    return manifest
+    return Resolution(checkpoint=None, passed_over=passed_over, checkpoints=checkpoints, ignored=ignored,
+                      set_aside=aside)

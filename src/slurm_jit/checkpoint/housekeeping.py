@@ -1,0 +1,82 @@
+"""Keeping an output directory tidy without losing a resume point: which checkpoints a ``save_total_limit`` rotation
+may delete, deleting one so that no instant of it looks resumable, and quarantining the non-resumable ones (renamed,
+never deleted).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Collection, Iterable
+from pathlib import Path
+
+from slurm_jit.checkpoint.names import DELETING_PREFIX, quarantine_path
+from slurm_jit.checkpoint.verdict import WHOLE_STATUSES, CheckpointInfo, Resolution, Status, newest_written_first
+from slurm_jit.checkpoint.writing import fsync_dir
+
+
+class QuarantineError(OSError):
+    """A rename of :func:`quarantine` failed; ``moved`` says what was renamed before it (nothing is deleted)."""
+
+    def __init__(self, src: Path, dst: Path, cause: OSError, moved: list[tuple[Path, Path]]) -> None:
+        super().__init__(cause.errno, cause.strerror, str(src))
+        self.src, self.dst, self.moved = src, dst, moved
+
+
+def rotation_victims(checkpoints: Iterable[CheckpointInfo], limit: int,
+                     keep: Collection[str | os.PathLike[str]] = ()) -> list[CheckpointInfo]:
+    """The checkpoints a ``save_total_limit`` rotation may delete, newest written first.
+
+    Only whole checkpoints (complete, unverified, model-only) are candidates: an incomplete or corrupt one is
+    never returned (it is evidence, set aside by quarantine, not deleted). Kept: the ``limit`` most recently
+    written whole checkpoints, the most recently written resumable one (so that rotation never removes the last
+    resume point), and every path in ``keep`` (the caller's: the one just written, the best model, the one
+    resumed from). ``limit < 1`` means no limit, as in transformers.
+    """
+    if limit < 1:
+        return []
+    kept_paths = {os.path.realpath(p) for p in keep}
+    whole = [c for c in newest_written_first(checkpoints) if c.status in WHOLE_STATUSES]
+    newest_resumable = next((c for c in whole if c.resumable()), None)
+    return [c for c in whole[limit:]
+            if c is not newest_resumable and os.path.realpath(c.path) not in kept_paths]
+
+
+def delete_checkpoint(ckpt_dir: Path) -> None:
+    """Delete a checkpoint so that no instant of it can be taken for a resume point: first an atomic rename out of
+    the ``checkpoint-*`` names (durable), then the removal. Deleting in place could leave, after a kill, the files
+    without the manifest: a whole-looking ``unverified`` checkpoint whose directory mtime (the removal's) makes it
+    the newest."""
+    doomed = ckpt_dir.with_name(f"{DELETING_PREFIX}{ckpt_dir.name}.{time.time_ns()}")
+    try:
+        os.rename(ckpt_dir, doomed)
+    except FileNotFoundError:
+        return  # already gone
+    fsync_dir(ckpt_dir.parent)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def remove_deletion_leftovers(out_dir: Path) -> None:
+    """Finish deletions that a kill interrupted (directories renamed by :func:`delete_checkpoint`)."""
+    for leftover in out_dir.glob(f"{DELETING_PREFIX}*"):
+        if leftover.is_dir() and not leftover.is_symlink():
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def quarantine(resolution: Resolution) -> list[tuple[Path, Path]]:
+    """Rename every non-resumable directory newer than the resume point; never deletes anything. A model-only
+    checkpoint is whole (just not a resume point): it stays where it is."""
+    moved: list[tuple[Path, Path]] = []
+    for ckpt in resolution.passed_over:
+        if ckpt.status is Status.MODEL_ONLY:
+            continue
+        target = quarantine_path(ckpt.path)
+        try:
+            os.rename(ckpt.path, target)
+        except OSError as exc:
+            raise QuarantineError(ckpt.path, target, exc, moved) from None
+        moved.append((ckpt.path, target))
+    for parent in {src.parent for src, _ in moved}:
+        fsync_dir(parent)
+    return moved
