@@ -50,6 +50,11 @@ statuses (newest written first; only complete and unverified are resumable):
   incomplete  sentinel {protocol.SENTINEL_NAME} present, or files a resume needs missing
   corrupt     a file is missing, resized, not a regular file, (--deep) has the wrong checksum, or the
               manifest, trainer_state.json and DeepSpeed tag disagree on the step
+
+set aside (never resumed, never rotated, never deleted; all listed under "set_aside" in --json):
+  checkpoint-<step>.superseded-<seq>  a complete checkpoint replaced by a later save of the same step (listed
+                                      on standard error)
+  checkpoint-<step>{protocol.QUARANTINE_SUFFIX}[.N]      not resumable, renamed by --quarantine (or by a new save)
 """
 
 
@@ -205,6 +210,8 @@ def run(argv: Sequence[str] | None = None) -> int:
         return code
     for note in resolution.ignored:
         print(printable(f"ckpt-check: ignored {note}", sys.stderr), file=sys.stderr)
+    for aside in (a for a in resolution.set_aside if a.kind == "superseded"):  # quarantined: as before, unlisted
+        print(printable(f"ckpt-check: set aside {aside.name}: {aside.what}", sys.stderr), file=sys.stderr)
     if resolution.checkpoints:
         print("\n".join(_table(resolution, time.time())))
     else:
@@ -249,6 +256,7 @@ def _as_json(out_dir: str, resolution: protocol.Resolution, moved: list[tuple[Pa
             for c in resolution.checkpoints
         ],
         "ignored": resolution.ignored,
+        "set_aside": [{"name": a.name, "kind": a.kind, "what": a.what} for a in resolution.set_aside],
         "quarantined": [{"from": str(a), "to": str(b)} for a, b in moved],
     }
 

@@ -307,3 +307,18 @@ def find_resumable(out_dir: str | os.PathLike[str], strict: bool = False, deep: 
         passed_over.append(ckpt)
     return Resolution(checkpoint=None, passed_over=passed_over, checkpoints=checkpoints, ignored=ignored,
                       set_aside=aside)
+
+
+def set_aside_replaced(ckpt_dir: Path) -> Path:
+    """Rename ``checkpoint-<step>`` out of the way of a new save of the same step, durably, and return where it
+    went: ``checkpoint-<step>.superseded-<seq>`` when it is whole (a complete checkpoint the new save replaces),
+    else ``checkpoint-<step>.incomplete`` (a save that never finished). Never deletes anything."""
+    step_match = CHECKPOINT_RE.fullmatch(ckpt_dir.name)
+    try:
+        whole = step_match is not None and inspect(ckpt_dir, int(step_match.group(1))).status in WHOLE_STATUSES
+    except OSError:
+        whole = False  # cannot be read: not known to be whole
+    target = superseded_path(ckpt_dir) if whole else quarantine_path(ckpt_dir)
+    os.rename(ckpt_dir, target)
+    fsync_dir(ckpt_dir.parent)
+    return target

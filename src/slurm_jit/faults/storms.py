@@ -25,7 +25,8 @@ STORM_SPAN_S = 1.0
 
 
 def _periodic_step(name: str) -> bool:
-    """``checkpoint-N`` (or a quarantined ``checkpoint-N.incomplete...``) at a periodic save's step."""
+    """``checkpoint-N``, or one set aside (``checkpoint-N.incomplete...``, ``checkpoint-N.superseded-K``), at a
+    periodic save's step."""
     step = name.removeprefix("checkpoint-").split(".")[0]
     return step.isdigit() and int(step) % SAVE_STEPS == 0
 

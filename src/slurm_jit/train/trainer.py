@@ -737,9 +737,8 @@ class JitTrainer(transformers.Trainer):
         t0 = time.monotonic()
         if self._is_rank0:
             if os.path.lexists(ckpt):
-                aside = protocol.quarantine_path(ckpt)
+                aside = protocol.set_aside_replaced(ckpt)  # .superseded-<seq> if whole, else .incomplete
                 logger.warning("slurm_jit: %s exists from an earlier run: moved to %s", ckpt, aside)
-                os.rename(ckpt, aside)
             with save_errors.disk_full_is_one_line(ckpt):  # the sentinel is the save's first write
                 protocol.write_sentinel(ckpt, step, kind)
         self._agreement.barrier()
