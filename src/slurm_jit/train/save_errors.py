@@ -1,9 +1,13 @@
-"""A checkpoint write that fails because the disk is full: one clear line, nothing already saved touched.
+"""A checkpoint write that the file system refuses (disk full, quota used up, read-only): one clear line, nothing
+already saved touched.
 
 The save stops where it failed: the sentinel stays (the checkpoint is ``incomplete``), no manifest is written and
 rotation does not run (it runs only after a manifest), so every earlier checkpoint is untouched and the newest
 resumable one is still picked by ``ckpt-check`` and ``resume_from_checkpoint=True``. Nothing is deleted to make
 room: the partial checkpoint is evidence, and deleting is a human's call.
+
+``torch.save`` reports a failed write as a RuntimeError without the errno; when the disk is not nearly full (a
+quota, a read-only remount) a small test write in the same directory tells which refusal it was.
 """
 
 from __future__ import annotations
@@ -16,15 +20,27 @@ from pathlib import Path
 
 from slurm_jit.checkpoint import protocol
 
-DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+# What to do about each refusal, after "HINT: " ({where}: the output directory).
+REFUSAL_HINTS = {
+    errno.ENOSPC: "free space on {where} (df -h) or use a larger output_dir",
+    errno.EDQUOT: "your disk quota on {where} is used up: free some of it (quota -s; lfs quota on Lustre) or ask for "
+                  "more, or use an output_dir under another quota",
+    errno.EROFS: "the file system of {where} is read-only (remounted after an I/O error?): have it made writable "
+                 "again, or use another output_dir",
+}
+REFUSED_ERRNOS = set(REFUSAL_HINTS)
 # torch.save reports a failed write as a RuntimeError without the errno ("PytorchStreamWriter failed writing file",
 # "unexpected pos 7296 vs 7190"); with less free space than this left (a save writes files of megabytes), a write
 # failure is the disk being full.
 LOW_FREE_BYTES = 1024 * 1024
+# A write failure without an errno is probed with a write of this size (a quota with a little room left still
+# refuses it, as it refused the save's megabytes); the probe file is removed at once.
+PROBE_BYTES = 1024 * 1024
+PROBE_NAME = ".slurm-jit-write-probe"
 
 
 class CheckpointWriteError(RuntimeError):
-    """A checkpoint could not be written (disk full, quota); the message is one line with a HINT."""
+    """A checkpoint could not be written (disk full, quota, read-only); the message is one line with a HINT."""
 
 
 def free_bytes(path: Path) -> int | None:
@@ -36,31 +52,64 @@ def free_bytes(path: Path) -> int | None:
     return st.f_bavail * st.f_frsize
 
 
-def disk_full_reason(ckpt_dir: Path, exc: BaseException) -> str | None:
-    """Why this exception means the disk (or the quota) is full, or None when it does not."""
-    if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
-        return f"{exc.strerror} ({errno.errorcode.get(exc.errno or 0, exc.errno)})"
+def _errno_words(exc: OSError) -> str:
+    return f"{exc.strerror} ({errno.errorcode.get(exc.errno or 0, exc.errno)})"
+
+
+def probe_write(directory: Path) -> OSError | None:
+    """The refusal (ENOSPC, EDQUOT, EROFS) a small write in ``directory`` gets, or None (it succeeds, or fails
+    otherwise). The probe file is removed."""
+    probe = directory / PROBE_NAME
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        return exc if exc.errno in REFUSED_ERRNOS else None
+    try:
+        os.write(fd, b"\0" * PROBE_BYTES)
+        os.fsync(fd)
+    except OSError as exc:
+        return exc if exc.errno in REFUSED_ERRNOS else None
+    finally:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(probe)
+    return None
+
+
+def refusal(ckpt_dir: Path, exc: BaseException) -> tuple[str, int] | None:
+    """(why, errno) when this exception means the file system refuses the write, or None when it does not."""
+    if isinstance(exc, OSError) and exc.errno in REFUSED_ERRNOS:
+        return _errno_words(exc), exc.errno or 0
     if not isinstance(exc, OSError | RuntimeError):
         return None
+    first_line = (str(exc).strip().splitlines() or [""])[0][:200]
     free = free_bytes(ckpt_dir.parent)
     if free is not None and free < LOW_FREE_BYTES:
-        first_line = (str(exc).strip().splitlines() or [""])[0][:200]
-        return f"no space left on the device ({free} bytes free; {type(exc).__name__}: {first_line})"
-    return None
+        return f"no space left on the device ({free} bytes free; {type(exc).__name__}: {first_line})", errno.ENOSPC
+    probed = probe_write(ckpt_dir if ckpt_dir.is_dir() else ckpt_dir.parent)
+    if probed is None:
+        return None
+    return f"{type(exc).__name__}: {first_line}; a test write there: {_errno_words(probed)}", probed.errno or 0
+
+
+def one_line(ckpt_dir: Path, why: str, code: int) -> str:
+    """The line shown for a refused checkpoint write, with the HINT for that refusal."""
+    where = ckpt_dir.parent
+    hint = REFUSAL_HINTS.get(code, REFUSAL_HINTS[errno.ENOSPC]).format(where=where)
+    return (f"slurm_jit: {ckpt_dir} could not be written: {why}. It stays incomplete ({protocol.SENTINEL_NAME} "
+            f"kept); earlier checkpoints are untouched. HINT: {hint}, then resume: ckpt-check {where} names the "
+            "checkpoint it resumes from")
 
 
 @contextlib.contextmanager
 def disk_full_is_one_line(ckpt_dir: Path) -> Iterator[None]:
-    """Turn a full disk inside a checkpoint write into :class:`CheckpointWriteError`, whose message is the one
-    line to show (``str(exc)``; no chained traceback); any other failure passes through unchanged."""
+    """Turn a refused write inside a checkpoint write (disk full, quota, read-only file system) into
+    :class:`CheckpointWriteError`, whose message is the one line to show (``str(exc)``; no chained traceback);
+    any other failure passes through unchanged."""
     try:
         yield
     except (OSError, RuntimeError) as exc:
-        why = disk_full_reason(ckpt_dir, exc)
-        if why is None:
+        found = refusal(ckpt_dir, exc)
+        if found is None:
             raise
-        message = (f"slurm_jit: {ckpt_dir} could not be written: {why}. It stays incomplete "
-                   f"({protocol.SENTINEL_NAME} kept); earlier checkpoints are untouched. HINT: free space on "
-                   f"{ckpt_dir.parent} (df -h) or use a larger output_dir, then resume: ckpt-check "
-                   f"{ckpt_dir.parent} names the checkpoint it resumes from")
-        raise CheckpointWriteError(message) from None
+        raise CheckpointWriteError(one_line(ckpt_dir, *found)) from None

@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import sys
@@ -22,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from slurm_jit.timing import TIMING_DIR
+from slurm_jit.train import save_errors
+from slurm_jit.train.save_errors import CheckpointWriteError
 
 STOP_RECORD_NAME = "stop.json"
 STATES = ("running", "jit_stop", "finished", "failed")
@@ -40,11 +44,39 @@ def path(output_dir: str | os.PathLike[str]) -> Path:
     return Path(output_dir) / TIMING_DIR / STOP_RECORD_NAME
 
 
+class StopRecordError(CheckpointWriteError, OSError):
+    """The stop record could not be written (disk full, quota, read-only); one line with a HINT. The record before
+    it is left as it was, no temporary file is left behind, and no checkpoint is touched. An OSError too: a failed
+    train() records its failure where it can and goes on to its own error (trainer._record_failure)."""
+
+
 def write(output_dir: str | os.PathLike[str], state: str, **fields: Any) -> None:
-    """Atomically replace the stop record (temporary file, fsync, rename, fsync of the directory)."""
+    """Atomically replace the stop record (temporary file, fsync, rename, fsync of the directory); a refused write
+    (ENOSPC, EDQUOT, EROFS) is :class:`StopRecordError`, one line."""
     if state not in STATES:
         raise ValueError(f"unknown stop state {state!r}")
     target = path(output_dir)
+    try:
+        _write(target, state, fields)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            target.with_suffix(".tmp").unlink(missing_ok=True)
+        if exc.errno not in save_errors.REFUSED_ERRNOS:
+            raise
+        raise StopRecordError(_refused_line(target, state, fields, exc)) from None
+
+
+def _refused_line(target: Path, state: str, fields: dict[str, Any], exc: OSError) -> str:
+    checkpoint = fields.get("checkpoint") if state == "jit_stop" else None
+    saved = (f"the JIT checkpoint {checkpoint} is complete and untouched" if checkpoint
+             else "no checkpoint is touched")
+    hint = save_errors.REFUSAL_HINTS[exc.errno or 0].format(where=target.parent.parent)
+    return (f"slurm_jit: stop record {target} ({state}) could not be written: {exc.strerror} "
+            f"({errno.errorcode.get(exc.errno or 0, exc.errno)}); {saved}. HINT: {hint}; a requeue or resubmit "
+            "resumes from the newest complete checkpoint (ckpt-check names it)")
+
+
+def _write(target: Path, state: str, fields: dict[str, Any]) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     for key in PATH_FIELDS:  # read later from another working directory (a requeued job, a script)
         if isinstance(fields.get(key), str):
