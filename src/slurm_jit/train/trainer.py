@@ -53,6 +53,7 @@ from slurm_jit.train import (
     save_errors,
     slim_save,
     stop_record,
+    writable,
 )
 from slurm_jit.train.agreement import SIDE_GROUP_TIMEOUT_S, Decision, StopAgreement
 from slurm_jit.train.refusals import JitRefusal, refused_settings, resume_refusal
@@ -363,6 +364,9 @@ class JitTrainer(transformers.Trainer):
         """Rank 0 picks the checkpoint (``True``: the newest resumable one, as ckpt-check does), checks that it
         can be resumed exactly by this run, reads what it carries, and tells every rank."""
         decision: tuple[str | None, str | None, dict[str, Any]] = (None, None, {})
+        not_writable = writable.refusal_on_any_rank(self._agreement, str(self.args.output_dir))  # every rank's view
+        if not_writable:
+            raise JitRefusal(f"slurm_jit: {not_writable}")
         if self._is_rank0:  # one training per output_dir, and a writable one (output_lock), before any step
             self._jit_output_lock, locked_out = output_lock.acquire(str(self.args.output_dir))
             decision = (None, locked_out, {}) if locked_out else self._pick_resume(resume_from_checkpoint)
