@@ -1,6 +1,6 @@
 """Keeping an output directory tidy without losing a resume point: which checkpoints a ``save_total_limit`` rotation
-may delete, deleting one so that no instant of it looks resumable, and quarantining the non-resumable ones (renamed,
-never deleted).
+may delete, and deleting one so that no instant of it looks resumable. (Quarantine, which renames and never
+deletes, stays with the reading in :mod:`slurm_jit.checkpoint.protocol`.)
 """
 
 from __future__ import annotations
@@ -11,17 +11,9 @@ import time
 from collections.abc import Collection, Iterable
 from pathlib import Path
 
-from slurm_jit.checkpoint.names import DELETING_PREFIX, quarantine_path
-from slurm_jit.checkpoint.verdict import WHOLE_STATUSES, CheckpointInfo, Resolution, Status, newest_written_first
+from slurm_jit.checkpoint.names import DELETING_PREFIX
+from slurm_jit.checkpoint.verdict import WHOLE_STATUSES, CheckpointInfo, newest_written_first
 from slurm_jit.checkpoint.writing import fsync_dir
-
-
-class QuarantineError(OSError):
-    """A rename of :func:`quarantine` failed; ``moved`` says what was renamed before it (nothing is deleted)."""
-
-    def __init__(self, src: Path, dst: Path, cause: OSError, moved: list[tuple[Path, Path]]) -> None:
-        super().__init__(cause.errno, cause.strerror, str(src))
-        self.src, self.dst, self.moved = src, dst, moved
 
 
 def rotation_victims(checkpoints: Iterable[CheckpointInfo], limit: int,
@@ -62,21 +54,3 @@ def remove_deletion_leftovers(out_dir: Path) -> None:
     for leftover in out_dir.glob(f"{DELETING_PREFIX}*"):
         if leftover.is_dir() and not leftover.is_symlink():
             shutil.rmtree(leftover, ignore_errors=True)
-
-
-def quarantine(resolution: Resolution) -> list[tuple[Path, Path]]:
-    """Rename every non-resumable directory newer than the resume point; never deletes anything. A model-only
-    checkpoint is whole (just not a resume point): it stays where it is."""
-    moved: list[tuple[Path, Path]] = []
-    for ckpt in resolution.passed_over:
-        if ckpt.status is Status.MODEL_ONLY:
-            continue
-        target = quarantine_path(ckpt.path)
-        try:
-            os.rename(ckpt.path, target)
-        except OSError as exc:
-            raise QuarantineError(ckpt.path, target, exc, moved) from None
-        moved.append((ckpt.path, target))
-    for parent in {src.parent for src, _ in moved}:
-        fsync_dir(parent)
-    return moved

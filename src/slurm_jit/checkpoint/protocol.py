@@ -32,7 +32,7 @@ Nothing is ever unpickled to check it: checkpoint files are untrusted input (see
 This module reads (:func:`inspect`, :func:`scan`, :func:`find_resumable`) and is the one place the trainer,
 ckpt-check, the launchers and the tests import the protocol from: its parts live in :mod:`~.names` (directory
 names, the set-aside ones), :mod:`~.verdict` (the verdict types, "newest"), :mod:`~.writing` (the four steps) and
-:mod:`~.housekeeping` (rotation, deletion, quarantine), and are re-exported here.
+:mod:`~.housekeeping` (rotation, deletion), and are re-exported here. Quarantine stays here.
 """
 
 from __future__ import annotations
@@ -48,9 +48,7 @@ from slurm_jit.checkpoint import manifest as manifest_mod
 
 # Re-exported: the protocol's names, used by the trainer, ckpt-check, the launchers and the tests through here.
 from slurm_jit.checkpoint.housekeeping import (  # noqa: F401
-    QuarantineError,
     delete_checkpoint,
-    quarantine,
     remove_deletion_leftovers,
     rotation_victims,
 )
@@ -104,6 +102,14 @@ from slurm_jit.checkpoint.writing import (  # noqa: F401
 )
 
 SHOWN_VALUE_CHARS = 40  # of a value from a checkpoint file, in a reason
+
+
+class QuarantineError(OSError):
+    """A rename of :func:`quarantine` failed; ``moved`` says what was renamed before it (nothing is deleted)."""
+
+    def __init__(self, src: Path, dst: Path, cause: OSError, moved: list[tuple[Path, Path]]) -> None:
+        super().__init__(cause.errno, cause.strerror, str(src))
+        self.src, self.dst, self.moved = src, dst, moved
 
 
 def _raise(exc: OSError) -> None:
@@ -322,3 +328,21 @@ def set_aside_replaced(ckpt_dir: Path) -> Path:
     os.rename(ckpt_dir, target)
     fsync_dir(ckpt_dir.parent)
     return target
+
+
+def quarantine(resolution: Resolution) -> list[tuple[Path, Path]]:
+    """Rename every non-resumable directory newer than the resume point; never deletes anything. A model-only
+    checkpoint is whole (just not a resume point): it stays where it is."""
+    moved: list[tuple[Path, Path]] = []
+    for ckpt in resolution.passed_over:
+        if ckpt.status is Status.MODEL_ONLY:
+            continue
+        target = quarantine_path(ckpt.path)
+        try:
+            os.rename(ckpt.path, target)
+        except OSError as exc:
+            raise QuarantineError(ckpt.path, target, exc, moved) from None
+        moved.append((ckpt.path, target))
+    for parent in {src.parent for src, _ in moved}:
+        fsync_dir(parent)
+    return moved
