@@ -32,7 +32,7 @@ class RandomTokens(torch.utils.data.Dataset):
         return {"input_ids": self.tokens[i], "labels": self.tokens[i]}
 
 
-def main(out_dir: str, max_steps: int = 3000) -> None:
+def main(out_dir: str, max_steps: int = 8000) -> None:
     handler = logging.StreamHandler()  # optional: slurm_jit's INFO lines (each save, its sizes) in the job log
     handler.setFormatter(logging.Formatter("%(message)s"))
     logging.getLogger("slurm_jit").addHandler(handler)
