@@ -57,8 +57,9 @@ def _add_sizing(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kill-wait",
                    help="the trainer's wait before the checkpoint (default: as --from's timing log recorded it, "
                    f"else {grace.DEFAULT_KILL_WAIT_S:g} s)")
+    # argparse %-formats help strings: the percentage's sign is doubled.
     g.add_argument("--margin", help=f"safety margin, a duration or a percentage of step+eval+save (default "
-                   f"{grace.DEFAULT_MARGIN_FRACTION:.0%}, at least {grace.DEFAULT_MARGIN_FLOOR_S:g} s; 0: "
+                   f"{grace.DEFAULT_MARGIN_FRACTION:.0%}%, at least {grace.DEFAULT_MARGIN_FLOOR_S:g} s; 0: "
                    "the docs' formula)")
     m = p.add_argument_group("measured times")
     m.add_argument("--from", dest="from_dir", metavar="OUT_DIR",
