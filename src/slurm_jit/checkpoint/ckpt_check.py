@@ -78,6 +78,9 @@ def _parser() -> argparse.ArgumentParser:
         help=f"rename non-resumable checkpoints newer than the resume point to checkpoint-<step>"
         f"{protocol.QUARANTINE_SUFFIX} (never deletes)",
     )
+    parser.add_argument("--reseal", action="store_true",
+                        help="OUT_DIR is one checkpoint-<step> you changed on purpose (resharded, converted): "
+                             "after a structure check, write its manifest anew (the old one kept beside it)")
     return parser
 
 
@@ -186,6 +189,8 @@ def _exit_code(resolution: protocol.Resolution, on_world: elastic_plan.Plan | No
 
 def run(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.reseal:
+        return _reseal(args.out_dir)
     world_size = parse_world_size(args.world_size)  # before anything is read or moved
     _check_out_dir(args.out_dir)
     progress, close = _deep_progress(args.out_dir) if args.deep else (None, lambda: None)
@@ -216,6 +221,21 @@ def run(argv: Sequence[str] | None = None) -> int:
         print(printable(f"on {on_world.world_size} ranks: {verdict} ({on_world.action}): {on_world.reason}"))
     _print_path(resume)
     return code
+
+
+def _reseal(ckpt_dir: str) -> int:
+    from slurm_jit.checkpoint import reseal
+
+    try:
+        done = reseal.reseal(ckpt_dir)
+    except reseal.ResealRefusal as exc:
+        raise UsageError(str(exc)) from None
+    if done.backup is None:
+        print(printable(f"{done.path}: the manifest already matches its {done.files} files: nothing resealed"))
+    else:
+        print(printable(f"resealed {done.path}: {done.files} files, {_human_bytes(done.total_bytes)}; the old "
+                        f"manifest is {done.backup.name}"))
+    return EXIT_RESUMABLE
 
 
 def _quarantine(resolution: protocol.Resolution) -> list[tuple[Path, Path]]:
