@@ -17,7 +17,6 @@ import pytest
 import transformers
 
 import slurm_jit
-from slurm_jit.train import subclassing
 from slurm_jit.train.refusals import JitRefusal
 from slurm_jit.train.trainer import JitTrainer
 
@@ -25,6 +24,12 @@ ROOT = Path(__file__).resolve().parents[2]
 STACKS_DOC = ROOT / "docs" / "stacks.md"
 TRL_TRAINERS = ("SFTTrainer", "DPOTrainer", "GRPOTrainer", "RewardTrainer", "RLOOTrainer", "KTOTrainer")
 DROP_IN_TIMEOUT_S = 100  # a fresh interpreter imports torch, transformers, TRL and builds one tiny SFTTrainer
+
+
+def _subclassing() -> Any:
+    from slurm_jit.train import subclassing  # here, not at the top: each test fails alone without the module
+
+    return subclassing
 
 
 def _tiny_args(tmp_path: Path) -> dict[str, Any]:
@@ -47,15 +52,14 @@ def _one_line(exc: BaseException) -> str:
     return message
 
 
-def test_another_trainer_subclass_before_jittrainer_is_refused_when_the_class_is_defined() -> None:
+def test_only_another_trainer_subclass_before_jittrainer_is_refused_when_the_class_is_defined(
+        tmp_path: Path) -> None:
     with pytest.raises(JitRefusal) as err:
         class Wrong(Framework, JitTrainer):
             pass
     message = _one_line(err.value)
     assert "HINT: class Wrong(JitTrainer, Framework), or slurm_jit.with_jit(Framework)" in message, message
 
-
-def test_jittrainer_first_and_a_users_own_subclass_first_are_allowed(tmp_path: Path) -> None:
     class Right(JitTrainer, Framework):
         pass
 
@@ -125,7 +129,7 @@ def test_a_subclass_replacing_a_lesser_hook_gets_one_warning_with_its_cost(tmp_p
                             ignore_keys: Any = None) -> Any:
             return None, None, None
 
-    with caplog.at_level(logging.WARNING, logger=subclassing.__name__):
+    with caplog.at_level(logging.WARNING, logger="slurm_jit.train.subclassing"):
         OwnPrediction(**_tiny_args(tmp_path))
         OwnPrediction(**_tiny_args(tmp_path))
     said = [r.getMessage() for r in caplog.records if "OwnPrediction.prediction_step()" in r.getMessage()]
@@ -135,7 +139,7 @@ def test_a_subclass_replacing_a_lesser_hook_gets_one_warning_with_its_cost(tmp_p
 def _trl_overrides(cls: type) -> set[str]:
     """The hooks JitTrainer has that TRL's ``cls`` (or its TRL bases) override."""
     below = [k for k in cls.__mro__ if issubclass(k, transformers.Trainer) and k is not transformers.Trainer]
-    return {name for name in subclassing.SUPER_CALLS for k in below if name in vars(k)}
+    return {name for name in _subclassing().SUPER_CALLS for k in below if name in vars(k)}
 
 
 @pytest.mark.parametrize("name", TRL_TRAINERS)
@@ -146,8 +150,8 @@ def test_trls_overrides_pass_the_hooks_check_and_each_is_decided_in_the_docs(
     until it is decided)."""
     trl = pytest.importorskip("trl")
     cls = getattr(trl, name)
-    with caplog.at_level(logging.WARNING, logger=subclassing.__name__):
-        subclassing.check_hooks(slurm_jit.with_jit(cls), JitTrainer)
+    with caplog.at_level(logging.WARNING, logger="slurm_jit.train.subclassing"):
+        _subclassing().check_hooks(slurm_jit.with_jit(cls), JitTrainer)
     assert not caplog.records, caplog.text
     overridden = _trl_overrides(cls)
     assert "_save_checkpoint" in overridden  # every TRL trainer writes its model card there
