@@ -71,24 +71,30 @@ def refuse_wrong_order(cls: type, jit_cls: type) -> None:
                          f"slurm_jit.with_jit({before[0].__name__})")
 
 
-@functools.cache
 def with_jit(trainer_cls: type) -> type:
     """``trainer_cls`` (a Trainer subclass such as TRL's SFTTrainer) with JIT checkpoints: the class
     ``Jit<Name>(JitTrainer, trainer_cls)``; the same class on every call, ``trainer_cls`` itself when it already
-    has JitTrainer."""
+    has JitTrainer, JitTrainer for the Trainer itself."""
     from slurm_jit.train.trainer import JitTrainer
 
     base = real_trainer(JitTrainer)
-    if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, base)):
+    if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, base)):  # before the cache: a list is no key
         raise JitRefusal(f"slurm_jit: with_jit({getattr(trainer_cls, '__name__', repr(trainer_cls))}): not a "
                          "transformers.Trainer subclass. HINT: pass the Trainer class itself, e.g. "
                          "with_jit(SFTTrainer)")
     if issubclass(trainer_cls, JitTrainer):
         return trainer_cls
+    if trainer_cls is base:
+        return JitTrainer
+    return _jit_class(trainer_cls, JitTrainer)
+
+
+@functools.cache  # the same class on every call
+def _jit_class(trainer_cls: type, jit_cls: type) -> type:
     name = f"Jit{trainer_cls.__name__}"
     doc = f"{trainer_cls.__name__} with slurm-jit's JIT checkpoints (slurm_jit.with_jit)."
-    return type(name, (JitTrainer, trainer_cls), {"__module__": trainer_cls.__module__, "__doc__": doc,
-                                                   "__qualname__": name})
+    return type(name, (jit_cls, trainer_cls), {"__module__": trainer_cls.__module__, "__doc__": doc,
+                                               "__qualname__": name})
 
 
 def _calls_super(func: Any) -> bool:
