@@ -20,6 +20,7 @@ from slurm_jit.train import compat
 from slurm_jit.train.refusals import JitRefusal
 
 logger = logging.getLogger(__name__)
+_MADE: dict[type, type] = {}  # with_jit's classes, by the class they add JIT to
 
 # What JitTrainer's overrides pass on through super(): (positional, keyword) parameter names. A class between
 # JitTrainer and the Trainer that overrides one of these must take that call.
@@ -89,12 +90,15 @@ def with_jit(trainer_cls: type) -> type:
     return _jit_class(trainer_cls, JitTrainer)
 
 
-@functools.cache  # the same class on every call
 def _jit_class(trainer_cls: type, jit_cls: type) -> type:
-    name = f"Jit{trainer_cls.__name__}"
-    doc = f"{trainer_cls.__name__} with slurm-jit's JIT checkpoints (slurm_jit.with_jit)."
-    return type(name, (jit_cls, trainer_cls), {"__module__": trainer_cls.__module__, "__doc__": doc,
-                                               "__qualname__": name})
+    """``Jit<Name>(jit_cls, trainer_cls)``, made once: the same class on every call."""
+    made = _MADE.get(trainer_cls)
+    if made is None:
+        name = f"Jit{trainer_cls.__name__}"
+        doc = f"{trainer_cls.__name__} with slurm-jit's JIT checkpoints (slurm_jit.with_jit)."
+        made = _MADE.setdefault(trainer_cls, type(name, (jit_cls, trainer_cls), {
+            "__module__": trainer_cls.__module__, "__doc__": doc, "__qualname__": name}))
+    return made
 
 
 def _calls_super(func: Any) -> bool:
