@@ -132,7 +132,7 @@ def test_symlinks_odd_names_and_manifest_less_checkpoints_are_refused(tmp_path: 
     link = out / "checkpoint-9"
     link.symlink_to(ckpt, target_is_directory=True)
     _one_line_refusal(run_ckpt_check("--reseal", link), "a symlink")
-    odd = out / "checkpoint-7.incomplete"
+    odd = out / "checkpoint-7.converted"  # (a quarantined checkpoint-7.incomplete: its own test, below)
     os.rename(ckpt, odd)
     _one_line_refusal(run_ckpt_check("--reseal", odd), "not named checkpoint-<step>")
     _one_line_refusal(run_ckpt_check("--reseal", out / "checkpoint-8"), "no such checkpoint directory")
@@ -162,3 +162,78 @@ def test_a_checkpoint_held_by_a_live_runs_output_lock_is_refused(tmp_path: Path)
         holder.wait()
     assert run_ckpt_check("--reseal", ckpt).code == 0  # the run has ended: resealed
     assert output_lock.lock_path(out).read_text() == ""  # and the lock left free, for the next training
+
+
+@pytest.mark.parametrize("extra", [["--world-size", "4"], ["--quarantine"], ["--deep"], ["--json"]])
+def test_reseal_with_another_option_is_refused_unchanged(tmp_path: Path, extra: list[str]) -> None:
+    """``--reseal`` does one thing; an option it would silently ignore (a world size the user meant to check, a
+    quarantine) is refused in one line, nothing written."""
+    ckpt = _ds_checkpoint(tmp_path / "out")
+    _convert(ckpt)
+    before = (ckpt / protocol.MANIFEST_NAME).read_bytes()
+    run = run_ckpt_check("--reseal", *extra, ckpt)
+    assert run.code == 2 and not run.stdout, (run.code, run.stdout, run.stderr)
+    message = run.stderr.strip()
+    assert "\n" not in message and extra[0] in message and "HINT:" in message, message
+    assert (ckpt / protocol.MANIFEST_NAME).read_bytes() == before and not _backups(ckpt)
+
+
+def test_a_quarantined_checkpoint_is_refused_without_advice_to_rename_it(tmp_path: Path) -> None:
+    """ckpt-check --quarantine set it aside as not resumable: the refusal says so, and never tells the user to
+    rename it back so that a reseal may seal what was found broken."""
+    out = tmp_path / "out"
+    ckpt = _ds_checkpoint(out)
+    quarantined = ckpt.with_name(ckpt.name + protocol.QUARANTINE_SUFFIX)
+    ckpt.rename(quarantined)
+    message = _one_line_refusal(run_ckpt_check("--reseal", quarantined), "quarantined", "ckpt-check OUT_DIR")
+    assert "rename it" not in message, message
+
+
+def _reseal_under_file_size_limit(ckpt: Path, limit_bytes: int) -> subprocess.CompletedProcess[str]:
+    """The ckpt-check command in a process that may write no file past ``limit_bytes`` (RLIMIT_FSIZE: EFBIG, as a
+    full disk's ENOSPC, at the write that crosses it)."""
+    code = ("import resource, signal, sys\nsignal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+            f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit_bytes}, {limit_bytes}))\n"
+            "from slurm_jit.launch import ckpt_check_command\nckpt_check_command.main(sys.argv[1:])\n")
+    return subprocess.run([sys.executable, "-c", code, "--reseal", str(ckpt)], capture_output=True, text=True,
+                          timeout=HOLDER_START_S)
+
+
+def test_an_output_dir_whose_lock_cannot_be_written_is_not_called_held_by_a_run(tmp_path: Path) -> None:
+    ckpt = _ds_checkpoint(tmp_path / "out")
+    _convert(ckpt)
+    before = (ckpt / protocol.MANIFEST_NAME).read_bytes()
+    run = _reseal_under_file_size_limit(ckpt, 16)  # the lock's record is longer
+    assert run.returncode == 2 and "\n" not in run.stderr.strip() and "HINT:" in run.stderr, run.stderr
+    assert "cannot be written" in run.stderr and "once that run has ended" not in run.stderr, run.stderr
+    assert (ckpt / protocol.MANIFEST_NAME).read_bytes() == before and not _backups(ckpt)
+
+
+def test_a_manifest_write_that_fails_leaves_the_old_manifest_and_no_partial_file(tmp_path: Path) -> None:
+    ckpt = _ds_checkpoint(tmp_path / "out")
+    _convert(ckpt)
+    before = (ckpt / protocol.MANIFEST_NAME).read_bytes()
+    run = _reseal_under_file_size_limit(ckpt, len(before) // 2)  # the lock's record fits, the new manifest not
+    assert run.returncode == 2 and "\n" not in run.stderr.strip() and "HINT:" in run.stderr, run.stderr
+    assert "not resealed" in run.stderr, run.stderr
+    assert (ckpt / protocol.MANIFEST_NAME).read_bytes() == before and not _backups(ckpt)
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith(".")) == [], list(ckpt.iterdir())
+    assert protocol.inspect(ckpt, STEP).status is not protocol.Status.COMPLETE  # still the old, changed-after one
+
+
+def test_ckpt_check_without_the_output_lock_refuses_to_reseal(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                                               ) -> None:
+    """``python -m slurm_jit.checkpoint.ckpt_check`` (no lock handed in, or an old ``ckpt-check`` script) never
+    reseals unlocked: one line naming the command that can."""
+    from slurm_jit.checkpoint import ckpt_check
+
+    ckpt = _ds_checkpoint(tmp_path / "out")
+    _convert(ckpt)
+    before = (ckpt / protocol.MANIFEST_NAME).read_bytes()
+    with pytest.raises(SystemExit) as exited:
+        ckpt_check.main(["--reseal", str(ckpt)])
+    message = capsys.readouterr().err.strip()
+    assert exited.value.code == 2 and "\n" not in message, message
+    assert f"HINT: run the ckpt-check command (python -m slurm_jit.launch.ckpt_check_command --reseal {ckpt})" \
+        in message, message
+    assert (ckpt / protocol.MANIFEST_NAME).read_bytes() == before and not _backups(ckpt)

@@ -13,14 +13,18 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from slurm_jit.checkpoint import elastic_plan, protocol, structure
+
+if TYPE_CHECKING:
+    from slurm_jit.checkpoint.reseal import DirLock
 
 EXIT_RESUMABLE = 0
 EXIT_NONE_RESUMABLE = 1
 EXIT_USAGE = 2
 EXIT_NO_CHECKPOINT = 3
+RESEAL_COMMAND = "slurm_jit.launch.ckpt_check_command"  # the ckpt-check command: this module with the lock
 UNKNOWN = "-"  # a size or age that could not be read
 MAX_WORLD_SIZE = structure.MAX_WORLD_SIZE
 RUN_ID_SHOWN_CHARS = 8  # enough to tell runs apart in the table; --json has the whole id
@@ -187,10 +191,13 @@ def _exit_code(resolution: protocol.Resolution, on_world: elastic_plan.Plan | No
     return EXIT_NONE_RESUMABLE if resolution.checkpoints else EXIT_NO_CHECKPOINT
 
 
-def run(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def run(argv: Sequence[str] | None = None, *, dir_lock: DirLock | None = None) -> int:
+    """``dir_lock``: the output directory's lock, for ``--reseal`` (the ``ckpt-check`` command hands it in)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
     if args.reseal:
-        return _reseal(args.out_dir)
+        _refuse_beside_reseal(parser, args)
+        return _reseal(args.out_dir, dir_lock)
     world_size = parse_world_size(args.world_size)  # before anything is read or moved
     _check_out_dir(args.out_dir)
     progress, close = _deep_progress(args.out_dir) if args.deep else (None, lambda: None)
@@ -223,11 +230,25 @@ def run(argv: Sequence[str] | None = None) -> int:
     return code
 
 
-def _reseal(ckpt_dir: str) -> int:
+def _refuse_beside_reseal(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--reseal does one thing: an option it would ignore (a world size to check, a quarantine) is refused."""
+    given = [action.option_strings[0] for action in parser._actions
+             if action.option_strings and action.dest not in ("reseal", "help")
+             and getattr(args, action.dest) != action.default]
+    if given:
+        raise UsageError(f"--reseal with {', '.join(given)}: --reseal writes one checkpoint's manifest and does "
+                         f"nothing else: nothing done. HINT: ckpt-check --reseal {args.out_dir} alone, then "
+                         f"ckpt-check {' '.join(given)} OUT_DIR for the rest")
+
+
+def _reseal(ckpt_dir: str, dir_lock: DirLock | None) -> int:
     from slurm_jit.checkpoint import reseal
 
+    if dir_lock is None:
+        raise UsageError(f"{ckpt_dir}: this entry point cannot take the output directory's lock: not resealed. "
+                         f"HINT: run the ckpt-check command (python -m {RESEAL_COMMAND} --reseal {ckpt_dir})")
     try:
-        done = reseal.reseal(ckpt_dir)
+        done = reseal.reseal(ckpt_dir, dir_lock=dir_lock)
     except reseal.ResealRefusal as exc:
         raise UsageError(str(exc)) from None
     if done.backup is None:
@@ -280,10 +301,10 @@ def _plan_json(on_world: elastic_plan.Plan | None, world_size: int) -> dict[str,
             "written_by": on_world.written_by, "zero_stage": on_world.zero_stage, "reason": on_world.reason}
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None, *, dir_lock: DirLock | None = None) -> None:
     """Exit 0/1/3 with a verdict; 2 with one line on standard error when there is none (never a traceback)."""
     try:
-        code = run(argv)
+        code = run(argv, dir_lock=dir_lock)
     except UsageError as exc:
         _fail(f"ckpt-check: {exc}")
         code = EXIT_USAGE

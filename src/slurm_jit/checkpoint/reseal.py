@@ -12,19 +12,30 @@ what. The new manifest must pass :func:`protocol.inspect` or the old one is put 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from slurm_jit.checkpoint import manifest as manifest_file
 from slurm_jit.checkpoint import protocol, structure
 
 BACKUP_PREFIX = f".{manifest_file.MANIFEST_NAME}.before-reseal-"  # hidden: payload_files() leaves it out
 TIME_FORMAT = "%Y%m%dT%H%M%SZ"
+LOCK_HELD_WORDS = " is in use by "  # in the lock's refusal when a run holds the output directory (not an I/O error)
+
+
+class DirLock(Protocol):
+    """The output directory's lock (train/output_lock.py, the one definition of "a live run holds this
+    output_dir"), handed in by the ``ckpt-check`` command: checkpoint/ never imports train/."""
+
+    def acquire(self, output_dir: str | os.PathLike[str], /) -> tuple[Any | None, str | None]: ...
+
+    def release(self, lock: Any, /) -> None: ...
 
 
 class ResealRefusal(Exception):
@@ -53,6 +64,10 @@ def _step_of(path: Path) -> int:
         raise _refuse(path, "a symlink", "pass the checkpoint directory itself (realpath), not a link to it")
     if not stat.S_ISDIR(mode):
         raise _refuse(path, "not a directory", "pass a checkpoint-<step> directory")
+    if protocol.CHECKPOINT_RE.fullmatch(path.name.partition(protocol.QUARANTINE_SUFFIX)[0]) and \
+            protocol.QUARANTINE_SUFFIX in path.name:
+        raise _refuse(path, "quarantined (ckpt-check --quarantine found it not resumable)", "resume from the "
+                      "checkpoint `ckpt-check OUT_DIR` names; a checkpoint found broken is never resealed")
     match = protocol.CHECKPOINT_RE.fullmatch(path.name)
     if match is None or len(match.group(1)) > protocol.MAX_STEP_DIGITS:
         raise _refuse(path, "not named checkpoint-<step>", "rename it checkpoint-<step> (its trainer_state's "
@@ -96,14 +111,33 @@ def _new_manifest(old: dict[str, Any], files: dict[str, dict[str, Any]], world: 
 
 
 def _write(path: Path, manifest: dict[str, Any]) -> None:
-    """Atomically: a reader sees the old manifest or the new one, never a part."""
+    """Atomically: a reader sees the old manifest or the new one, never a part; no partial file left behind."""
     tmp = path / f".{protocol.MANIFEST_NAME}.tmp"
-    with open(tmp, "w", encoding="utf-8") as handle:
-        json.dump(manifest, handle, indent=1, sort_keys=True)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.rename(tmp, path / protocol.MANIFEST_NAME)
+    try:
+        with open(tmp, "w", encoding="utf-8") as handle:
+            json.dump(manifest, handle, indent=1, sort_keys=True)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.rename(tmp, path / protocol.MANIFEST_NAME)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     protocol.fsync_dir(path)
+
+
+def _replace_manifest(path: Path, new: dict[str, Any], backup: Path) -> None:
+    """The old manifest linked as ``backup``, then the new one in its place; on an OSError before the new one is
+    in place (a full disk, a read-only mount, no hard links), the old one alone, as it was, and ResealRefusal."""
+    try:
+        os.link(path / protocol.MANIFEST_NAME, backup)  # kept: the new manifest replaces the name only
+        _write(path, new)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(backup)  # the old manifest is still under its own name
+        raise _refuse(path, f"the new manifest could not be written ({exc.strerror or exc}); the old one is "
+                      "unchanged", "free space on its file system, or make the checkpoint directory writable "
+                      "(a read-only mount?), then reseal") from None
 
 
 def _seal(path: Path, step: int, now: float) -> Resealed:
@@ -115,9 +149,8 @@ def _seal(path: Path, step: int, now: float) -> Resealed:
     backup = path / f"{BACKUP_PREFIX}{time.strftime(TIME_FORMAT, time.gmtime(now))}"
     if os.path.lexists(backup):
         raise _refuse(path, f"{backup.name} exists", "wait a second and reseal again")
-    os.link(path / protocol.MANIFEST_NAME, backup)  # the old manifest, kept: the new one replaces the name only
     new = _new_manifest(old, files, world, tag, backup, now)
-    _write(path, new)
+    _replace_manifest(path, new, backup)
     after = protocol.inspect(path, step)  # the checksums were just taken: the rest of what "complete" means
     if after.status is not protocol.Status.COMPLETE:
         os.replace(backup, path / protocol.MANIFEST_NAME)  # the old manifest back, as it was
@@ -138,19 +171,21 @@ def changed_after_manifest(path: Path, manifest: dict[str, Any] | None) -> bool:
     return not set(protocol.payload_files(path)) <= set(manifest["files"])
 
 
-def reseal(ckpt_dir: str | os.PathLike[str], now: float | None = None) -> Resealed:
-    """Reseal one checkpoint (see the module docstring); raises ResealRefusal (one line) and leaves everything as
-    it was when it cannot. OSError propagates (permission denied, a full disk) before the manifest is replaced."""
+def reseal(ckpt_dir: str | os.PathLike[str], *, dir_lock: DirLock, now: float | None = None) -> Resealed:
+    """Reseal one checkpoint (see the module docstring) while holding ``dir_lock`` on its output directory; raises
+    ResealRefusal (one line) and leaves everything as it was when it cannot. OSError propagates (permission
+    denied, a full disk) before the manifest is replaced."""
     path = Path(os.path.abspath(ckpt_dir))
     step = _step_of(path)
-    from slurm_jit.train import output_lock  # the one definition of "a live run holds this output_dir"
-
-    lock, why = output_lock.acquire(path.parent)
+    lock, why = dir_lock.acquire(path.parent)
     if lock is None:
-        held = (why or "").split(". HINT:")[0]  # the lock's line names the holder; its HINT is for a new run
-        raise _refuse(path, held, "reseal once that run has ended (or scancel it); a running training may "
+        reason = (why or "").split(". HINT:")[0]  # the lock's HINT is for a new training, not for a reseal
+        if LOCK_HELD_WORDS not in reason:  # not a holder: the lock file cannot be written
+            raise _refuse(path, reason, "reseal writes in the output directory (its lock, then the manifest): "
+                          "make it writable (a read-only mount?) and free space there, then reseal")
+        raise _refuse(path, reason, "reseal once that run has ended (or scancel it); a running training may "
                       "rewrite or delete this checkpoint")
     try:
         return _seal(path, step, time.time() if now is None else now)
     finally:
-        output_lock.release(lock)
+        dir_lock.release(lock)
