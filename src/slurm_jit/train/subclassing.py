@@ -101,6 +101,21 @@ def _jit_class(trainer_cls: type, jit_cls: type) -> type:
     return made
 
 
+def refuse_unsaved_jit(trainer: Any, saved_step: int, jit_cls: type) -> None:
+    """After the JIT save: raise JitRefusal (one line) when it wrote no checkpoint of this step. The class check
+    sees that an override of ``_save_checkpoint`` calls super(), not that every path does (``if ...: super()...``):
+    a skipped JIT save must not be recorded as a JIT stop at a checkpoint that is not there."""
+    step = trainer.state.global_step
+    if saved_step == step:
+        return
+    mro = type(trainer).__mro__
+    owners = [k.__name__ for k in mro[:mro.index(jit_cls)] if "_save_checkpoint" in vars(k)] or ["a subclass"]
+    raise JitRefusal(f"slurm_jit: the JIT save of step {step} wrote no checkpoint: {owners[0]}._save_checkpoint() "
+                     "did not call super()._save_checkpoint() on this path; training stopped without one. HINT: "
+                     f"call super()._save_checkpoint(model, trial) on every path of {owners[0]}._save_checkpoint; "
+                     "resume from the checkpoint `ckpt-check OUT_DIR` names")
+
+
 def _calls_super(func: Any) -> bool:
     code = getattr(inspect.unwrap(func), "__code__", None)
     return code is None or "super" in code.co_names  # not Python code: not ours to judge

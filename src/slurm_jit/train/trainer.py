@@ -716,6 +716,7 @@ class JitTrainer(transformers.Trainer):
             self._save_checkpoint(model, trial)
         finally:
             run.save_kind = None
+        subclassing.refuse_unsaved_jit(self, run.saved_step, JitTrainer)  # an override skipped super() here
         run.save_ended_at = time.monotonic()
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
