@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from slurm_jit.checkpoint import ckpt_check, protocol
+from slurm_jit.checkpoint import protocol
 from slurm_jit.faults import security
+from slurm_jit.launch import ckpt_check_command
 
 TENSOR_BYTES = 16  # one small tensor in model.safetensors
 CHECK_TIMEOUT_S = 10.0  # a hang detector: a crafted directory is checked in milliseconds
@@ -137,13 +138,14 @@ def time_bound(seconds: float) -> Iterator[None]:
 
 
 def run_ckpt_check(*argv: object, timeout_s: float = CHECK_TIMEOUT_S) -> CheckRun:
-    """``ckpt_check.main`` in this process with a strict UTF-8 stdout and stderr (PYTHONIOENCODING=utf-8:strict)."""
+    """The ``ckpt-check`` command's main (launch/ckpt_check_command.py) in this process with a strict UTF-8 stdout
+    and stderr (PYTHONIOENCODING=utf-8:strict)."""
     out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", errors="strict", write_through=True)
     err = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", errors="strict", write_through=True)
     code: int | str | None = None
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), time_bound(timeout_s):
         try:
-            ckpt_check.main([os.fspath(a) if isinstance(a, Path) else str(a) for a in argv])
+            ckpt_check_command.main([os.fspath(a) if isinstance(a, Path) else str(a) for a in argv])
         except SystemExit as exc:
             code = exc.code
     assert isinstance(code, int), code

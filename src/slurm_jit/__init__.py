@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["JitTrainer", "JitConfig", "__version__"]
+__all__ = ["JitTrainer", "JitConfig", "with_jit", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -16,4 +16,8 @@ def __getattr__(name: str) -> Any:
         from slurm_jit.train import trainer
 
         return getattr(trainer, name)
+    if name == "with_jit":
+        from slurm_jit.train.subclassing import with_jit
+
+        return with_jit
     raise AttributeError(f"module 'slurm_jit' has no attribute {name!r}")

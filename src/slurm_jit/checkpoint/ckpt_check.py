@@ -13,14 +13,18 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from slurm_jit.checkpoint import elastic_plan, protocol, structure
+
+if TYPE_CHECKING:
+    from slurm_jit.checkpoint.reseal import DirLock
 
 EXIT_RESUMABLE = 0
 EXIT_NONE_RESUMABLE = 1
 EXIT_USAGE = 2
 EXIT_NO_CHECKPOINT = 3
+RESEAL_COMMAND = "slurm_jit.launch.ckpt_check_command"  # the ckpt-check command: this module with the lock
 UNKNOWN = "-"  # a size or age that could not be read
 MAX_WORLD_SIZE = structure.MAX_WORLD_SIZE
 RUN_ID_SHOWN_CHARS = 8  # enough to tell runs apart in the table; --json has the whole id
@@ -83,6 +87,9 @@ def _parser() -> argparse.ArgumentParser:
         help=f"rename non-resumable checkpoints newer than the resume point to checkpoint-<step>"
         f"{protocol.QUARANTINE_SUFFIX} (never deletes)",
     )
+    parser.add_argument("--reseal", action="store_true",
+                        help="OUT_DIR is one checkpoint-<step> you changed on purpose (resharded, converted): "
+                             "after a structure check, write its manifest anew (the old one kept beside it)")
     return parser
 
 
@@ -189,8 +196,13 @@ def _exit_code(resolution: protocol.Resolution, on_world: elastic_plan.Plan | No
     return EXIT_NONE_RESUMABLE if resolution.checkpoints else EXIT_NO_CHECKPOINT
 
 
-def run(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def run(argv: Sequence[str] | None = None, *, dir_lock: DirLock | None = None) -> int:
+    """``dir_lock``: the output directory's lock, for ``--reseal`` (the ``ckpt-check`` command hands it in)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.reseal:
+        _refuse_beside_reseal(parser, args)
+        return _reseal(args.out_dir, dir_lock)
     world_size = parse_world_size(args.world_size)  # before anything is read or moved
     _check_out_dir(args.out_dir)
     progress, close = _deep_progress(args.out_dir) if args.deep else (None, lambda: None)
@@ -223,6 +235,35 @@ def run(argv: Sequence[str] | None = None) -> int:
         print(printable(f"on {on_world.world_size} ranks: {verdict} ({on_world.action}): {on_world.reason}"))
     _print_path(resume)
     return code
+
+
+def _refuse_beside_reseal(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--reseal does one thing: an option it would ignore (a world size to check, a quarantine) is refused."""
+    given = [action.option_strings[0] for action in parser._actions
+             if action.option_strings and action.dest not in ("reseal", "help")
+             and getattr(args, action.dest) != action.default]
+    if given:
+        raise UsageError(f"--reseal with {', '.join(given)}: --reseal writes one checkpoint's manifest and does "
+                         f"nothing else: nothing done. HINT: ckpt-check --reseal {args.out_dir} alone, then "
+                         f"ckpt-check {' '.join(given)} OUT_DIR for the rest")
+
+
+def _reseal(ckpt_dir: str, dir_lock: DirLock | None) -> int:
+    from slurm_jit.checkpoint import reseal
+
+    if dir_lock is None:
+        raise UsageError(f"{ckpt_dir}: this entry point cannot take the output directory's lock: not resealed. "
+                         f"HINT: run the ckpt-check command (python -m {RESEAL_COMMAND} --reseal {ckpt_dir})")
+    try:
+        done = reseal.reseal(ckpt_dir, dir_lock=dir_lock)
+    except reseal.ResealRefusal as exc:
+        raise UsageError(str(exc)) from None
+    if done.backup is None:
+        print(printable(f"{done.path}: the manifest already matches its {done.files} files: nothing resealed"))
+    else:
+        print(printable(f"resealed {done.path}: {done.files} files, {_human_bytes(done.total_bytes)}; the old "
+                        f"manifest is {done.backup.name}"))
+    return EXIT_RESUMABLE
 
 
 def _quarantine(resolution: protocol.Resolution) -> list[tuple[Path, Path]]:
@@ -268,10 +309,10 @@ def _plan_json(on_world: elastic_plan.Plan | None, world_size: int) -> dict[str,
             "written_by": on_world.written_by, "zero_stage": on_world.zero_stage, "reason": on_world.reason}
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None, *, dir_lock: DirLock | None = None) -> None:
     """Exit 0/1/3 with a verdict; 2 with one line on standard error when there is none (never a traceback)."""
     try:
-        code = run(argv)
+        code = run(argv, dir_lock=dir_lock)
     except UsageError as exc:
         _fail(f"ckpt-check: {exc}")
         code = EXIT_USAGE

@@ -101,9 +101,9 @@ def check_trainer_hooks(trainer_cls: type | None = None, jit_cls: type | None = 
     """Raise JitRefusal (one line) when the installed Trainer lacks a hook JitTrainer relies on, or passes a hook
     JitTrainer overrides (``jit_cls``'s own methods; a user's subclass is its author's) a parameter it cannot take."""
     if trainer_cls is None:
-        import transformers
+        from transformers.trainer import Trainer  # the class itself: transformers.Trainer may be JitTrainer now
 
-        trainer_cls = transformers.Trainer
+        trainer_cls = Trainer
     for name, expected in TRAINER_HOOKS.items():
         problem = hook_problem(trainer_cls, name, expected)
         if problem is None and jit_cls is not None:

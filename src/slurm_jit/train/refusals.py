@@ -12,7 +12,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from slurm_jit.checkpoint import elastic_plan, protocol
+from slurm_jit.checkpoint import elastic_plan, protocol, reseal
 from slurm_jit.checkpoint import manifest as manifest_file
 
 LATEST_TAG_MAX_BYTES = 256  # DeepSpeed's `latest` holds one tag such as "global_step1234"
@@ -98,6 +98,10 @@ def resume_refusal(ckpt_dir: str | os.PathLike[str], *, world_size: int) -> str 
                 "and every later JIT save would be refused. HINT: resume from an earlier checkpoint whose tag "
                 "matches its step (ckpt-check OUT_DIR), or move this one aside")
     broken = _broken(path, match)
+    if broken and reseal.changed_after_manifest(path, manifest):
+        return (f"{path}: {broken}: its files are not the ones its manifest lists. HINT: if you changed it on "
+                f"purpose (resharded, converted): ckpt-check --reseal {path}; else resume from the checkpoint "
+                "ckpt-check OUT_DIR names, or resume_from_checkpoint=True")
     if broken:
         return (f"{path}: {broken}: resuming it would load a partial or damaged state. HINT: resume from the "
                 "checkpoint ckpt-check OUT_DIR names, or resume_from_checkpoint=True")

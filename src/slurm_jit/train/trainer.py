@@ -53,6 +53,7 @@ from slurm_jit.train import (
     save_errors,
     slim_save,
     stop_record,
+    subclassing,
     writable,
 )
 from slurm_jit.train.agreement import SIDE_GROUP_TIMEOUT_S, Decision, StopAgreement
@@ -210,10 +211,14 @@ class JitTrainer(transformers.Trainer):
     transformers' own JIT callback is removed, never run beside this one.
     """
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        subclassing.refuse_wrong_order(cls, JitTrainer)  # class X(SFTTrainer, JitTrainer): one line, a HINT
+
     def __init__(self, *args: Any, jit_config: JitConfig | None = None, **kwargs: Any) -> None:
         # A transformers without the hooks below, or passing them what they cannot take, fails here, not at the
         # first stop
-        compat.check_trainer_hooks(jit_cls=JitTrainer)
+        subclassing.check_hooks(type(self), JitTrainer)
         super().__init__(*args, **kwargs)
         self.jit_config = jit_config or JitConfig()
         self._jit_signums = tuple(parse_signal(s) for s in self.jit_config.signals)
@@ -715,6 +720,7 @@ class JitTrainer(transformers.Trainer):
             self._save_checkpoint(model, trial)
         finally:
             run.save_kind = None
+        subclassing.refuse_unsaved_jit(self, run.saved_step, JitTrainer)  # an override skipped super() here
         run.save_ended_at = time.monotonic()
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
