@@ -19,7 +19,6 @@ requeue policy, once per job), and the result files written only when the job is
 from __future__ import annotations
 
 import difflib
-import hashlib
 import logging
 import os
 import re
@@ -43,8 +42,11 @@ if _problem is None:
     from submitit.slurm.slurm import SlurmExecutor, _convert_mem, _get_default_parameters, _make_sbatch_string
 
     from slurm_jit.launch.job import JitJob
+
+    FailedSubmission: type[Exception] = utils.FailedSubmissionError  # sbatch answered without a job id
 else:  # the construction says why, in one line (an import error here would be a traceback)
     SlurmExecutor = object  # type: ignore[misc,assignment]
+    FailedSubmission = RuntimeError
 
 log = logging.getLogger(__name__)
 
@@ -105,9 +107,25 @@ def check_owned(params: Mapping[str, Any]) -> None:
             _refuse_owned_option("srun_args", text, OWNED_SRUN, "leave it out: the JIT job sets it")
         elif text.startswith("-") and any(c in OWNED_SRUN_LETTERS for c in text[1:].split("=")[0]):
             raise JitExecutorError(f"srun_args {text!r} sets srun's -o/-e, the per-task logs. HINT: leave it out")
-    setup = params.get("setup")
-    if setup is not None and (isinstance(setup, str) or not all(isinstance(s, str) for s in setup)):
+    check_setup(params.get("setup"))
+
+
+def check_setup(setup: object) -> None:
+    """Refuse (one line, HINT) setup lines the batch script cannot carry as given: not a list of strings, an
+    empty line, a control character (a line break would add lines nobody reads as one), or an ``#SBATCH`` line
+    (sbatch reads directives until the first command: it would override the JIT job's own)."""
+    if setup is None:
+        return
+    if isinstance(setup, str) or not isinstance(setup, (list, tuple)) or not all(isinstance(s, str) for s in setup):
         raise JitExecutorError("setup must be a list of shell lines. HINT: e.g. setup=['module load cuda']")
+    for line in setup:
+        if not line.strip() or any(not c.isprintable() and c != "\t" for c in line):
+            raise JitExecutorError(f"setup line {line!r} is empty or holds a line break or control character. "
+                                   "HINT: one shell command per line, e.g. 'module load cuda'")
+        if line.lstrip().upper().startswith("#SBATCH"):
+            raise JitExecutorError(f"setup line {line!r} is an #SBATCH directive: sbatch would read it over the "
+                                   "JIT job's own. HINT: give sbatch options as parameters (slurm_additional_"
+                                   "parameters, or submit.py's own options)")
 
 
 class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
@@ -219,7 +237,8 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
     def _setup_lines(self, lead_s: int) -> list[str]:
         out, quarantine = '"$OUT_DIR"', " --quarantine" if self.quarantine else ""
         return [
-            f"OUT_DIR={shlex.quote(self.output_dir)}  # slurm-jit: the training's output directory",
+            "# slurm-jit: the training's output directory (status JOBID reads this line)",
+            f"OUT_DIR={shlex.quote(self.output_dir)}",
             "# slurm-jit: the trainer's budget, N of --signal=TERM@N (no B:, so the warning reaches the ranks)",
             f"export {LEAD_ENV_VAR}={lead_s}",
             'echo "slurm-jit: job ${SLURM_JOB_ID} restart ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NODELIST}"',
@@ -251,7 +270,7 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
             setup=[*(params.pop("setup", None) or []), *self._setup_lines(lead_s)],
             teardown=self._teardown_lines(), additional_parameters=additional,
             srun_args=[KILL_ON_BAD_EXIT, *(params.pop("srun_args", None) or [])], **params))
-        return "\n".join(line for line in text.split("\n") if not line.startswith("#SBATCH --job-name="))
+        return "\n".join(line for line in text.split("\n") if not line.startswith("#SBATCH --job-name=")) + "\n"
 
     def submission_text(self, what: object = None) -> str:
         """The batch script a submit of ``what`` (a function, or a :class:`Command`) would write (dry runs)."""
@@ -261,8 +280,8 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
     def submission_path(self) -> Path:
         """Where a submit writes the batch script for sbatch: named after output_dir, so one path per submit
         (submits into one output_dir hold its lock) and a dry run can print the exact sbatch argv."""
-        digest = hashlib.sha256(self.output_dir.encode()).hexdigest()[:16]
-        return utils.JobPaths.get_first_id_independent_folder(self.folder) / f".submission_file_{digest}.sh"
+        return utils.JobPaths.get_first_id_independent_folder(self.folder) / output_claim.submission_name(
+            self.output_dir)
 
     def sbatch_argv(self, submission_file_path: Path | None = None) -> list[str]:
         """The exact sbatch command line of a submit (``--hold``: released once the pickle is in place)."""
@@ -341,7 +360,7 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
         job's script is kept as ``OUT_DIR/slurm-jit/job-<id>.sbatch`` so that later submits see it."""
         try:
             with output_claim.submit_lock(self.output_dir):
-                output_claim.check_free(self.output_dir, command="")  # "": any recorded job, whatever its script
+                output_claim.check_free(self.output_dir)
                 job = self._submit_command(self._submitit_command_str)
                 try:
                     _keep_script(job, self.output_dir)
