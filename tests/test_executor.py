@@ -105,6 +105,17 @@ def test_generic_prefixed_and_raw_names_are_taken(ex: JitExecutor) -> None:
     ({"nodes": 0}, "nodes=0: a whole number"),
     ({"slurm_additional_parameters": "signal=B:USR1@600"}, "not a dict"),
     ({"slurm_srun_args": "--signal=USR1@60"}, "srun_args is a string"),
+    # found by attacking it as a submitit user: each was accepted (a forged line, a name dropped, a traceback)
+    ({"name": "a\nJobState=RUNNING"}, "holds a line break or control character"),
+    ({"slurm_partition": "gpu\n#SBATCH --no-requeue"}, "holds a line break"),
+    ({"slurm_additional_parameters": {"comment": "a\n#SBATCH --no-requeue"}}, "holds a line break"),
+    ({"slurm_additional_parameters": {"job_name": "x"}}, "--job-name"),
+    ({"name": ""}, "job_name='': empty"),
+    ({"mem_gb": "lots"}, "mem_gb='lots': a positive number of GB"),
+    ({"mem_gb": -1}, "a positive number of GB"),
+    ({"slurm_setup": ["module load cuda", "#SBATCH --no-requeue"]}, "is an #SBATCH directive"),
+    ({"slurm_setup": ["module load cuda\nexport X=1"]}, "holds a line break"),
+    ({"slurm_setup": [""]}, "is empty"),
 ])
 def test_owned_parameters_and_typos_are_refused_in_one_line(ex: JitExecutor, params: dict[str, object],
                                                             words: str) -> None:

@@ -62,7 +62,7 @@ OWNED_PARAMETERS = {
 # sbatch options (additional_parameters keys) the JIT job writes; a key that is a prefix of one is refused too
 # (sbatch's getopt takes unambiguous prefixes in #SBATCH lines: --sig=B:USR1@600 would be --signal).
 OWNED_SBATCH = ("signal", "requeue", "no-requeue", "open-mode", "output", "error", "array", "wait", "parsable",
-                "time")
+                "time", "job-name")
 OWNED_SRUN = ("signal", "output", "error")  # srun options the runner's logs and signals depend on
 OWNED_SRUN_LETTERS = "oe"  # srun's -o / -e, also inside a cluster such as -lo
 PREFIX = "slurm_"
@@ -88,6 +88,15 @@ def check_shapes(params: Mapping[str, Any]) -> None:
     extra = params.get("additional_parameters")
     if extra is not None and not isinstance(extra, Mapping):
         raise JitExecutorError("additional_parameters is not a dict. HINT: e.g. {'mail-type': 'END'}")
+    name = params.get("job_name")
+    if name is not None and (not isinstance(name, str) or not name.strip()):
+        raise JitExecutorError(f"job_name={name!r}: empty or not a string. HINT: e.g. job_name='train-gpt'")
+    directives = {k: v for k, v in params.items() if k not in ("setup", "srun_args", "additional_parameters")}
+    for key, value in [*directives.items(), *(extra or {}).items()]:
+        if any(not c.isprintable() for c in f"{key}{value}"):
+            raise JitExecutorError(f"{key}={value!r} holds a line break or control character: in an #SBATCH line "
+                                   "(or scontrol's one-line fields) it would read as another option. HINT: a "
+                                   "printable value")
 
 
 def check_owned(params: Mapping[str, Any]) -> None:
@@ -97,7 +106,8 @@ def check_owned(params: Mapping[str, Any]) -> None:
             raise JitExecutorError(f"update_parameters({name}=...): {why}. HINT: leave {name} out")
     for key in params.get("additional_parameters") or {}:
         _refuse_owned_option("additional_parameters key", str(key), OWNED_SBATCH,
-                             "leave it out (timeout_min sets the time; max_requeues the requeues)")
+                             "leave it out (timeout_min sets the time, max_requeues the requeues, name= or "
+                             "job_name= the name)")
     srun_args = params.get("srun_args") or []
     if isinstance(srun_args, str):
         raise JitExecutorError("srun_args is a string. HINT: a list, e.g. srun_args=['--cpu-bind=cores']")
@@ -186,7 +196,7 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
                                           "submitit's names (timeout_min, nodes, tasks_per_node, ...) or sbatch's"))
             if raw in params:
                 raise JitExecutorError(f"update_parameters: {name} sets {raw} twice. HINT: give it once")
-            params[raw] = _convert_mem(value) if name == "mem_gb" else value
+            params[raw] = _mem(value) if name == "mem_gb" else value
         return params
 
     def _internal_update_parameters(self, **kwargs: Any) -> None:
@@ -432,6 +442,13 @@ def _pattern_folder(folder: str) -> str:
     """The folder as sbatch's and srun's filename pattern: submitit's tags %j and %t kept, any other % doubled
     (``run 50%x`` stays literal, where Python's paths read it literally too)."""
     return re.sub(r"%(?![jt])", "%%", folder)
+
+
+def _mem(value: object) -> str:
+    """submitit's mem_gb conversion, refusing in one line what it cannot convert."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise JitExecutorError(f"mem_gb={value!r}: a positive number of GB. HINT: e.g. mem_gb=64")
+    return str(_convert_mem(value))
 
 
 def _opt(value: float | None) -> str | None:
