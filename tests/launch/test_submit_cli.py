@@ -70,6 +70,36 @@ def test_a_submit_runs_exactly_the_sbatch_argv_its_dry_run_printed(tmp_path: Pat
     assert (logs / "4242_submitted.pkl").is_file()
 
 
+def test_a_second_submit_after_the_first_job_ended_leaves_the_first_ones_files_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The script's path is one per output directory; after a submit it is submitit's link to the job's
+    ``<id>_submission.sh``: the next submit wrote its script through it, into the first job's file."""
+    out, ids = tmp_path / "out", iter(["4242", "4343"])
+
+    def gateway(argv: Sequence[str], timeout_s: float) -> str:
+        if argv[0] == "sbatch":
+            return next(ids) + "\n"
+        if argv[:3] == ["scontrol", "show", "job"]:
+            return f"JobId={argv[3]} JobName=x\n   JobState=COMPLETED Reason=None\n"
+        return ""
+
+    monkeypatch.setattr(slurm, "runner", gateway)
+    for command, requeues in (("first.py", "1"), ("second.py", "2")):  # two different scripts
+        with pytest.raises(SystemExit) as exited:
+            submit.main(["--output-dir", str(out), *BASE, "--max-requeues", requeues, "--", "python", command])
+        assert exited.value.code == 0, capsys.readouterr()
+    logs = out / "slurm-jit" / "logs"
+    first, second = (logs / "4242_submission.sh").read_text(), (logs / "4343_submission.sh").read_text()
+    assert first == output_claim.job_script_path(out, "4242").read_text()
+    assert second == output_claim.job_script_path(out, "4343").read_text()
+    assert "--max-requeues 1 " in first and "--max-requeues 2 " in second
+    assert not (logs / "4242_submission.sh").is_symlink() and not (logs / "4343_submission.sh").is_symlink()
+    import submitit
+
+    commands = [submitit.SlurmJob(logs, job_id).submission().function.argv for job_id in ("4242", "4343")]
+    assert commands == [("python", "first.py"), ("python", "second.py")]
+
+
 def test_setup_lines_run_in_order_after_the_parameters_and_before_the_gate(tmp_path: Path) -> None:
     proc = cli("--dry-run", "--output-dir", str(tmp_path / "out"), *BASE, "--setup", "module load cuda",
                "--setup", "source 'my env'/bin/activate", *CMD)

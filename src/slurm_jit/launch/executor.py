@@ -408,6 +408,7 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
         folder = utils.JobPaths.get_first_id_independent_folder(self.folder)
         folder.mkdir(parents=True, exist_ok=True)
         script_path = self.submission_path()
+        script_path.unlink(missing_ok=True)  # the last submit's link to its own script: never write through it
         script_path.write_text(self._make_submission_file_text(command, script_path.stem), encoding="utf-8")
         try:
             output = slurm.run(self._make_submission_command(script_path))
