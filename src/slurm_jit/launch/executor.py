@@ -88,9 +88,9 @@ def check_shapes(params: Mapping[str, Any]) -> None:
     extra = params.get("additional_parameters")
     if extra is not None and not isinstance(extra, Mapping):
         raise JitExecutorError("additional_parameters is not a dict. HINT: e.g. {'mail-type': 'END'}")
-    name = params.get("job_name")
-    if name is not None and (not isinstance(name, str) or not name.strip()):
-        raise JitExecutorError(f"job_name={name!r}: empty or not a string. HINT: e.g. job_name='train-gpt'")
+    job_name = params.get("job_name")
+    if job_name is not None and (not isinstance(job_name, str) or not job_name.strip()):
+        raise JitExecutorError(f"job_name={job_name!r}: empty or not a string. HINT: e.g. job_name='train-gpt'")
     directives = {k: v for k, v in params.items() if k not in ("setup", "srun_args", "additional_parameters")}
     for key, value in [*directives.items(), *(extra or {}).items()]:
         if any(not c.isprintable() for c in f"{key}{value}"):
