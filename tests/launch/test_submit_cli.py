@@ -191,3 +191,17 @@ def test_the_function_entry_sets_argv_and_a_nonzero_int_is_the_exit_status(tmp_p
     with pytest.raises(SystemExit) as exited:
         task.call_function("entry_mod_for_cli:fails", [])
     assert exited.value.code == 3
+
+
+def test_status_of_a_stop_without_a_step_does_not_print_step_none(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from slurm_jit.launch import progress
+
+    progress.write(tmp_path, {"job_id": "142", "last_step": None, "history": [
+        {"job_id": "142", "restart": 0, "cause": "finished", "step": None, "requeue": False,
+         "reason": "every task exited 0 and wrote no stop record (no JitTrainer in it): done",
+         "outcome": "not requeued"}]})
+    monkeypatch.setattr(slurm, "runner", Gateway())
+    (line,) = [line for line in status.report(str(tmp_path), None) if line.startswith("stopped:")]
+    assert line == ("stopped:  finished (restart 0), not requeued: every task exited 0 and wrote no stop record "
+                    "(no JitTrainer in it): done")

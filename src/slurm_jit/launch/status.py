@@ -113,7 +113,8 @@ def report(out_dir: str, job_id: str | None) -> list[str]:
     if history:
         last = history[-1]
         verdict = str(last.get("outcome") or ("requeued" if last.get("requeue") else "not requeued"))
-        lines.append(f"stopped:  {last.get('cause')} at step {last.get('step')} (restart {last.get('restart')}), "
+        step = "" if last.get("step") is None else f" at step {last.get('step')}"
+        lines.append(f"stopped:  {last.get('cause')}{step} (restart {last.get('restart')}), "
                      f"{verdict}: {last.get('reason')}")
     record = stop_record.read(out_dir)
     lines.append("record:   " + (f"{record['state']} step={record.get('step')} job={record.get('job_id')} "
