@@ -205,3 +205,20 @@ def test_status_of_a_stop_without_a_step_does_not_print_step_none(tmp_path: Path
     (line,) = [line for line in status.report(str(tmp_path), None) if line.startswith("stopped:")]
     assert line == ("stopped:  finished (restart 0), not requeued: every task exited 0 and wrote no stop record "
                     "(no JitTrainer in it): done")
+
+
+@pytest.mark.parametrize(("command", "in_use"), [
+    ("{logs}/{name}", True),  # submitted by JitExecutor or this CLI, whatever its log folder
+    ("/elsewhere/logs/{name}", True),
+    ("{out}/slurm-jit/submit.sbatch", True),  # submitted by submit.py before it ran on JitExecutor
+    ("/home/someone/else.sh", False),  # slurmctld reused the id (its state reset) for another job
+])
+def test_one_claim_sees_jobs_of_the_executor_and_of_the_older_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   command: str, in_use: bool) -> None:
+    out = tmp_path / "out"
+    output_claim.job_script_path(out, "5").parent.mkdir(parents=True)
+    output_claim.job_script_path(out, "5").write_text("#!/bin/bash\n")
+    path = command.format(logs=out / "slurm-jit" / "logs", name=output_claim.submission_name(out), out=out)
+    monkeypatch.setattr(slurm, "runner", lambda argv, timeout_s: (
+        f"JobId=5 JobName=a\n   JobState=RUNNING Reason=None\n   Command={path}\n"))
+    assert (output_claim.live_job(out) is not None) == in_use
