@@ -23,7 +23,7 @@ from slurm_jit import slurm
 from slurm_jit.timing import TIMING_DIR
 
 JOB_SCRIPT = re.compile(r"job-(\d+)\.sbatch")
-SCRIPT_NAME = "submit.sbatch"  # the path every job is submitted from (its Command in scontrol show job)
+SCRIPT_NAME = "submit.sbatch"  # where submit.py wrote every job's script before it ran on JitExecutor
 LOCK_NAME = "submit.lock"
 # Another submit into the same directory holds the lock for one sbatch call at most: the gateway's timeout, twice.
 SUBMIT_LOCK_WAIT_S = 2 * slurm.COMMAND_TIMEOUT_S
@@ -45,7 +45,8 @@ def recorded_jobs(output_dir: str | os.PathLike[str]) -> list[str]:
 
 
 def submitted_from(output_dir: str | os.PathLike[str]) -> str:
-    """The script path submit.py gives sbatch (``scontrol show job``'s Command of its jobs)."""
+    """The script path submit.py gave sbatch before it ran on JitExecutor (``scontrol show job``'s Command of
+    the jobs it submitted then, which may still be queued)."""
     return str(Path(output_dir) / TIMING_DIR / SCRIPT_NAME)
 
 
