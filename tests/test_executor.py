@@ -105,6 +105,17 @@ def test_generic_prefixed_and_raw_names_are_taken(ex: JitExecutor) -> None:
     ({"nodes": 0}, "nodes=0: a whole number"),
     ({"slurm_additional_parameters": "signal=B:USR1@600"}, "not a dict"),
     ({"slurm_srun_args": "--signal=USR1@60"}, "srun_args is a string"),
+    # found by attacking it as a submitit user: each was accepted (a forged line, a name dropped, a traceback)
+    ({"name": "a\nJobState=RUNNING"}, "holds a line break or control character"),
+    ({"slurm_partition": "gpu\n#SBATCH --no-requeue"}, "holds a line break"),
+    ({"slurm_additional_parameters": {"comment": "a\n#SBATCH --no-requeue"}}, "holds a line break"),
+    ({"slurm_additional_parameters": {"job_name": "x"}}, "--job-name"),
+    ({"name": ""}, "job_name='': empty"),
+    ({"mem_gb": "lots"}, "mem_gb='lots': a positive number of GB"),
+    ({"mem_gb": -1}, "a positive number of GB"),
+    ({"slurm_setup": ["module load cuda", "#SBATCH --no-requeue"]}, "is an #SBATCH directive"),
+    ({"slurm_setup": ["module load cuda\nexport X=1"]}, "holds a line break"),
+    ({"slurm_setup": [""]}, "is empty"),
 ])
 def test_owned_parameters_and_typos_are_refused_in_one_line(ex: JitExecutor, params: dict[str, object],
                                                             words: str) -> None:
@@ -231,10 +242,23 @@ def test_a_submitit_checkpointable_is_refused(ex: JitExecutor, monkeypatch: pyte
     assert gateway.calls == []
 
 
-@pytest.mark.parametrize("folder", ["logs/%x", "logs/100%", "logs\\\\x", "logs/a\nb", "logs/%A_%a"])
+@pytest.mark.parametrize("folder", ["logs\\\\x", "logs/a\nb", "logs/%A_%a"])
 def test_a_log_folder_sbatch_would_expand_is_refused(tmp_path: Path, folder: str) -> None:
     with pytest.raises(JitExecutorError, match="HINT: a plain path"):
         JitExecutor(folder=tmp_path / folder, output_dir=tmp_path / "out", signal_lead_s=60)
+
+
+@pytest.mark.parametrize("folder", ["logs/%x", "logs/100%", "run 50%x/%j"])
+def test_a_percent_in_the_log_folder_is_escaped_for_sbatch_and_srun(tmp_path: Path, folder: str) -> None:
+    """A literal % (python launch/submit.py's --output-dir "run 50%x") reaches sbatch's and srun's --output as %%,
+    so the logs land where the Job reads them; submitit's %j stays a tag."""
+    executor = JitExecutor(folder=tmp_path / folder, output_dir=tmp_path / "out", signal_lead_s=60)
+    lines = executor.submission_text(executor_helpers.add).splitlines()
+    escaped = str(tmp_path / folder).replace("%", "%%").replace("%%j", "%j")
+    output = next(line for line in lines if line.startswith("#SBATCH --output="))
+    assert output.removeprefix("#SBATCH --output=").strip("'") == f"{escaped}/%j_0_log.out"
+    srun = next(line for line in lines if line.startswith("srun "))
+    assert f"{escaped}/%j_%t_log.out" in srun
 
 
 def test_submit_without_slurm_says_so_in_one_line_and_leaves_no_pickle(ex: JitExecutor, tmp_path: Path,

@@ -41,8 +41,10 @@ SAY_RANK = 'echo "RANK $RANK of $WORLD_SIZE on $SLURMD_NODENAME MASTER_ADDR=$MAS
 
 
 def _log(out: Path, job_id: str) -> str:
-    path = out / f"slurm-{job_id}.out"
-    return path.read_text(errors="replace") if path.exists() else ""
+    """Every task's log (submitit's, one per task; task 0's holds the batch script's lines), in task order."""
+    paths = sorted((out / "slurm-jit" / "logs").glob(f"{job_id}_*_log.out"),
+                   key=lambda p: int(p.name.split("_")[1]))
+    return "".join(p.read_text(errors="replace") for p in paths)
 
 
 def _until(what: str, check, out: Path, job_id: str):  # type: ignore[no-untyped-def]

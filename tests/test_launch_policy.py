@@ -45,7 +45,10 @@ def test_jit_stop_at_the_time_limit_is_requeued() -> None:
      "stop record says failed, srun exit 1; failures are not requeued (--retry-on-failure 0, 0 used)"),
     ({"record_state": "running"}, policy.CAUSE_CRASH, False, "failures are not requeued"),
     ({"record_state": None, "stale_record": True}, policy.CAUSE_CRASH, False, "from an earlier run"),
-    ({"record_state": None}, policy.CAUSE_CRASH, False, "no stop record"),
+    ({"record_state": None, "srun_exit": 1}, policy.CAUSE_CRASH, False, "no stop record, srun exit 1"),
+    ({"record_state": None, "srun_exit": None}, policy.CAUSE_CRASH, False, "no stop record"),
+    ({"record_state": None, "job_state": "CANCELLED"}, policy.CAUSE_USER_CANCEL, False, "never requeued"),
+    ({"record_state": None}, policy.CAUSE_FINISHED, False, "every task exited 0 and wrote no stop record"),
     ({"record_state": "failed", "retry_on_failure": 2}, policy.CAUSE_CRASH, True, "failure retry 1 of 2"),
     ({"record_state": "failed", "retry_on_failure": 2, "failure_retries": 2}, policy.CAUSE_CRASH, False,
      "(--retry-on-failure 2, 2 used)"),
@@ -64,6 +67,14 @@ def test_finished_reads_as_finished() -> None:
     facts = replace(JIT_AT_LIMIT, record_state="finished", record_step=400)
     assert policy.decide(facts).line(facts) == (
         "slurm-jit: finished at step 400 (restart 0); policy: no requeue: training reached its end")
+
+
+def test_a_function_without_a_trainer_that_returned_reads_as_finished_not_as_a_crash() -> None:
+    """Before, a JitExecutor function job whose tasks all returned logged "stopped by crash ... srun exit 0"."""
+    facts = replace(JIT_AT_LIMIT, record_state=None, record_step=None)
+    assert policy.decide(facts).line(facts) == (
+        "slurm-jit: finished (restart 0); policy: no requeue: every task exited 0 and wrote no stop record (no "
+        "JitTrainer in it): done")
 
 
 def test_the_time_limit_window_is_the_lead_plus_slurms_early_signal() -> None:

@@ -24,6 +24,13 @@ def dry_run(out: Path | str, *args: str) -> subprocess.CompletedProcess[str]:
                            str(out), *BASE, *args, *CMD], capture_output=True, text=True, check=False, timeout=60)
 
 
+def submission(out: Path) -> str:
+    """The script's path in the sbatch argv: JitExecutor's, in the log folder, one name per output directory."""
+    from slurm_jit.launch import output_claim
+
+    return f"{out}/slurm-jit/logs/{output_claim.submission_name(out)}"
+
+
 def sbatch_line(stderr: str) -> list[str]:
     (line,) = [line for line in stderr.splitlines() if line.startswith("  sbatch:   ")]
     return shlex.split(line.removeprefix("  sbatch:   "))
@@ -79,26 +86,37 @@ def test_options_the_launcher_does_not_own_pass_in_the_exact_sbatch_argv(tmp_pat
     out = tmp_path / "out"
     proc = dry_run(out, *(f"--sbatch-arg={arg}" for arg in extra))
     assert proc.returncode == 0, proc.stderr
-    assert sbatch_line(proc.stderr) == ["sbatch", "--parsable", "--job-name=slurm-jit",
-                                        f"--output={out}/slurm-%j.out", *extra, f"{out}/slurm-jit/submit.sbatch"]
+    assert sbatch_line(proc.stderr) == ["sbatch", "--parsable", "--hold", "--job-name=slurm-jit", *extra,
+                                        submission(out)]
 
 
 def test_the_dry_run_shows_the_exact_sbatch_argv_job_name_and_log_included(tmp_path: Path) -> None:
     out = tmp_path / "out"
     proc = dry_run(out, "--job-name", "gpt; $(x) 'q'", "--sbatch-arg=--exclusive")
     assert proc.returncode == 0, proc.stderr
-    assert sbatch_line(proc.stderr) == ["sbatch", "--parsable", "--job-name=gpt; $(x) 'q'",
-                                        f"--output={out}/slurm-%j.out", "--exclusive",
-                                        f"{out}/slurm-jit/submit.sbatch"]
+    assert sbatch_line(proc.stderr) == ["sbatch", "--parsable", "--hold", "--job-name=gpt; $(x) 'q'",
+                                        "--exclusive", submission(out)]
+    assert "#SBATCH --output=" in proc.stdout and "--job-name" not in proc.stdout  # the log: in the script
 
 
 def test_a_percent_in_the_output_dir_reaches_sbatch_escaped(tmp_path: Path) -> None:
     """sbatch expands %j, %x, %u ... in --output: the log of OUT=run-50%x would land in run-50<job name>."""
-    out = tmp_path / "run-50%x %j"
+    out = tmp_path / "run-50%x %u"
     proc = dry_run(out)
     assert proc.returncode == 0, proc.stderr
-    assert f"--output={tmp_path}/run-50%%x %%j/slurm-%j.out" in sbatch_line(proc.stderr)
+    assert f"#SBATCH --output='{tmp_path}/run-50%%x %%u/slurm-jit/logs/%j_0_log.out'" in proc.stdout
+    assert f"--output '{tmp_path}/run-50%%x %%u/slurm-jit/logs/%j_%t_log.out'" in proc.stdout  # srun's
     assert f"OUT_DIR={shlex.quote(str(out))}" in proc.stdout  # the shell gets it unescaped
+
+
+@pytest.mark.parametrize("tag", ["%j", "%t", "%A", "%a"])
+def test_a_submitit_tag_in_the_output_dir_is_refused(tmp_path: Path, tag: str) -> None:
+    """The log folder (OUT_DIR/slurm-jit/logs) is submitit's pattern: %j and %t in it are the job id and task,
+    so the logs of OUT=run%j would land in run<id> (and %A/%a are array tags)."""
+    proc = dry_run(tmp_path / f"run-50{tag}")
+    assert proc.returncode == 2 and proc.stdout == "", proc
+    assert "holds %j, %t, %A or %a" in proc.stderr and "HINT" in proc.stderr
+    assert len(proc.stderr.splitlines()) == 1
 
 
 @pytest.mark.parametrize("name", ["back\\slash", "new\nline", "tab\there", "esc\x1b[31m", "cr\r", "nul\x7f",

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from slurm_jit.launch import script, task
+from slurm_jit.launch import task
 from slurm_jit.train import dist_env
 
 ROOT = Path(__file__).resolve().parents[1]
+SPEC_NAME = "launch-spec.json"  # where submit.py wrote the command before issue 17 (shared by every job: unsafe)
 GOLDEN = Path(__file__).parent / "golden"
 OUT = "/nonexistent/slurm-jit-golden/out"  # never created: the gate sees a fresh start
 BASE = ["--output-dir", OUT, "--python", "python", "--time", "30", "--signal-lead", "300"]
@@ -134,7 +135,7 @@ def test_given_times_are_used_when_an_earlier_submit_left_a_state_folder_without
     the resubmit with --step-time/--save-time was refused with 'no timing log'."""
     out = tmp_path / "out"
     (out / "slurm-jit").mkdir(parents=True)
-    (out / "slurm-jit" / script.SPEC_NAME).write_text('{"argv": ["python", "t.py"]}\n')
+    (out / "slurm-jit" / SPEC_NAME).write_text('{"argv": ["python", "t.py"]}\n')
     proc = submit("--output-dir", str(out), "--time", "30", "--step-time", "2m", "--save-time", "2m", *CMD)
     assert proc.returncode == 0 and "#SBATCH --signal=TERM@" in proc.stdout, proc.stderr
 
@@ -226,13 +227,15 @@ HOSTILE = ["a b", "it's", 'say "hi"', "$(touch /tmp/slurm-jit-pwned)", "x; rm -r
            "new\nline", ""]
 
 
-def test_job_name_and_extra_options_go_to_sbatch_as_argv() -> None:
-    job = script.JobSpec(output_dir="/o", time="30", signal_lead_s=60, job_name=HOSTILE[3] + HOSTILE[1],
-                         extra_sbatch=("--comment=a b; c",))
-    argv = script.sbatch_argv(job, "/o/s.sbatch", "/o/slurm-%j.out")
-    assert argv == ["sbatch", "--parsable", "--job-name=$(touch /tmp/slurm-jit-pwned)it's",
-                    "--output=/o/slurm-%j.out", "--comment=a b; c", "/o/s.sbatch"]
-    assert job.job_name not in script.render(job)
+def test_job_name_and_extra_options_go_to_sbatch_as_argv(tmp_path: Path) -> None:
+    name = HOSTILE[3] + HOSTILE[1]
+    proc = submit(*BASE, "--job-name", name, "--sbatch-arg=--comment=a b; c", *CMD)
+    assert proc.returncode == 0, proc.stderr
+    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("  sbatch:   ")]
+    argv = shlex.split(line.removeprefix("  sbatch:   "))
+    assert argv[:5] == ["sbatch", "--parsable", "--hold", "--job-name=$(touch /tmp/slurm-jit-pwned)it's",
+                        "--comment=a b; c"] and len(argv) == 6
+    assert name not in proc.stdout and "--job-name" not in proc.stdout  # never in an #SBATCH line
 
 
 def test_hostile_arguments_reach_the_rank_unchanged(tmp_path: Path) -> None:
@@ -406,7 +409,7 @@ def test_a_submit_sbatch_refuses_leaves_the_directory_and_a_queued_jobs_command_
 
     out = tmp_path / "out"
     (out / "slurm-jit").mkdir(parents=True)
-    (out / "slurm-jit" / script.SPEC_NAME).write_text('{"argv": ["python", "first.py"]}\n')  # an older job's
+    (out / "slurm-jit" / SPEC_NAME).write_text('{"argv": ["python", "first.py"]}\n')  # an older job's
 
     def runner(argv: list[str], timeout_s: float) -> str:
         raise slurm.SlurmError(f"{argv[0]} failed (exit 1): sbatch: error: Invalid --distribution specification")
@@ -417,5 +420,6 @@ def test_a_submit_sbatch_refuses_leaves_the_directory_and_a_queued_jobs_command_
         submit_module.submit_main(["--output-dir", str(out), "--time", "30", "--signal-lead", "60", "--",
                                    "python", "second.py"])
     assert "sbatch refused the job" in capsys.readouterr().err
-    assert json.loads((out / "slurm-jit" / script.SPEC_NAME).read_text()) == {"argv": ["python", "first.py"]}
-    assert sorted(p.name for p in (out / "slurm-jit").iterdir() if p.name != "submit.lock") == before
+    assert json.loads((out / "slurm-jit" / SPEC_NAME).read_text()) == {"argv": ["python", "first.py"]}
+    assert sorted(p.name for p in (out / "slurm-jit").iterdir() if p.name not in ("submit.lock", "logs")) == before
+    assert not list((out / "slurm-jit" / "logs").iterdir())  # neither the pickle nor the script is left

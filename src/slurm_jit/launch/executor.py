@@ -18,7 +18,6 @@ requeue policy, once per job), and the result files written only when the job is
 
 from __future__ import annotations
 
-import argparse
 import difflib
 import logging
 import os
@@ -26,15 +25,14 @@ import re
 import shlex
 import sys
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from slurm_jit import slurm, timing
-from slurm_jit.grace import cli as grace_cli
-from slurm_jit.grace.calc import LEAD_ENV_VAR, GraceError, compute_grace
+from slurm_jit import slurm
+from slurm_jit.grace.calc import LEAD_ENV_VAR, GraceError
 from slurm_jit.grace.sbatch_script import ScriptError, parse_time_limit
-from slurm_jit.launch import gate, output_claim, submitit_hooks
+from slurm_jit.launch import gate, output_claim, sbatch_options, submitit_hooks
 from slurm_jit.launch.command import Command
 
 _problem = submitit_hooks.problem()
@@ -44,8 +42,11 @@ if _problem is None:
     from submitit.slurm.slurm import SlurmExecutor, _convert_mem, _get_default_parameters, _make_sbatch_string
 
     from slurm_jit.launch.job import JitJob
+
+    FailedSubmission: type[Exception] = utils.FailedSubmissionError  # sbatch answered without a job id
 else:  # the construction says why, in one line (an import error here would be a traceback)
     SlurmExecutor = object  # type: ignore[misc,assignment]
+    FailedSubmission = RuntimeError
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ OWNED_PARAMETERS = {
 # sbatch options (additional_parameters keys) the JIT job writes; a key that is a prefix of one is refused too
 # (sbatch's getopt takes unambiguous prefixes in #SBATCH lines: --sig=B:USR1@600 would be --signal).
 OWNED_SBATCH = ("signal", "requeue", "no-requeue", "open-mode", "output", "error", "array", "wait", "parsable",
-                "time")
+                "time", "job-name")
 OWNED_SRUN = ("signal", "output", "error")  # srun options the runner's logs and signals depend on
 OWNED_SRUN_LETTERS = "oe"  # srun's -o / -e, also inside a cluster such as -lo
 PREFIX = "slurm_"
@@ -87,6 +88,15 @@ def check_shapes(params: Mapping[str, Any]) -> None:
     extra = params.get("additional_parameters")
     if extra is not None and not isinstance(extra, Mapping):
         raise JitExecutorError("additional_parameters is not a dict. HINT: e.g. {'mail-type': 'END'}")
+    job_name = params.get("job_name")
+    if job_name is not None and (not isinstance(job_name, str) or not job_name.strip()):
+        raise JitExecutorError(f"job_name={job_name!r}: empty or not a string. HINT: e.g. job_name='train-gpt'")
+    directives = {k: v for k, v in params.items() if k not in ("setup", "srun_args", "additional_parameters")}
+    for key, value in [*directives.items(), *(extra or {}).items()]:
+        if any(not c.isprintable() for c in f"{key}{value}"):
+            raise JitExecutorError(f"{key}={value!r} holds a line break or control character: in an #SBATCH line "
+                                   "(or scontrol's one-line fields) it would read as another option. HINT: a "
+                                   "printable value")
 
 
 def check_owned(params: Mapping[str, Any]) -> None:
@@ -96,7 +106,8 @@ def check_owned(params: Mapping[str, Any]) -> None:
             raise JitExecutorError(f"update_parameters({name}=...): {why}. HINT: leave {name} out")
     for key in params.get("additional_parameters") or {}:
         _refuse_owned_option("additional_parameters key", str(key), OWNED_SBATCH,
-                             "leave it out (timeout_min sets the time; max_requeues the requeues)")
+                             "leave it out (timeout_min sets the time, max_requeues the requeues, name= or "
+                             "job_name= the name)")
     srun_args = params.get("srun_args") or []
     if isinstance(srun_args, str):
         raise JitExecutorError("srun_args is a string. HINT: a list, e.g. srun_args=['--cpu-bind=cores']")
@@ -106,9 +117,25 @@ def check_owned(params: Mapping[str, Any]) -> None:
             _refuse_owned_option("srun_args", text, OWNED_SRUN, "leave it out: the JIT job sets it")
         elif text.startswith("-") and any(c in OWNED_SRUN_LETTERS for c in text[1:].split("=")[0]):
             raise JitExecutorError(f"srun_args {text!r} sets srun's -o/-e, the per-task logs. HINT: leave it out")
-    setup = params.get("setup")
-    if setup is not None and (isinstance(setup, str) or not all(isinstance(s, str) for s in setup)):
+    check_setup(params.get("setup"))
+
+
+def check_setup(setup: object) -> None:
+    """Refuse (one line, HINT) setup lines the batch script cannot carry as given: not a list of strings, an
+    empty line, a control character (a line break would add lines nobody reads as one), or an ``#SBATCH`` line
+    (sbatch reads directives until the first command: it would override the JIT job's own)."""
+    if setup is None:
+        return
+    if isinstance(setup, str) or not isinstance(setup, (list, tuple)) or not all(isinstance(s, str) for s in setup):
         raise JitExecutorError("setup must be a list of shell lines. HINT: e.g. setup=['module load cuda']")
+    for line in setup:
+        if not line.strip() or any(not c.isprintable() and c != "\t" for c in line):
+            raise JitExecutorError(f"setup line {line!r} is empty or holds a line break or control character. "
+                                   "HINT: one shell command per line, e.g. 'module load cuda'")
+        if line.lstrip().upper().startswith("#SBATCH"):
+            raise JitExecutorError(f"setup line {line!r} is an #SBATCH directive: sbatch would read it over the "
+                                   "JIT job's own. HINT: give sbatch options as parameters (slurm_additional_"
+                                   "parameters, or submit.py's own options)")
 
 
 class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
@@ -123,7 +150,7 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
                  max_requeues: int = DEFAULT_MAX_REQUEUES, retry_on_failure: int = 0,
                  step_time_s: float | None = None, save_time_s: float | None = None,
                  signal_lead_s: int | None = None, quarantine: bool = False, python: str | None = None,
-                 max_pickle_size_gb: float = 1.0) -> None:
+                 max_pickle_size_gb: float = 1.0, sbatch_args: Sequence[str] = ()) -> None:
         if _problem is not None:
             raise RuntimeError(f"JitExecutor: {_problem}")
         for name, value in (("max_requeues", max_requeues), ("retry_on_failure", retry_on_failure)):
@@ -135,6 +162,9 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
         if not text or any(not c.isprintable() for c in text):
             raise JitExecutorError(f"output_dir {text!r}: empty or holds control characters. HINT: a plain path")
         _check_folder(os.fspath(folder))
+        if isinstance(sbatch_args, str):
+            raise JitExecutorError("sbatch_args is a string. HINT: a list, e.g. sbatch_args=['--exclusive']")
+        sbatch_options.check_extra_args(list(sbatch_args), who="JitExecutor")
         # SlurmExecutor.__init__ refuses where srun is missing: JitExecutor is built for tests and dry runs too.
         core.PicklingExecutor.__init__(self, os.fspath(folder), max_num_timeout=0,
                                        max_pickle_size_gb=max_pickle_size_gb)
@@ -142,6 +172,7 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
         self.output_dir = os.path.abspath(text)
         self.max_requeues, self.retry_on_failure, self.quarantine = max_requeues, retry_on_failure, quarantine
         self.step_time_s, self.save_time_s, self.signal_lead_s = step_time_s, save_time_s, signal_lead_s
+        self.sbatch_args = tuple(sbatch_args)  # sbatch's command line, before the script (values as argv)
         self._kind = "function"
 
     job_class = JitJob if _problem is None else None  # type: ignore[assignment]
@@ -165,7 +196,7 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
                                           "submitit's names (timeout_min, nodes, tasks_per_node, ...) or sbatch's"))
             if raw in params:
                 raise JitExecutorError(f"update_parameters: {name} sets {raw} twice. HINT: give it once")
-            params[raw] = _convert_mem(value) if name == "mem_gb" else value
+            params[raw] = _mem(value) if name == "mem_gb" else value
         return params
 
     def _internal_update_parameters(self, **kwargs: Any) -> None:
@@ -184,19 +215,14 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
         return int(self._num_tasks())
 
     def signal_lead(self) -> int:
-        """N of ``--signal=TERM@N``: given, or from the grace calculator (as ``python launch/submit.py``)."""
+        """N of ``--signal=TERM@N``: given, or from the grace calculator (the one calculation ``python
+        launch/submit.py`` and its ``status`` use)."""
         if self.signal_lead_s is not None:
             return self.signal_lead_s
-        has_log = Path(self.output_dir, timing.TIMING_DIR).is_dir() and _has_records(self.output_dir)
-        sizing = argparse.Namespace(
-            from_dir=self.output_dir if has_log else None, step_time=_opt(self.step_time_s),
-            save_time=_opt(self.save_time_s), eval_time=None, no_eval=True, kill_wait=None, margin=None,
-            step_stat="max", world_size=self.world_size, ckpt_bytes=None, ckpt_dir=None, params=None, dtype="bf16",
-            optimizer="adamw", zero_stage=0, nodes=self.parameters.get("nodes", 1), probe=None, probe_size="0",
-            write_bandwidth=None)
         try:
-            inputs, warnings, _ = grace_cli.gather_inputs(sizing, {})
-            result = compute_grace(inputs)
+            result, warnings = sbatch_options.signal_lead(
+                self.output_dir, world_size=self.world_size, nodes=self.parameters.get("nodes", 1),
+                step_time=_opt(self.step_time_s), save_time=_opt(self.save_time_s))
         except GraceError as exc:
             raise JitExecutorError(f"--signal lead: {exc}".replace("--step-time", "step_time_s")
                                    .replace("--save-time", "save_time_s")) from None
@@ -208,14 +234,21 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
     def _submitit_command_str(self) -> str:
         return " ".join([self.python, "-u -m slurm_jit.launch.runner task", shlex.quote(str(self.folder))])
 
+    @property
+    def job_name(self) -> str:
+        """The job's name: on sbatch's command line, never in an #SBATCH line (sbatch splits those at blanks)."""
+        return str(self.parameters.get("job_name", "submitit"))
+
     def _finish_line(self, *flags: str) -> str:
         kind = " --command" if self._kind == "command" else ""
         return (f"{self.python} -m slurm_jit.launch.runner finish {shlex.quote(str(self.folder))} "
-                f"{shlex.quote(self.output_dir)} --tasks {self.world_size}{kind} {' '.join(flags)}").rstrip()
+                f'"$OUT_DIR" --tasks {self.world_size}{kind} ' + " ".join(flags)).rstrip()
 
     def _setup_lines(self, lead_s: int) -> list[str]:
-        out, quarantine = shlex.quote(self.output_dir), " --quarantine" if self.quarantine else ""
+        out, quarantine = '"$OUT_DIR"', " --quarantine" if self.quarantine else ""
         return [
+            "# slurm-jit: the training's output directory (status JOBID reads this line)",
+            f"OUT_DIR={shlex.quote(self.output_dir)}",
             "# slurm-jit: the trainer's budget, N of --signal=TERM@N (no B:, so the warning reaches the ranks)",
             f"export {LEAD_ENV_VAR}={lead_s}",
             'echo "slurm-jit: job ${SLURM_JOB_ID} restart ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NODELIST}"',
@@ -225,7 +258,7 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
         ]
 
     def _teardown_lines(self) -> list[str]:
-        out, quarantine = shlex.quote(self.output_dir), " --quarantine" if self.quarantine else ""
+        out, quarantine = '"$OUT_DIR"', " --quarantine" if self.quarantine else ""
         return [
             "srun_exit=$?",
             "# slurm-jit: requeue this same job or not, once per job, after every rank exited (launch/policy.py)",
@@ -238,25 +271,38 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
 
     def _make_submission_file_text(self, command: str, uid: str) -> str:
         params = dict(self.parameters)
+        params.pop("job_name", None)  # on sbatch's command line (sbatch_argv)
         lead_s = self.signal_lead()
         additional = {**(params.pop("additional_parameters", None) or {}), "signal": f"TERM@{lead_s}",
                       "requeue": True}
-        return str(_make_sbatch_string(
-            command=command, folder=self.folder, setup=[*(params.pop("setup", None) or []),
-                                                        *self._setup_lines(lead_s)],
+        text = str(_make_sbatch_string(
+            command=command, folder=_pattern_folder(str(self.folder)),
+            setup=[*(params.pop("setup", None) or []), *self._setup_lines(lead_s)],
             teardown=self._teardown_lines(), additional_parameters=additional,
             srun_args=[KILL_ON_BAD_EXIT, *(params.pop("srun_args", None) or [])], **params))
+        return "\n".join(line for line in text.split("\n") if not line.startswith("#SBATCH --job-name=")) + "\n"
 
     def submission_text(self, what: object = None) -> str:
         """The batch script a submit of ``what`` (a function, or a :class:`Command`) would write (dry runs)."""
         self._kind = "command" if isinstance(what, Command) else "function"
         return self._make_submission_file_text(self._submitit_command_str, "dry-run")
 
+    def submission_path(self) -> Path:
+        """Where a submit writes the batch script for sbatch: named after output_dir, so one path per submit
+        (submits into one output_dir hold its lock) and a dry run can print the exact sbatch argv."""
+        return utils.JobPaths.get_first_id_independent_folder(self.folder) / output_claim.submission_name(
+            self.output_dir)
+
+    def sbatch_argv(self, submission_file_path: Path | None = None) -> list[str]:
+        """The exact sbatch command line of a submit (``--hold``: released once the pickle is in place)."""
+        return ["sbatch", "--parsable", "--hold", f"--job-name={self.job_name}", *self.sbatch_args,
+                str(submission_file_path or self.submission_path())]
+
     # --- submission -------------------------------------------------------------------------------------------
     def _make_submission_command(self, submission_file_path: Path) -> list[str]:
         # --hold: released once the pickle and the log folder are in place (a job that started first would find
         # no folder for its --output, where Slurm creates none)
-        return ["sbatch", "--parsable", "--hold", str(submission_file_path)]
+        return self.sbatch_argv(submission_file_path)
 
     @staticmethod
     def _get_job_id_from_submission_command(string: bytes | str) -> str:
@@ -324,7 +370,7 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
         job's script is kept as ``OUT_DIR/slurm-jit/job-<id>.sbatch`` so that later submits see it."""
         try:
             with output_claim.submit_lock(self.output_dir):
-                output_claim.check_free(self.output_dir, command="")  # "": any recorded job, whatever its script
+                output_claim.check_free(self.output_dir)
                 job = self._submit_command(self._submitit_command_str)
                 try:
                     _keep_script(job, self.output_dir)
@@ -361,7 +407,8 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
         """submitit's, with sbatch through the Slurm gateway (one line on a refusal)."""
         folder = utils.JobPaths.get_first_id_independent_folder(self.folder)
         folder.mkdir(parents=True, exist_ok=True)
-        script_path = folder / f".submission_file_{uuid.uuid4().hex}.sh"
+        script_path = self.submission_path()
+        script_path.unlink(missing_ok=True)  # the last submit's link to its own script: never write through it
         script_path.write_text(self._make_submission_file_text(command, script_path.stem), encoding="utf-8")
         try:
             output = slurm.run(self._make_submission_command(script_path))
@@ -384,20 +431,27 @@ def _keep_script(job: Any, output_dir: str | os.PathLike[str]) -> None:
 
 
 def _check_folder(folder: str) -> None:
-    """submitit's log folder goes into sbatch's --output pattern: a % other than submitit's own tags, a backslash
-    or a control character would be expanded there, and the logs would land where the Job never looks."""
-    bare = re.sub(r"%[jt]", "", folder)
-    if not folder or "%" in bare or "\\" in folder or any(not c.isprintable() for c in folder):
-        raise JitExecutorError(f"folder {folder!r}: sbatch would expand its %, \\ or control characters in "
-                               "--output. HINT: a plain path; %j (the job id) is the only tag needed")
+    """submitit's log folder goes into sbatch's and srun's --output pattern: a backslash (it turns every
+    replacement off) or a control character would put the logs where the Job never looks; %A/%a are array tags
+    (arrays are refused). Any other % is escaped there (:func:`_pattern_folder`)."""
+    if not folder or "\\" in folder or any(not c.isprintable() for c in folder) or re.search(r"%[Aa]", folder):
+        raise JitExecutorError(f"folder {folder!r}: sbatch would expand its \\, %A, %a or control characters "
+                               "in --output. HINT: a plain path; %j (the job id) is the only tag needed")
+
+
+def _pattern_folder(folder: str) -> str:
+    """The folder as sbatch's and srun's filename pattern: submitit's tags %j and %t kept, any other % doubled
+    (``run 50%x`` stays literal, where Python's paths read it literally too)."""
+    return re.sub(r"%(?![jt])", "%%", folder)
+
+
+def _mem(value: object) -> str:
+    """submitit's mem_gb conversion, refusing in one line what it cannot convert."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise JitExecutorError(f"mem_gb={value!r}: a positive number of GB. HINT: e.g. mem_gb=64")
+    return str(_convert_mem(value))
 
 
 def _opt(value: float | None) -> str | None:
     return None if value is None else str(value)
 
-
-def _has_records(output_dir: str) -> bool:
-    try:
-        return bool(timing.read_records(output_dir))
-    except ValueError:
-        return False

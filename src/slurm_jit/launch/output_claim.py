@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import os
 import re
 import time
@@ -22,7 +23,7 @@ from slurm_jit import slurm
 from slurm_jit.timing import TIMING_DIR
 
 JOB_SCRIPT = re.compile(r"job-(\d+)\.sbatch")
-SCRIPT_NAME = "submit.sbatch"  # the path every job is submitted from (its Command in scontrol show job)
+SCRIPT_NAME = "submit.sbatch"  # where submit.py wrote every job's script before it ran on JitExecutor
 LOCK_NAME = "submit.lock"
 # Another submit into the same directory holds the lock for one sbatch call at most: the gateway's timeout, twice.
 SUBMIT_LOCK_WAIT_S = 2 * slurm.COMMAND_TIMEOUT_S
@@ -44,16 +45,32 @@ def recorded_jobs(output_dir: str | os.PathLike[str]) -> list[str]:
 
 
 def submitted_from(output_dir: str | os.PathLike[str]) -> str:
-    """The script path submit.py gives sbatch (``scontrol show job``'s Command of its jobs)."""
+    """The script path submit.py gave sbatch before it ran on JitExecutor (``scontrol show job``'s Command of
+    the jobs it submitted then, which may still be queued)."""
     return str(Path(output_dir) / TIMING_DIR / SCRIPT_NAME)
+
+
+def submission_name(output_dir: str | os.PathLike[str]) -> str:
+    """The file name JitExecutor (and so submit.py) gives sbatch for a job into ``output_dir``: one per directory,
+    whatever the log folder or the path the directory is reached by (``scontrol show job``'s Command)."""
+    digest = hashlib.sha256(os.path.realpath(output_dir).encode()).hexdigest()[:16]
+    return f".submission_file_{digest}.sh"
+
+
+def _ours(output_dir: str | os.PathLike[str], command: str | None, job_command: str) -> bool:
+    """Whether a recorded job's Command is one submitted into ``output_dir`` (by JitExecutor, or by submit.py
+    before it ran on JitExecutor: OUT_DIR/slurm-jit/submit.sbatch)."""
+    if command is not None:
+        return not command or _same_path(job_command, command)
+    return (os.path.basename(job_command) == submission_name(output_dir)
+            or _same_path(job_command, submitted_from(output_dir)))
 
 
 def live_job(output_dir: str | os.PathLike[str], command: str | None = None) -> tuple[str, str] | None:
     """(job id, state) of a job submitted into ``output_dir`` that may still run; None when every one ended.
-    A job whose Command is not ``command`` (default: :func:`submitted_from`; "" accepts any) is another job
-    that slurmctld gave a recorded id after its state was reset. Raises ValueError (one line with a HINT) when
-    slurmctld cannot say."""
-    ours = submitted_from(output_dir) if command is None else command
+    A job whose Command is not ours (default: :func:`submission_name` or the older :func:`submitted_from`;
+    ``command`` that path, "" any) is another job that slurmctld gave a recorded id after its state was reset.
+    Raises ValueError (one line with a HINT) when slurmctld cannot say."""
     for job_id in reversed(recorded_jobs(output_dir)):
         try:
             job = slurm.show_job(job_id)
@@ -63,7 +80,7 @@ def live_job(output_dir: str | os.PathLike[str], command: str | None = None) -> 
             raise ValueError(f"cannot tell whether job {job_id} still uses {output_dir}: {exc}. HINT: once "
                              "slurmctld answers, submit again") from None
         state = slurm.job_state(job)
-        if state not in slurm.ENDED_STATES and (not ours or _same_path(job.get("Command", ours), ours)):
+        if state not in slurm.ENDED_STATES and ("Command" not in job or _ours(output_dir, command, job["Command"])):
             return job_id, state
     return None
 

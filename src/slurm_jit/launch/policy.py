@@ -74,7 +74,7 @@ def stop_cause(facts: Facts) -> str:
     """Why the training stopped, from the stop record and the job's Slurm state."""
     if facts.job_state in CANCELLED_STATES:
         return CAUSE_USER_CANCEL
-    if facts.record_state == "finished":
+    if facts.record_state == "finished" or _exited_without_trainer(facts):
         return CAUSE_FINISHED
     if facts.record_state != "jit_stop":
         return CAUSE_CRASH
@@ -86,9 +86,18 @@ def stop_cause(facts: Facts) -> str:
     return CAUSE_SIGNAL
 
 
+def _exited_without_trainer(facts: Facts) -> bool:
+    """Every task exited 0 and none wrote a stop record, ever: a program or function without a JitTrainer (a
+    JitTrainer writes one when train() starts) that did its work. A record of another run is not this case."""
+    return facts.record_state is None and not facts.stale_record and facts.srun_exit == 0
+
+
 def decide(facts: Facts) -> Decision:
     """Requeue or not, and why (see the module docstring)."""
     cause = stop_cause(facts)
+    if cause == CAUSE_FINISHED and facts.record_state != "finished":
+        return Decision(cause=cause, requeue=False, reason="every task exited 0 and wrote no stop record (no "
+                                                           "JitTrainer in it): done")
     if cause == CAUSE_FINISHED:
         return Decision(cause=cause, requeue=False, reason="training reached its end")
     if cause == CAUSE_USER_CANCEL:

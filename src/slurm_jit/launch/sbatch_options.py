@@ -5,7 +5,6 @@
   clusters of short ones (``-vt1`` is ``-v -t 1``), values in the next argument (``-t 5``), and words that
   sbatch would take for the batch script itself;
 - :func:`check_output_dir`: an output directory sbatch's ``--output`` pattern and the job's tools can carry;
-- :func:`output_pattern`: the ``--output`` value with ``%`` escaped (sbatch expands ``%j``, ``%x``, ...);
 - :func:`check_job_name`: a job name ``scontrol show job`` prints on one line;
 - :func:`signal_lead`: the one calculation of N of ``--signal=TERM@N`` (submit and ``status`` both print it).
 """
@@ -151,11 +150,6 @@ def check_output_dir(path: str) -> str:
                          "turns off %j) and the job's one-line records cannot carry it. HINT: a directory name "
                          "of printable characters, without a backslash")
     return os.path.abspath(path)
-
-
-def output_pattern(output_dir: str, file_pattern: str = "slurm-%j.out") -> str:
-    """sbatch's ``--output`` value for ``file_pattern`` in ``output_dir``, its ``%`` escaped as ``%%``."""
-    return f"{output_dir.rstrip('/').replace('%', '%%')}/{file_pattern}"
 
 
 def check_job_name(name: str) -> None:

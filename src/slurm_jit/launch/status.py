@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from slurm_jit import slurm, timing
-from slurm_jit.launch import gate, progress, sbatch_options
+from slurm_jit.launch import gate, output_claim, progress, sbatch_options
 from slurm_jit.train import stop_record
 
 EXIT_OK, EXIT_ERROR = 0, 2
@@ -59,10 +59,53 @@ def _grace_line(out_dir: str) -> str:
     return f"grace:    {terms} = {result.needed_s:.1f} s -> --signal=TERM@{result.lead_s} (measured)"
 
 
+MAX_LOG_LINES = 8  # per-task log paths printed; a 512-rank job lists the first ones and the pattern
+
+
+def task_logs(script: str, job_id: str) -> list[str]:
+    """The per-task log paths of a JitExecutor (or submit.py) job, from its batch script: srun's ``--output``
+    pattern (submitit's ``%j_%t_log.out``) and ``--error`` for each of the ``--tasks N`` of the finish line.
+    Empty for a script without them (the raw sbatch/ scripts: their log is sbatch's --output)."""
+    patterns, tasks = {}, None
+    for line in script.splitlines():
+        try:
+            words = shlex.split(line)
+        except ValueError:
+            continue
+        if words[:1] == ["srun"]:
+            patterns = {flag: words[i + 1] for i, flag in enumerate(words[:-1]) if flag in ("--output", "--error")}
+        if "slurm_jit.launch.runner" in words and "--tasks" in words[:-1]:
+            count = words[words.index("--tasks") + 1]
+            tasks = int(count) if count.isdigit() else None
+    if "--output" not in patterns or tasks is None:
+        return []
+    paths = []
+    for task in range(min(tasks, MAX_LOG_LINES)):
+        found = [p.replace("%j", job_id).replace("%t", str(task)).replace("%%", "%") for p in patterns.values()]
+        paths.append(f"task {task}: {', '.join(found)}" + (" (with the batch script's lines)" if task == 0 else ""))
+    if tasks > MAX_LOG_LINES:
+        paths.append(f"... {tasks} tasks: {patterns['--output'].replace('%j', job_id).replace('%%', '%')}")
+    return paths
+
+
+def _log_lines(out_dir: str, job_id: str | None) -> list[str]:
+    if not job_id:
+        return []
+    kept = output_claim.job_script_path(out_dir, job_id)
+    try:
+        script = kept.read_text(encoding="utf-8") if kept.exists() else slurm.job_script(job_id)
+    except (OSError, UnicodeDecodeError, slurm.SlurmError):
+        return []
+    paths = task_logs(script, job_id)
+    return [f"{'logs:' if i == 0 else '':<10}{path}" for i, path in enumerate(paths)]
+
+
 def report(out_dir: str, job_id: str | None) -> list[str]:
     saved = progress.read(out_dir)
-    job_id = job_id or (str(saved["job_id"]) if str(saved.get("job_id", "")).isdigit() else None)
-    lines = [f"output:   {out_dir}", *_job_lines(job_id)]
+    recorded = output_claim.recorded_jobs(out_dir)
+    job_id = job_id or (recorded[-1] if recorded else None) \
+        or (str(saved["job_id"]) if str(saved.get("job_id", "")).isdigit() else None)
+    lines = [f"output:   {out_dir}", *_job_lines(job_id), *_log_lines(out_dir, job_id)]
     trouble = progress.problem(out_dir)
     if trouble:
         lines.append(f"warning:  {trouble}: the launcher's history is ignored")
@@ -70,7 +113,8 @@ def report(out_dir: str, job_id: str | None) -> list[str]:
     if history:
         last = history[-1]
         verdict = str(last.get("outcome") or ("requeued" if last.get("requeue") else "not requeued"))
-        lines.append(f"stopped:  {last.get('cause')} at step {last.get('step')} (restart {last.get('restart')}), "
+        step = "" if last.get("step") is None else f" at step {last.get('step')}"
+        lines.append(f"stopped:  {last.get('cause')}{step} (restart {last.get('restart')}), "
                      f"{verdict}: {last.get('reason')}")
     record = stop_record.read(out_dir)
     lines.append("record:   " + (f"{record['state']} step={record.get('step')} job={record.get('job_id')} "

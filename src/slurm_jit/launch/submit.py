@@ -13,10 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import shutil
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -27,8 +29,11 @@ from slurm_jit.checkpoint import elastic_plan
 from slurm_jit.grace import cli as grace_cli
 from slurm_jit.grace.calc import GraceError, GraceResult
 from slurm_jit.grace.sbatch_script import ScriptError, parse_time_limit
-from slurm_jit.launch import entry, gate, output_claim, sbatch_options, script
+from slurm_jit.launch import entry, gate, output_claim, sbatch_options, submitit_hooks, task
+from slurm_jit.launch.command import Command
+from slurm_jit.launch.executor import FailedSubmission, JitExecutor
 from slurm_jit.launch.status import status_main
+from slurm_jit.timing import TIMING_DIR
 
 PROG = "python launch/submit.py"
 EXIT_OK, EXIT_REFUSED, EXIT_ERROR = 0, 1, 2
@@ -37,7 +42,7 @@ DEFAULT_MAX_REQUEUES = 5  # judgement: enough for a week-long job on 1-day limit
 CONFIG_KEYS = ("output-dir", "nodes", "ntasks-per-node", "cpus-per-task", "mem", "gpus-per-node", "partition",
                "account", "qos", "time", "job-name", "max-requeues", "retry-on-failure", "sbatch-arg",
                "signal-lead", "step-time", "save-time", "eval-time", "kill-wait", "margin", "quarantine",
-               "python", "function", "command")
+               "python", "function", "command", "setup")
 
 
 # The TOML type of each config key (a wrong type is refused: TOML "no" is a string, and bool("no") is True).
@@ -49,7 +54,7 @@ CONFIG_TYPES = {"output-dir": _STR, "nodes": _INT, "ntasks-per-node": _INT, "cpu
                 "sbatch-arg": _STR_LIST, "signal-lead": _INT, "step-time": _STR_OR_NUMBER,
                 "save-time": _STR_OR_NUMBER, "eval-time": _STR_OR_NUMBER, "kill-wait": _STR_OR_NUMBER,
                 "margin": _STR_OR_NUMBER, "quarantine": _BOOL, "python": _STR, "function": _STR,
-                "command": _STR_LIST}
+                "command": _STR_LIST, "setup": _STR_LIST}
 
 
 def _type_ok(value: object, kind: str) -> bool:
@@ -97,9 +102,14 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-time")
     g.add_argument("--kill-wait")
     g.add_argument("--margin")
+    p.add_argument("--setup", action="append", metavar="LINE",
+                   help="a shell line the batch script runs before srun (submitit's setup), e.g. "
+                        "--setup 'module load cuda'; repeatable, in order")
     p.add_argument("--function", help="module:function to call in each rank instead of a command")
     p.add_argument("--python", help="the interpreter of the batch script and tasks (default: this one)")
-    p.add_argument("--dry-run", action="store_true", help="print the generated sbatch script and exit")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the plan and the exact sbatch argv (stderr) and the batch script (stdout); writes "
+                        "nothing, needs no sbatch")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- the training command and its arguments")
     return p
 
@@ -140,8 +150,8 @@ def _merged(args: argparse.Namespace) -> argparse.Namespace:
         if key == "command":
             if not args.command:
                 args.command = list(value)
-        elif key == "sbatch-arg":
-            args.sbatch_arg = list(value) + list(args.sbatch_arg or [])
+        elif key in ("sbatch-arg", "setup"):
+            setattr(args, attr, list(value) + list(getattr(args, attr) or []))
         elif getattr(args, attr, None) is None:
             setattr(args, attr, value)
     return args
@@ -167,7 +177,52 @@ def _count(value: object, option: str, *, default: int, minimum: int) -> int:
     return value
 
 
-def build_job(args: argparse.Namespace) -> tuple[script.JobSpec, GraceResult]:
+# What may stand in an #SBATCH value (submitit quotes it; a Slurm value never needs a blank, quote or #).
+SAFE_DIRECTIVE_VALUE = re.compile(r"[A-Za-z0-9_.,:@=/+%-]+")
+LOG_FOLDER = "logs"  # OUT_DIR/slurm-jit/logs: submitit's log folder for the CLI's jobs (%j_%t_log.out)
+OLD_LOG = "slurm-{job_id}.out"  # the log's path before submit.py ran on JitExecutor: kept as a link to task 0's
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One submit: the executor that writes the script and calls sbatch, and what it submits."""
+
+    executor: JitExecutor
+    entry: tuple[Any, ...]  # ex.submit(*entry): a Command, or task.call_function and its arguments
+    grace: GraceResult
+    training: dict[str, Any]  # {"argv": [...]} or {"function": ..., "args": [...]}, for the plan
+    time: str
+
+    @property
+    def output_dir(self) -> str:
+        return str(self.executor.output_dir)
+
+    @property
+    def world_size(self) -> int:
+        return int(self.executor.world_size)
+
+
+def log_folder(output_dir: str) -> str:
+    return str(Path(output_dir) / TIMING_DIR / LOG_FOLDER)
+
+
+def _check_values(args: argparse.Namespace) -> None:
+    for name in ("mem", "gpus_per_node", "partition", "account", "qos", "time"):
+        value = getattr(args, name)
+        if value is not None and not SAFE_DIRECTIVE_VALUE.fullmatch(str(value)):
+            raise ValueError(f"--{name.replace('_', '-')} {value!r}: not a valid Slurm value. "
+                             "HINT: letters, digits and . , : - _ only")
+    for option, value in (("--job-name", args.job_name), ("--python", args.python)):
+        if value is not None and not str(value).strip():
+            raise ValueError(f"{option} is empty. HINT: leave it out for the default")
+    if args.job_name is not None:
+        sbatch_options.check_job_name(args.job_name)
+    if re.search(r"%[jtAa]", args.output_dir):
+        raise ValueError(f"--output-dir {args.output_dir!r} holds %j, %t, %A or %a, which submitit's log folder "
+                         "reads as the job's id or task. HINT: a directory name without them")
+
+
+def build_job(args: argparse.Namespace) -> Launch:
     if not args.output_dir:
         raise ValueError("no --output-dir. HINT: the directory the training writes its checkpoints to")
     if not args.time:
@@ -178,28 +233,39 @@ def build_job(args: argparse.Namespace) -> tuple[script.JobSpec, GraceResult]:
     args.ntasks_per_node = _count(args.ntasks_per_node, "--ntasks-per-node", default=1, minimum=1)
     args.max_requeues = _count(args.max_requeues, "--max-requeues", default=DEFAULT_MAX_REQUEUES, minimum=0)
     args.retry_on_failure = _count(args.retry_on_failure, "--retry-on-failure", default=0, minimum=0)
-    for option, value in (("--job-name", args.job_name), ("--python", args.python)):
-        if value is not None and not str(value).strip():
-            raise ValueError(f"{option} is empty. HINT: leave it out for the default")
-    if args.job_name is not None:
-        sbatch_options.check_job_name(args.job_name)
+    _check_values(args)
     sbatch_options.check_extra_args(args.sbatch_arg or [])
     sbatch_options.check_environment(os.environ)
-    world_size = args.nodes * args.ntasks_per_node
-    result = _grace(args, world_size)
+    result = _grace(args, args.nodes * args.ntasks_per_node)
     if limit_s is not None and result.lead_s >= limit_s:
         raise ValueError(f"--signal lead {result.lead_s} s is not shorter than --time {args.time} ({limit_s} s). "
                          f"HINT: a longer --time, or a faster step/save")
-    job = script.JobSpec(
-        output_dir=args.output_dir, nodes=args.nodes, ntasks_per_node=args.ntasks_per_node,
-        cpus_per_task=args.cpus_per_task, mem=args.mem, gpus_per_node=args.gpus_per_node,
-        partition=args.partition, account=args.account, qos=args.qos, time=str(args.time),
-        job_name=args.job_name or "slurm-jit", signal_lead_s=result.lead_s,
-        max_requeues=args.max_requeues, retry_on_failure=args.retry_on_failure, quarantine=bool(args.quarantine),
-        python=args.python or sys.executable, extra_sbatch=tuple(args.sbatch_arg or ()),
-        training=script.training_json(training_spec(args)),
-    )
-    return job, result
+    spec = training_spec(args)
+    problem = submitit_hooks.problem()
+    if problem is not None:
+        raise ValueError(problem)
+    executor = JitExecutor(
+        folder=log_folder(args.output_dir), output_dir=args.output_dir, max_requeues=args.max_requeues,
+        retry_on_failure=args.retry_on_failure, signal_lead_s=result.lead_s, quarantine=bool(args.quarantine),
+        python=shlex.quote(args.python or sys.executable), sbatch_args=tuple(args.sbatch_arg or ()))
+    executor.update_parameters(**_parameters(args))
+    what: tuple[Any, ...] = ((Command(spec["argv"]),) if "argv" in spec
+                             else (task.call_function, spec["function"], list(spec["args"])))
+    return Launch(executor=executor, entry=what, grace=result, training=spec, time=str(args.time))
+
+
+def _parameters(args: argparse.Namespace) -> dict[str, Any]:
+    """The options as submitit's raw parameters (each task's stderr in its log: one log per task, as the single
+    log before)."""
+    params: dict[str, Any] = {"nodes": args.nodes, "ntasks_per_node": args.ntasks_per_node, "time": str(args.time),
+                              "job_name": args.job_name or "slurm-jit", "stderr_to_stdout": True,
+                              "wckey": None}  # submitit's default wckey "submitit": the CLI's jobs never had one
+    for name in ("cpus_per_task", "mem", "gpus_per_node", "partition", "account", "qos"):
+        if getattr(args, name) is not None:
+            params[name] = getattr(args, name)
+    if args.setup:
+        params["setup"] = list(args.setup)
+    return params
 
 
 def _is_this_python(python: str | None) -> bool:
@@ -223,126 +289,120 @@ def training_spec(args: argparse.Namespace) -> dict[str, Any]:
     return {"argv": list(args.command)}
 
 
-def log_pattern(job: script.JobSpec) -> str:
-    """The job log, as sbatch's --output pattern."""
-    return sbatch_options.output_pattern(job.output_dir)
+def task_logs(launch: Launch, job_id: str = "%j") -> str:
+    """The per-task logs (submitit's), ``%t`` the task; task 0's also holds the batch script's lines."""
+    return str(Path(log_folder(launch.output_dir)) / f"{job_id}_%t_log.out")
 
 
-def sbatch_argv(job: script.JobSpec) -> list[str]:
-    """The exact sbatch command line a submit runs (the dry run prints it)."""
-    return script.sbatch_argv(job, job.script_path, log_pattern(job))
+def _quoted(argv: Sequence[str]) -> str:
+    return " ".join(json.dumps(a) if not a.isprintable() else shlex.quote(a) for a in argv)
 
 
-def plan_lines(job: script.JobSpec, result: GraceResult, spec: Mapping[str, Any],
-               checked: gate.GateResult) -> list[str]:
+def plan_lines(launch: Launch, checked: gate.GateResult) -> list[str]:
+    result, spec, ex = launch.grace, launch.training, launch.executor
     terms = " + ".join(f"{t.name} {t.seconds:g} s ({t.source})" for t in result.terms)
     what = (f"{spec['function']}({' '.join(spec['args'])})" if "function" in spec
             else " ".join(json.dumps(a) if not a.isprintable() or " " in a else a for a in spec["argv"]))
-    argv = " ".join(json.dumps(a) if not a.isprintable() else shlex.quote(a) for a in sbatch_argv(job))
-    requeue = (f"after a JIT stop, requeue the same job (scontrol requeue) up to {job.max_requeues} times, only "
+    requeue = (f"after a JIT stop, requeue the same job (scontrol requeue) up to {ex.max_requeues} times, only "
                "while it is running (never after scancel), the checkpoint passes ckpt-check and the step advanced; "
-               f"after a crash: {job.retry_on_failure} retries")
+               f"after a crash: {ex.retry_on_failure} retries")
+    nodes, per_node = ex.parameters["nodes"], ex.parameters["ntasks_per_node"]
     return [
-        f"plan: {job.nodes} node(s) x {job.ntasks_per_node} task(s) = {job.world_size} ranks, one srun task each; "
-        f"--time={job.time}",
+        f"plan: {nodes} node(s) x {per_node} task(s) = {launch.world_size} ranks, one srun task each; "
+        f"--time={launch.time}",
         f"  training: {what}",
         f"  grace:    {terms} = {result.needed_s:g} s",
         f"  signal:   #SBATCH --signal=TERM@{result.lead_s} (no B:, so it reaches the ranks); "
         f"export SLURM_JIT_SIGNAL_LEAD_S={result.lead_s}",
         f"  requeue:  {requeue}",
-        f"  sbatch:   {argv}",
+        f"  sbatch:   {_quoted(ex.sbatch_argv())}",
+        f"  logs:     {task_logs(launch)} (one per task; task 0's also holds the batch script's lines)",
         f"  resume:   {checked.message.removeprefix('ckpt-check gate: ')}",
-        *([f"  elastic:  {_elastic_line(job, checked)}"] if checked.elastic is not None else []),
+        *([f"  elastic:  {_elastic_line(launch, checked)}"] if checked.elastic is not None else []),
     ]
 
 
-def _elastic_line(job: script.JobSpec, checked: gate.GateResult) -> str:
+def _elastic_line(launch: Launch, checked: gate.GateResult) -> str:
     """What the resume does about the world size change, with the conversion's estimated time."""
     elastic = checked.elastic
     assert elastic is not None
-    line = f"{elastic.written_by} -> {job.world_size} ranks from {checked.resume_point}: {elastic.action}"
+    line = f"{elastic.written_by} -> {launch.world_size} ranks from {checked.resume_point}: {elastic.action}"
     if elastic.action != elastic_plan.CONVERT:
         return line
-    conversion = grace_cli.next_conversion(job.output_dir, job.world_size)
+    conversion = grace_cli.next_conversion(launch.output_dir, launch.world_size)
     took = f"~{conversion.seconds:.0f} s ({conversion.source})" if conversion and conversion.seconds is not None \
         else "time not estimated (no conversion in the timing log yet)"
     return f"{line}, once, at the start of the first job, before its first step: {took}"
 
 
-def _submit(job: script.JobSpec) -> str:
-    """sbatch the job unless a job submitted into the same directory may still run; its script is kept as
-    ``OUT_DIR/slurm-jit/job-<id>.sbatch`` once sbatch accepted it (and removed when it did not)."""
-    with output_claim.submit_lock(job.output_dir):
-        output_claim.check_free(job.output_dir)
-        script_path = Path(job.script_path)
-        script_path.write_text(script.render(job), encoding="utf-8")
-        try:
-            out = slurm.run(sbatch_argv(job))
-        except slurm.SlurmError as exc:
-            if TIMED_OUT not in str(exc):  # refused: nothing of it stays; unanswered: it may be queued
-                script_path.unlink(missing_ok=True)
-            raise
-        job_id = out.strip().split(";")[0]
-        if not job_id.isdigit():
-            raise slurm.SlurmError(f"{NO_JOB_ID} ({out.strip()[:200]!r})")
-        try:
-            os.replace(script_path, output_claim.job_script_path(job.output_dir, job_id))
-        except OSError as exc:  # the job is queued: say so, never fail it here
-            print(f"{PROG}: warning: job {job_id} is queued, but its script could not be kept in "
-                  f"{job.output_dir}/slurm-jit ({exc.strerror}): a later submit cannot see that it uses this "
-                  "directory. HINT: free space there; do not submit into it until the job ended", file=sys.stderr)
-        return job_id
+def _submit(launch: Launch) -> str:
+    """Submit through the executor (it refuses while a job submitted into the directory may still run, writes
+    the script, calls sbatch, keeps the script as ``OUT_DIR/slurm-jit/job-<id>.sbatch``); then the old log path
+    as a link to task 0's log."""
+    Path(launch.output_dir, TIMING_DIR).mkdir(parents=True, exist_ok=True)
+    job_id = str(launch.executor.submit(*launch.entry).job_id)
+    old = Path(launch.output_dir, OLD_LOG.format(job_id=job_id))
+    try:
+        old.symlink_to(Path(TIMING_DIR, LOG_FOLDER, f"{job_id}_0_log.out"))
+    except OSError as exc:  # the job is queued: never fail it for a convenience link
+        print(f"{PROG}: warning: cannot link {old} to task 0's log ({exc.strerror}). HINT: read "
+              f"{task_logs(launch, job_id)}", file=sys.stderr)
+    return job_id
 
 
 # What sbatch (or the gateway) says when no controller answers, as opposed to refusing the job's options.
 TIMED_OUT = "did not answer within"  # the gateway's words for a command killed at its timeout
-NO_JOB_ID = "sbatch printed no job id"
+NO_JOB_ID = "not a job id"
 NO_CONTROLLER = ("not found on PATH", "Unable to contact slurm controller",
                  "Could not establish a configuration source", "Invalid user for SlurmUser")
 
 
-def _sbatch_hint(message: str, job: script.JobSpec) -> str:
+def _sbatch_hint(message: str, launch: Launch) -> str:
     if TIMED_OUT in message or NO_JOB_ID in message:
-        return (f"the job may have been queued all the same: check squeue --me --name={shlex.quote(job.job_name)}"
-                " before submitting again (its script is left in OUT_DIR/slurm-jit/submit.sbatch)")
+        return ("the job may have been queued all the same (held: sbatch --hold): check squeue --me "
+                f"--name={shlex.quote(launch.executor.job_name)} before submitting again")
     if any(words in message for words in NO_CONTROLLER):
         return "is Slurm up (tools/local-slurm up)? Try --dry-run to see the script"
     return "sbatch refused the job: fix the option its message names; --dry-run shows the script"
 
 
-def submit_main(argv: Sequence[str]) -> int:
-    args = _merged(_parser().parse_args(argv))
+def _check(args: argparse.Namespace) -> tuple[Launch, gate.GateResult]:
     try:
-        job, result = build_job(args)
-        spec = json.loads(job.training)
-        checked = gate.check(job.output_dir, quarantine=False, world_size=job.world_size)
+        launch = build_job(args)
+        checked = gate.check(launch.output_dir, quarantine=False, world_size=launch.world_size)
     except (ValueError, GraceError, ScriptError) as exc:
         _fail(str(exc))
     except OSError as exc:
         _fail(f"cannot read {args.output_dir}: {exc.strerror or exc}. HINT: check the path and permissions")
-    if not checked.ok and not job.quarantine:
-        print("\n".join(plan_lines(job, result, spec, checked)), file=sys.stderr)
+    if not checked.ok and not launch.executor.quarantine:
+        print("\n".join(plan_lines(launch, checked)), file=sys.stderr)
         _fail(checked.message, EXIT_REFUSED)
+    return launch, checked
+
+
+def submit_main(argv: Sequence[str]) -> int:
+    args = _merged(_parser().parse_args(argv))
+    launch, checked = _check(args)
     try:
         if not args.dry_run:
-            output_claim.check_free(job.output_dir)  # again under the submit lock, before sbatch
+            output_claim.check_free(launch.output_dir)  # again under the submit lock, before sbatch
     except ValueError as exc:
         _fail(str(exc), EXIT_REFUSED)
-    print("\n".join(plan_lines(job, result, spec, checked)), file=sys.stderr if args.dry_run else sys.stdout)
+    print("\n".join(plan_lines(launch, checked)), file=sys.stderr if args.dry_run else sys.stdout)
     if args.dry_run:
-        sys.stdout.write(script.render(job))
+        sys.stdout.write(launch.executor.submission_text(launch.entry[0]))
         return EXIT_OK
     try:
-        job_id = _submit(job)
+        job_id = _submit(launch)
     except OSError as exc:
-        _fail(f"cannot write to {job.output_dir}: {exc.strerror or exc}. HINT: an output directory you can write "
-              "to, on storage every node sees")
-    except ValueError as exc:
+        _fail(f"cannot write to {launch.output_dir}: {exc.strerror or exc}. HINT: an output directory you can "
+              "write to, on storage every node sees")
+    except ValueError as exc:  # JitExecutorError: the directory is in use, a pickling failure, a refused gate
         _fail(str(exc), EXIT_REFUSED)
-    except slurm.SlurmError as exc:
-        _fail(f"{exc}. HINT: {_sbatch_hint(str(exc), job)}")
-    print(f"submitted job {job_id}; log {job.output_dir}/slurm-{job_id}.out; "
-          f"status: {PROG} status {job.output_dir}", flush=True)
+    except (slurm.SlurmError, FailedSubmission) as exc:
+        _fail(f"{str(exc).removesuffix('.')}. HINT: {_sbatch_hint(str(exc), launch)}")
+    print(f"submitted job {job_id}; log {task_logs(launch, job_id).replace('%t', '0')}; "
+          f"status: {PROG} status {launch.output_dir}", flush=True)
     return EXIT_OK
 
 

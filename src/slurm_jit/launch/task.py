@@ -84,6 +84,18 @@ def run(spec: dict[str, Any]) -> None:
     sys.exit(result if isinstance(result, int) else 0)
 
 
+def call_function(target: str, args: Sequence[str]) -> Any:
+    """``python launch/submit.py --function module:function -- ARGS``, as JitExecutor submits it (pickled by
+    reference, called in every srun task): ``sys.argv`` set to ``[module, *args]``, the function called with no
+    arguments; a non-zero int it returns is the task's exit status, as with ``--spec``."""
+    module_name, _, function_name = target.partition(":")
+    sys.argv = [module_name, *[str(a) for a in args]]
+    result = getattr(importlib.import_module(module_name), function_name)()
+    if isinstance(result, int) and not isinstance(result, bool) and result != 0:
+        raise SystemExit(result)
+    return result
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["--"] and len(args) > 1:
