@@ -24,13 +24,11 @@ checkpoint: rotation is ours, after the manifest (:meth:`JitTrainer._rotate_chec
 from __future__ import annotations
 
 import logging
-import math
 import os
 import re
 import signal
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +37,6 @@ from transformers.trainer_utils import TrainOutput, _is_peft_model
 
 from slurm_jit.checkpoint import elastic_plan, protocol
 from slurm_jit.checkpoint import manifest as manifest_file
-from slurm_jit.grace.calc import AGREE_BLOCKING, SLURM_SIGNAL_LEAD_MAX_S
 from slurm_jit.signal_names import parse_signal
 from slurm_jit.timing import WARMUP_STEPS, TimingLog
 from slurm_jit.train import (
@@ -54,28 +51,16 @@ from slurm_jit.train import (
     slim_save,
     stop_record,
 )
-from slurm_jit.train.agreement import SIDE_GROUP_TIMEOUT_S, Decision, StopAgreement
+from slurm_jit.train.agreement import Decision, StopAgreement
+from slurm_jit.train.jit_config import JitConfig
 from slurm_jit.train.refusals import JitRefusal, refused_settings, resume_refusal
+from slurm_jit.train.run_state import LINEAGE_ID_CHARS, EvalAborted, Run, StopBeforeFirstStep, signal_name
 from slurm_jit.train.signals import IgnoreSignalsInWorker, SignalLatch, StartWorkersMasked
 from slurm_jit.train.trackers import continue_wandb_run, log_stop_to_trackers
 
 logger = logging.getLogger(__name__)
 
 FAULT_SAVE_SLEEP_ENV = "SLURM_JIT_FAULT_SAVE_SLEEP_S"  # fault injection: seconds to stall inside every save
-LINEAGE_ID_CHARS = 12  # hex digits of a training lineage id (the manifest's run_id)
-# A JitConfig duration above Slurm's largest signal lead can never be waited out before the kill (and a huge one
-# overflows time.sleep on the stop path).
-MAX_CONFIG_S = SLURM_SIGNAL_LEAD_MAX_S
-# Signals that cannot request a stop: uncatchable, sent for other reasons (SIGCHLD at every DataLoader worker's
-# exit), or faults (a handler that only sets a flag returns to the faulting instruction).
-UNFIT_STOP_SIGNALS = {
-    signal.SIGKILL: "cannot be caught", signal.SIGSTOP: "cannot be caught",
-    signal.SIGCHLD: "is sent whenever a child process (a DataLoader worker) exits",
-    signal.SIGCONT: "is sent on every resume of a stopped process", signal.SIGURG: "is not a stop request",
-    signal.SIGWINCH: "is not a stop request", signal.SIGSEGV: "is a fault", signal.SIGBUS: "is a fault",
-    signal.SIGILL: "is a fault", signal.SIGFPE: "is a fault",
-}
-DEFAULT_KILL_WAIT_S = 3.0  # transformers' kill_wait: a SIGKILL this soon after SIGTERM makes a save pointless
 # Files that hold the model weights again beside the fp32 master copy in the optimizer shards: what a JIT save
 # writes over the minimum a resume needs (the DeepSpeed format requires its model-states file).
 DUPLICATE_WEIGHT_RE = re.compile(
@@ -90,98 +75,6 @@ def _duplicate_weights(rel: str, weights: str) -> bool:
     if weights == protocol.WEIGHTS_MASTER_ONLY and MODEL_STATES_RE.match(name):
         return False
     return DUPLICATE_WEIGHT_RE.match(name) is not None
-
-
-@dataclass(frozen=True, kw_only=True)
-class JitConfig:
-    """How JitTrainer reacts to stop signals."""
-
-    kill_wait_s: float = DEFAULT_KILL_WAIT_S  # a checkpoint is started only this long after the first signal
-    signals: tuple[str, ...] = ("TERM",)  # signal names that request a JIT stop (e.g. ("TERM", "USR1"))
-    jit_save_model_weights: bool = False  # also write model.safetensors (under ZeRO-3: gather 16-bit weights)
-    # Under ZeRO-1/2 a JIT save writes the module weights once, in the optimizer shards' fp32 master copy, not again
-    # in DeepSpeed's model-states file (train/slim_save.py); False: DeepSpeed's layout (a plain Trainer resumes it).
-    # A PEFT model's saves are transformers' layout either way (the adapters only, no frozen base: both resume it)
-    slim_jit_save: bool = True
-    ignore_signals_in_workers: bool = True  # DataLoader workers ignore the stop signals
-    grace_check: bool = True  # under Slurm, warn when the signal lead is shorter than the grace needed
-    side_group_timeout_s: float = SIDE_GROUP_TIMEOUT_S  # timeout of the gloo side group's collectives
-    convert_timeout_s: float = elastic.CONVERT_TIMEOUT_S  # an elastic resume's conversion (train/elastic.py)
-
-    def __post_init__(self) -> None:
-        for name in ("kill_wait_s", "side_group_timeout_s", "convert_timeout_s"):
-            _check_seconds(name, getattr(self, name), allow_zero=name == "kill_wait_s")
-        if isinstance(self.signals, str) or not isinstance(self.signals, tuple | list):
-            raise ValueError(f"signals={self.signals!r} is not a tuple of names. HINT: signals=('TERM',)")
-        if not self.signals:
-            raise ValueError("signals is empty. HINT: signals=('TERM',)")
-        seen: set[signal.Signals] = set()
-        for name in self.signals:
-            signum = parse_signal(name)
-            if signum in UNFIT_STOP_SIGNALS:
-                raise ValueError(f"signals: {name!r} {UNFIT_STOP_SIGNALS[signum]}. HINT: use TERM or USR1")
-            if signum in seen:
-                raise ValueError(f"signals={tuple(self.signals)!r} names {signum.name} twice. HINT: list each "
-                                 "signal once, e.g. ('TERM', 'USR1')")
-            seen.add(signum)
-
-
-def _check_seconds(name: str, value: object, allow_zero: bool) -> None:
-    """A JitConfig duration: a finite number of seconds, >= 0 (or > 0), at most MAX_CONFIG_S."""
-    number = float(value) if isinstance(value, int | float) and not isinstance(value, bool) else math.nan
-    if not (0 <= number <= MAX_CONFIG_S and (allow_zero or number > 0)):  # NaN fails every comparison
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{name}={value!r}. HINT: a number of seconds {bound} and <= {MAX_CONFIG_S}, e.g. 3")
-
-
-def _signal_name(signum: int | None) -> str | None:
-    return signal.Signals(signum).name if signum is not None else None
-
-
-class _StopBeforeFirstStep(Exception):
-    """Raised when a stop was agreed before this run's first step: in on_train_begin, or during an evaluation
-    that runs before it (the one owed on resume, eval_on_start)."""
-
-
-class _EvalAborted(Exception):
-    """Raised from prediction_step when a stop was agreed during evaluation."""
-
-
-@dataclass
-class _Run:
-    """The state of one ``train()`` call."""
-
-    latch: SignalLatch
-    timing: TimingLog | None = None
-    in_loop: bool = False  # between on_train_begin and the end of the training loop
-    polled_step: int = -1  # the global_step of the last step-boundary poll
-    stop_now: bool = False  # a stop has been agreed
-    kill_wait_until: float = 0.0  # monotonic time when kill_wait since the earliest signal (any rank) has passed
-    stopped: bool = False  # training stopped for a JIT checkpoint
-    eval_aborted: bool = False
-    eval_owed: bool = False  # an evaluation due at the stop step was skipped or aborted: run it first on resume
-    owed_eval_step: int | None = None  # resumed from a checkpoint that owes the evaluation of this step
-    lineage: str = ""  # the manifest's run_id: carried from the checkpoint resumed from, new on a fresh start
-    resumed_from: str | None = None  # kept by rotation until this run has written a newer checkpoint
-    load_from: str | None = None  # what the Trainer loads when not resumed_from: its universal copy (elastic.py)
-    conversion: dict[str, Any] | None = None  # rank 0: the conversion this start did, for the timing log
-    stop_recorded: bool = False  # rank 0 wrote jit_stop (right after the stop checkpoint's manifest)
-    trackers_told: bool = False  # the trackers (W&B, TensorBoard) were told how this job ended
-    trial: Any = None
-    ignore_keys_for_eval: list[str] | None = None
-    grace_due: list[str] = field(default_factory=list)  # runtime grace checks to run at the next calm boundary
-    saved_step: int = -1  # the step of the last checkpoint written by this run
-    saved_contents: str = "full"  # what it holds: full, or model_only (save_only_model)
-    save_kind: str | None = None
-    checkpoint: str | None = None  # the checkpoint to resume from after this run
-    step_t0: float = field(default_factory=time.monotonic)
-    est_step_s: float = 0.0  # duration of the last step: how far ahead a stop wish is sent
-    steps_done: int = 0
-    signal_step: int | None = None  # the step boundary at which this rank first saw its signal
-    save_started_at: float | None = None  # monotonic times of the JIT save (after the kill_wait sleep)
-    save_ended_at: float | None = None
-    agreement_mode: str = AGREE_BLOCKING  # how this boundary's stop rounds are read (fixed after warm-up)
-    grace_checked: set[str] = field(default_factory=set)
 
 
 class _JitCallback(transformers.TrainerCallback):
@@ -217,7 +110,7 @@ class JitTrainer(transformers.Trainer):
         self.jit_config = jit_config or JitConfig()
         self._jit_signums = tuple(parse_signal(s) for s in self.jit_config.signals)
         self._jit_agreement: StopAgreement | None = None
-        self._jit_run: _Run | None = None
+        self._jit_run: Run | None = None
         self.jit_stopped = False  # after train(): did it stop for a JIT checkpoint?
         self._drop_upstream_jit()
         refusal = refused_settings(save_on_each_node=bool(self.args.save_on_each_node), ds_config=self._ds_config())
@@ -276,7 +169,7 @@ class JitTrainer(transformers.Trainer):
         trial: Any = None,
         ignore_keys_for_eval: list[str] | None = None,
     ) -> TrainOutput:
-        run = _Run(latch=SignalLatch(self._jit_signums), trial=trial, ignore_keys_for_eval=ignore_keys_for_eval)
+        run = Run(latch=SignalLatch(self._jit_signums), trial=trial, ignore_keys_for_eval=ignore_keys_for_eval)
         self._jit_run = run
         self.jit_stopped = False
         out_dir = str(self.args.output_dir)
@@ -298,16 +191,16 @@ class JitTrainer(transformers.Trainer):
                       continue_wandb_run(self, resume)):
                     output = super().train(resume_from_checkpoint=run.load_from or resume, trial=trial,
                                            ignore_keys_for_eval=ignore_keys_for_eval)
-            except _StopBeforeFirstStep:
+            except StopBeforeFirstStep:
                 output = TrainOutput(self.state.global_step, 0.0, {})
             self.jit_stopped = run.stopped
             run.trackers_told = True
             log_stop_to_trackers(self, "jit_stop" if run.stopped else "finished", self.state.global_step,
-                                 _signal_name(run.latch.first_signum))
+                                 signal_name(run.latch.first_signum))
             if self._is_rank0 and not run.stop_recorded:
                 state = "jit_stop" if run.stopped else "finished"
                 stop_record.write(out_dir, state, step=self.state.global_step, checkpoint=run.checkpoint,
-                                  signal=_signal_name(run.latch.first_signum))
+                                  signal=signal_name(run.latch.first_signum))
             clean = True
             return output
         except BaseException as exc:
@@ -337,7 +230,7 @@ class JitTrainer(transformers.Trainer):
         if agreement is not None:
             agreement.close(wait_for_peers=clean)
 
-    def _record_failure(self, run: _Run, exc: BaseException) -> None:
+    def _record_failure(self, run: Run, exc: BaseException) -> None:
         if not self._is_rank0 or self.__dict__.get("_jit_output_lock") is None:
             return  # only the output_dir's lock holder writes its stop record (a refused launch is not it)
         error = f"{type(exc).__name__}: {exc}"[:2000]
@@ -347,13 +240,13 @@ class JitTrainer(transformers.Trainer):
             logger.error("slurm_jit: stop record not written: %s", write_exc)
         if run.stop_recorded and not run.trackers_told:  # the trackers say what the record says: a JIT stop
             run.trackers_told = True
-            log_stop_to_trackers(self, "jit_stop", self.state.global_step, _signal_name(run.latch.first_signum),
+            log_stop_to_trackers(self, "jit_stop", self.state.global_step, signal_name(run.latch.first_signum),
                                  error_after_stop=error)
 
-    def _write_failure(self, run: _Run, error: str) -> None:
+    def _write_failure(self, run: Run, error: str) -> None:
         if run.stop_recorded:  # the stop checkpoint is complete: still a JIT stop (requeue), with what went wrong
             stop_record.write(str(self.args.output_dir), "jit_stop", step=self.state.global_step,
-                              checkpoint=run.checkpoint, signal=_signal_name(run.latch.first_signum),
+                              checkpoint=run.checkpoint, signal=signal_name(run.latch.first_signum),
                               error_after_stop=error)
         else:
             stop_record.write(str(self.args.output_dir), "failed", step=getattr(self.state, "global_step", None),
@@ -492,7 +385,7 @@ class JitTrainer(transformers.Trainer):
         if self._agreement.agree_now(run.latch.seen).stop:
             run.stopped = True
             logger.warning("slurm_jit: stop signal before the first step: exiting without a new checkpoint")
-            raise _StopBeforeFirstStep
+            raise StopBeforeFirstStep
         run.in_loop = True
         run.step_t0 = time.monotonic()
 
@@ -551,7 +444,7 @@ class JitTrainer(transformers.Trainer):
         if run is None or run.stop_recorded or not self._is_rank0:
             return
         stop_record.write(str(self.args.output_dir), "jit_stop", step=self.state.global_step,
-                          checkpoint=run.checkpoint, signal=_signal_name(run.latch.first_signum))
+                          checkpoint=run.checkpoint, signal=signal_name(run.latch.first_signum))
         run.stop_recorded = True
 
     def _evaluate(self, trial: Any, ignore_keys_for_eval: Any, skip_scheduler: bool = False, *args: Any,
@@ -563,7 +456,7 @@ class JitTrainer(transformers.Trainer):
         t0 = time.monotonic()
         try:
             metrics = super()._evaluate(trial, ignore_keys_for_eval, skip_scheduler, *args, **kwargs)
-        except _EvalAborted:
+        except EvalAborted:
             run.eval_aborted = run.eval_owed = True
             self.control.should_save = False  # the JIT save takes the place of this step's periodic one
             metrics = {}
@@ -574,7 +467,7 @@ class JitTrainer(transformers.Trainer):
                 logger.warning("slurm_jit: evaluation at step %d aborted before this run's first step: exiting "
                                "without a new checkpoint (%s still owes it)", self.state.global_step,
                                run.resumed_from or "a fresh start")
-                raise _StopBeforeFirstStep from None
+                raise StopBeforeFirstStep from None
             logger.warning("slurm_jit: evaluation aborted at step %d for a JIT checkpoint", self.state.global_step)
         else:
             self._take(self._agreement.agree_now(*self._wish()))
@@ -614,7 +507,7 @@ class JitTrainer(transformers.Trainer):
         run = self._jit_run
         if (run is not None and run.in_loop and not self._at_last_step()
                 and self._take(self._agreement.poll(*self._wish()))):
-            raise _EvalAborted
+            raise EvalAborted
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
     # ------------------------------------------------------------ exact resume
@@ -840,7 +733,7 @@ class JitTrainer(transformers.Trainer):
 
     # ------------------------------------------------------------ grace
 
-    def _record_stop_timing(self, run: _Run) -> None:
+    def _record_stop_timing(self, run: Run) -> None:
         """On a JIT stop, where the time from this rank's first signal until now (train() returning) went."""
         if not run.stopped or run.latch.first_at is None or run.timing is None:
             return
