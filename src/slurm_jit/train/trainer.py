@@ -23,6 +23,7 @@ checkpoint: rotation is ours, after the manifest (:meth:`JitTrainer._rotate_chec
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -38,7 +39,7 @@ from transformers.trainer_utils import TrainOutput, _is_peft_model
 from slurm_jit.checkpoint import elastic_plan, protocol
 from slurm_jit.checkpoint import manifest as manifest_file
 from slurm_jit.signal_names import parse_signal
-from slurm_jit.timing import WARMUP_STEPS, TimingLog
+from slurm_jit.timing import TimingLog
 from slurm_jit.train import (
     compat,
     elastic,
@@ -46,17 +47,17 @@ from slurm_jit.train import (
     exact_resume,
     model_match,
     output_lock,
-    runtime_grace,
     save_errors,
     slim_save,
+    stop_path,
     stop_record,
 )
-from slurm_jit.train.agreement import Decision, StopAgreement
+from slurm_jit.train.agreement import StopAgreement
 from slurm_jit.train.jit_config import JitConfig
 from slurm_jit.train.refusals import JitRefusal, refused_settings, resume_refusal
-from slurm_jit.train.run_state import LINEAGE_ID_CHARS, EvalAborted, Run, StopBeforeFirstStep, signal_name
+from slurm_jit.train.run_state import LINEAGE_ID_CHARS, EvalAborted, Run, StopBeforeFirstStep
 from slurm_jit.train.signals import IgnoreSignalsInWorker, SignalLatch, StartWorkersMasked
-from slurm_jit.train.trackers import continue_wandb_run, log_stop_to_trackers
+from slurm_jit.train.trackers import continue_wandb_run
 
 logger = logging.getLogger(__name__)
 
@@ -82,13 +83,13 @@ class _JitCallback(transformers.TrainerCallback):
         self.trainer = trainer
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.trainer._jit_on_train_begin()
+        stop_path.on_train_begin(self.trainer)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.trainer._run_owed_evaluation()  # when no RNG restore ran it (ignore_data_skip)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.trainer._jit_on_step_end()
+        stop_path.on_step_end(self.trainer)
 
 
 def _already_called_on_save(args: Any, state: Any, control: Any) -> Any:
@@ -194,17 +195,11 @@ class JitTrainer(transformers.Trainer):
             except StopBeforeFirstStep:
                 output = TrainOutput(self.state.global_step, 0.0, {})
             self.jit_stopped = run.stopped
-            run.trackers_told = True
-            log_stop_to_trackers(self, "jit_stop" if run.stopped else "finished", self.state.global_step,
-                                 signal_name(run.latch.first_signum))
-            if self._is_rank0 and not run.stop_recorded:
-                state = "jit_stop" if run.stopped else "finished"
-                stop_record.write(out_dir, state, step=self.state.global_step, checkpoint=run.checkpoint,
-                                  signal=signal_name(run.latch.first_signum))
+            stop_path.record_end(self, run)
             clean = True
             return output
         except BaseException as exc:
-            self._record_failure(run, exc)
+            stop_path.record_failure(self, run, exc)
             raise
         finally:
             # First, as nothing below may raise before them: the load wrappers are for this train() only.
@@ -221,7 +216,7 @@ class JitTrainer(transformers.Trainer):
             # Otherwise the original handlers come back.
             run.latch.restore(keep_ignoring=run.stopped)
             if run.timing is not None:
-                self._record_stop_timing(run)
+                stop_path.record_stop_timing(self, run)
                 run.timing.close()
             self._jit_run = None
 
@@ -229,28 +224,6 @@ class JitTrainer(transformers.Trainer):
         agreement, self._jit_agreement = self._jit_agreement, None
         if agreement is not None:
             agreement.close(wait_for_peers=clean)
-
-    def _record_failure(self, run: Run, exc: BaseException) -> None:
-        if not self._is_rank0 or self.__dict__.get("_jit_output_lock") is None:
-            return  # only the output_dir's lock holder writes its stop record (a refused launch is not it)
-        error = f"{type(exc).__name__}: {exc}"[:2000]
-        try:
-            self._write_failure(run, error)
-        except OSError as write_exc:  # a full disk: the record cannot be written; the error itself must go on
-            logger.error("slurm_jit: stop record not written: %s", write_exc)
-        if run.stop_recorded and not run.trackers_told:  # the trackers say what the record says: a JIT stop
-            run.trackers_told = True
-            log_stop_to_trackers(self, "jit_stop", self.state.global_step, signal_name(run.latch.first_signum),
-                                 error_after_stop=error)
-
-    def _write_failure(self, run: Run, error: str) -> None:
-        if run.stop_recorded:  # the stop checkpoint is complete: still a JIT stop (requeue), with what went wrong
-            stop_record.write(str(self.args.output_dir), "jit_stop", step=self.state.global_step,
-                              checkpoint=run.checkpoint, signal=signal_name(run.latch.first_signum),
-                              error_after_stop=error)
-        else:
-            stop_record.write(str(self.args.output_dir), "failed", step=getattr(self.state, "global_step", None),
-                              error=error)
 
     def _resolve_resume(self, resume_from_checkpoint: str | bool | None) -> str | None:
         """Rank 0 picks the checkpoint (``True``: the newest resumable one, as ckpt-check does), checks that it
@@ -338,114 +311,14 @@ class JitTrainer(transformers.Trainer):
 
     # ------------------------------------------------------------ the stop decision
 
-    def _wish(self, steps_ahead: int = 1) -> tuple[bool, float | None]:
-        """(stop, remaining kill_wait): this rank wants to stop once kill_wait since its first signal passes
-        within ``steps_ahead`` steps: the steps until the next chance to stop (1 where this round is read now, 2
-        where it is read one step on). The save then waits out the rest, never longer than by waiting."""
-        run = self._jit_run
-        if run is None or run.latch.first_at is None:
-            return False, None
-        remaining_s = run.latch.first_at + self.jit_config.kill_wait_s - time.monotonic()
-        return steps_ahead * run.est_step_s >= remaining_s, remaining_s
-
-    def _at_boundary(self) -> Decision:
-        """The stop round of this optimizer-step boundary; fixes the agreement mode after warm-up."""
-        run = self._jit_run
-        assert run is not None
-        agreement = self._agreement
-        if run.signal_step is None and run.latch.seen:
-            run.signal_step = self.state.global_step
-        choose = run.steps_done == WARMUP_STEPS + 1  # the first timed step, the same on every rank
-        decision = agreement.at_boundary(*self._wish(agreement.latency_steps), step_s=run.est_step_s,
-                                         choose_mode=choose)
-        run.agreement_mode = agreement.mode
-        if choose and agreement.choice is not None:
-            choice = agreement.choice
-            logger.info("slurm_jit: steps of %.3f s, a stop round costs %.4f s: rounds read %s (blocking from "
-                        "%.2f s steps)", choice.step_s, choice.allreduce_s, choice.mode, choice.threshold_s)
-            if run.timing is not None:
-                run.timing.agreement(self.state.global_step, mode=choice.mode, allreduce_s=choice.allreduce_s,
-                                     step_s=choice.step_s, threshold_s=choice.threshold_s,
-                                     kill_wait_s=self.jit_config.kill_wait_s)
-            run.grace_due.append("warm-up")  # run at the next calm boundary, never on the stop path
-        return decision
-
-    def _take(self, decision: Decision) -> bool:
-        """Record an agreed stop and when kill_wait (since the earliest signal on any rank) will have passed."""
-        run = self._jit_run
-        if decision.stop and run is not None and not run.stop_now:
-            run.stop_now = True
-            run.kill_wait_until = time.monotonic() + decision.wait_s
-        return decision.stop
-
-    def _jit_on_train_begin(self) -> None:
-        run = self._jit_run
-        if run is None:
-            return
-        if self._agreement.agree_now(run.latch.seen).stop:
-            run.stopped = True
-            logger.warning("slurm_jit: stop signal before the first step: exiting without a new checkpoint")
-            raise StopBeforeFirstStep
-        run.in_loop = True
-        run.step_t0 = time.monotonic()
-
-    def _jit_on_step_end(self) -> None:
-        run = self._jit_run
-        if run is None:
-            return
-        run.est_step_s = time.monotonic() - run.step_t0
-        run.steps_done += 1
-        if run.timing is not None:
-            run.timing.step(self.state.global_step, run.est_step_s)
-
     def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
         run = self._jit_run
+        upstream = functools.partial(super()._maybe_log_save_evaluate, *args, **kwargs)
         if run is None or not run.in_loop:
-            super()._maybe_log_save_evaluate(*args, **kwargs)
+            upstream()
             return
-        step = self.state.global_step
-        last_step = self._at_last_step()  # training ends here anyway: nothing to stop
-        if step != run.polled_step:  # once per optimizer step; epoch ends call this again at the same step
-            run.polled_step = step
-            self._take(self._at_boundary())
-        if run.stop_now and not last_step:
-            run.eval_owed = run.eval_owed or self.control.should_evaluate
-            self.control.should_evaluate = False
-            self.control.should_save = False
-        super()._maybe_log_save_evaluate(*args, **kwargs)
-        if not run.stop_now and run.saved_step == step:
-            # A periodic save just ended: a stop that came during it is taken here, not a step later.
-            self._take(self._agreement.agree_now(*self._wish()))
-        stopping = (run.stop_now or run.eval_aborted) and not last_step
-        if stopping and run.saved_step == step and run.saved_contents != "full":
-            # The stop came during a model-only periodic save (save_only_model): it cannot be resumed from, and
-            # its directory must not be replaced. Train one more step and write a full JIT checkpoint there.
-            logger.warning("slurm_jit: stop during a model-only save of step %d: a full JIT checkpoint follows "
-                           "after the next step", step)
-            stopping = False
-        if stopping:
-            if run.saved_step != step:
-                self._save_jit(args[2] if len(args) > 2 else kwargs["model"], args[3] if len(args) > 3 else None)
-            run.checkpoint = str(Path(self._get_output_dir(trial=None)) / f"checkpoint-{step}")
-            run.stopped = True
-            self._record_stop()
-            self.control.should_training_stop = True
-        else:
-            if not run.stop_now:
-                self._run_due_grace_checks()  # never between a stop decision and the exit: it may query Slurm
-            run.step_t0 = time.monotonic()
-
-    def _at_last_step(self) -> bool:
-        return bool(self.state.max_steps) and self.state.global_step >= self.state.max_steps
-
-    def _record_stop(self) -> None:
-        """Rank 0 records ``jit_stop`` as soon as the stop checkpoint is complete (nothing slow in between)."""
-        run = self._jit_run
-        if run is None or run.stop_recorded or not self._is_rank0:
-            return
-        stop_record.write(str(self.args.output_dir), "jit_stop", step=self.state.global_step,
-                          checkpoint=run.checkpoint, signal=signal_name(run.latch.first_signum))
-        run.stop_recorded = True
+        model, trial = args[2] if len(args) > 2 else kwargs["model"], args[3] if len(args) > 3 else None
+        stop_path.log_save_evaluate(self, run, upstream, model, trial)
 
     def _evaluate(self, trial: Any, ignore_keys_for_eval: Any, skip_scheduler: bool = False, *args: Any,
                   **kwargs: Any) -> dict[str, float]:
@@ -470,7 +343,7 @@ class JitTrainer(transformers.Trainer):
                 raise StopBeforeFirstStep from None
             logger.warning("slurm_jit: evaluation aborted at step %d for a JIT checkpoint", self.state.global_step)
         else:
-            self._take(self._agreement.agree_now(*self._wish()))
+            stop_path.agree_now(self)
         if run.timing is not None:
             run.timing.evaluation(self.state.global_step, time.monotonic() - t0, run.eval_aborted)
         return metrics
@@ -505,8 +378,8 @@ class JitTrainer(transformers.Trainer):
     def prediction_step(self, model: Any, inputs: Any, prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None) -> Any:
         run = self._jit_run
-        if (run is not None and run.in_loop and not self._at_last_step()
-                and self._take(self._agreement.poll(*self._wish()))):
+        if (run is not None and run.in_loop and not stop_path.at_last_step(self)
+                and stop_path.take(self, self._agreement.poll(*stop_path.wish(self)))):
             raise EvalAborted
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
@@ -586,26 +459,6 @@ class JitTrainer(transformers.Trainer):
 
     # ------------------------------------------------------------ saving
 
-    def _save_jit(self, model: Any, trial: Any) -> None:
-        run = self._jit_run
-        assert run is not None
-        engine_step = getattr(self.model_wrapped, "global_steps", None) if self.is_deepspeed_enabled else None
-        if engine_step is not None and engine_step != self.state.global_step:
-            raise RuntimeError(
-                f"slurm_jit: DeepSpeed engine at step {engine_step} but Trainer at {self.state.global_step}; "
-                "refusing a checkpoint whose name and contents would disagree"
-            )
-        remaining_s = run.kill_wait_until - time.monotonic()  # the wish may come before kill_wait is over
-        if remaining_s > 0:
-            time.sleep(remaining_s)
-        run.save_kind = "jit"
-        run.save_started_at = time.monotonic()
-        try:
-            self._save_checkpoint(model, trial)
-        finally:
-            run.save_kind = None
-        run.save_ended_at = time.monotonic()
-
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         run = self._jit_run
         if _internal_call and run is not None and run.save_kind == "jit" and not self.jit_config.jit_save_model_weights:
@@ -653,7 +506,7 @@ class JitTrainer(transformers.Trainer):
             run.saved_step, run.saved_contents = step, contents
             run.checkpoint = str(ckpt)
             if kind == "jit":
-                self._record_stop()
+                stop_path.record_stop(self)
         if self._is_rank0:
             self._rotate_checkpoints_safely(run_dir, just_written=ckpt)
         self._agreement.barrier()
@@ -733,32 +586,3 @@ class JitTrainer(transformers.Trainer):
 
     # ------------------------------------------------------------ grace
 
-    def _record_stop_timing(self, run: Run) -> None:
-        """On a JIT stop, where the time from this rank's first signal until now (train() returning) went."""
-        if not run.stopped or run.latch.first_at is None or run.timing is None:
-            return
-        now, wall = time.monotonic(), time.time()
-        fields: dict[str, Any] = {
-            "signal_step": run.signal_step, "mode": run.agreement_mode, "kill_wait_s": self.jit_config.kill_wait_s,
-            "signal_time": wall - (now - run.latch.first_at), "end_time": wall,
-        }
-        if run.save_started_at is not None and run.save_ended_at is not None:
-            fields.update(signal_to_save_s=run.save_started_at - run.latch.first_at,
-                          save_s=run.save_ended_at - run.save_started_at, teardown_s=now - run.save_ended_at,
-                          save_start_time=wall - (now - run.save_started_at))
-        run.timing.stop(self.state.global_step, signal_to_end_s=now - run.latch.first_at, fields=fields)
-
-    def _run_due_grace_checks(self) -> None:
-        """Rank 0, at a boundary where training goes on and no signal is seen here (it may query Slurm)."""
-        run = self._jit_run
-        # Before warm-up has passed the timing log has no step to judge by: the checks wait (they run once each).
-        if run is None or not run.grace_due or run.latch.seen or run.steps_done <= WARMUP_STEPS:
-            return
-        due, run.grace_due = run.grace_due, []
-        if run.timing is not None:
-            run.timing.flush()
-        for when in due:
-            if not self.jit_config.grace_check or when in run.grace_checked or not self._is_rank0:
-                continue
-            run.grace_checked.add(when)
-            runtime_grace.check_and_warn(str(self.args.output_dir), self.jit_config.kill_wait_s, when)
