@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-import re
 import signal
 import time
 import uuid
@@ -47,7 +45,7 @@ from slurm_jit.train import (
     exact_resume,
     model_match,
     output_lock,
-    save_errors,
+    save_path,
     slim_save,
     stop_path,
     stop_record,
@@ -56,27 +54,11 @@ from slurm_jit.train.agreement import StopAgreement
 from slurm_jit.train.jit_config import JitConfig
 from slurm_jit.train.refusals import JitRefusal, refused_settings, resume_refusal
 from slurm_jit.train.run_state import LINEAGE_ID_CHARS, EvalAborted, Run, StopBeforeFirstStep
+from slurm_jit.train.save_path import FAULT_SAVE_SLEEP_ENV as FAULT_SAVE_SLEEP_ENV  # where tests set it
 from slurm_jit.train.signals import IgnoreSignalsInWorker, SignalLatch, StartWorkersMasked
 from slurm_jit.train.trackers import continue_wandb_run
 
 logger = logging.getLogger(__name__)
-
-FAULT_SAVE_SLEEP_ENV = "SLURM_JIT_FAULT_SAVE_SLEEP_S"  # fault injection: seconds to stall inside every save
-# Files that hold the model weights again beside the fp32 master copy in the optimizer shards: what a JIT save
-# writes over the minimum a resume needs (the DeepSpeed format requires its model-states file).
-DUPLICATE_WEIGHT_RE = re.compile(
-    r"^(mp_rank_\d+_model_states\.pt|model(-\d+-of-\d+)?\.safetensors|pytorch_model(-\d+-of-\d+)?\.bin)$"
-)
-MODEL_STATES_RE = re.compile(r"^mp_rank_\d+_model_states\.pt$")  # without the weights in a slim JIT save
-
-
-def _duplicate_weights(rel: str, weights: str) -> bool:
-    """Whether a checkpoint file holds the model weights again (a slim model-states file holds no such copy)."""
-    name = rel.rsplit("/", 1)[-1]
-    if weights == protocol.WEIGHTS_MASTER_ONLY and MODEL_STATES_RE.match(name):
-        return False
-    return DUPLICATE_WEIGHT_RE.match(name) is not None
-
 
 class _JitCallback(transformers.TrainerCallback):
     def __init__(self, trainer: JitTrainer) -> None:
@@ -460,129 +442,11 @@ class JitTrainer(transformers.Trainer):
     # ------------------------------------------------------------ saving
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        run = self._jit_run
-        if _internal_call and run is not None and run.save_kind == "jit" and not self.jit_config.jit_save_model_weights:
-            # A resume reads the DeepSpeed shards; the consolidated weights would be a third copy (and a ZeRO-3
-            # gather). Keep the config so that the directory still says what model it holds.
-            if self.is_deepspeed_enabled:
-                config = getattr(self.model, "config", None)
-                if self._is_rank0 and output_dir and config is not None:
-                    config.save_pretrained(output_dir)
-                return
-        super().save_model(output_dir, _internal_call=_internal_call)
+        if not save_path.leaves_out_weights(self, output_dir, _internal_call):
+            super().save_model(output_dir, _internal_call=_internal_call)
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        run = self._jit_run
-        step = self.state.global_step
-        if run is not None and run.saved_step == step:
-            return  # this step is already saved by this run
-        kind = (run.save_kind if run and run.save_kind else None) or (
-            "final" if self.state.max_steps and step >= self.state.max_steps else "periodic")
-        run_dir = Path(self._get_output_dir(trial=trial))
-        ckpt = run_dir / f"checkpoint-{step}"
-        t0 = time.monotonic()
-        if self._is_rank0:
-            if os.path.lexists(ckpt):
-                aside = protocol.quarantine_path(ckpt)
-                logger.warning("slurm_jit: %s exists from an earlier run: moved to %s", ckpt, aside)
-                os.rename(ckpt, aside)
-            with save_errors.disk_full_is_one_line(ckpt):  # the sentinel is the save's first write
-                protocol.write_sentinel(ckpt, step, kind)
-        self._agreement.barrier()
-        with save_errors.disk_full_is_one_line(ckpt):  # one clear line; the sentinel stays, nothing rotates
-            contents, weights = self._upstream_save(model, trial, kind)
-            # Callbacks run on every save (JIT too) before the manifest: what they add or rewrite is in it.
-            self.control = self._upstream_on_save(self.args, self.state, self.control)
-            fault_sleep_s = float(os.environ.get(FAULT_SAVE_SLEEP_ENV, "0") or 0)
-            if fault_sleep_s > 0:
-                time.sleep(fault_sleep_s)
-            protocol.fsync_tree(ckpt)
-            self._agreement.barrier()
-            nbytes = self._write_manifest(ckpt, step, kind, {
-                "contents": contents, "weights": weights, "run_id": run.lineage if run and run.lineage else None,
-                "owed_evaluation": bool(run and run.eval_owed),
-            })
-        if run is not None:
-            run.saved_step, run.saved_contents = step, contents
-            run.checkpoint = str(ckpt)
-            if kind == "jit":
-                stop_path.record_stop(self)
-        if self._is_rank0:
-            self._rotate_checkpoints_safely(run_dir, just_written=ckpt)
-        self._agreement.barrier()
-        dur_s = time.monotonic() - t0
-        if run is not None:
-            if run.timing is not None:
-                run.timing.save(step, kind, dur_s, nbytes)
-            run.grace_due.append("first save")
-        logger.info("slurm_jit: %s checkpoint %s complete in %.2f s", kind, ckpt, dur_s)
-
-    def _upstream_save(self, model: Any, trial: Any, kind: str) -> tuple[str, str]:
-        """Upstream's save, without its rotation; a JIT save always holds what an exact resume needs
-        (optimizer, scheduler, RNG, DeepSpeed shards) whatever save_only_model says, and under ZeRO-1/2 the module
-        weights only once (slim_save.py). Returns the contents and the weights layout."""
-        limit, only_model = self.args.save_total_limit, self.args.save_only_model
-        self.args.save_total_limit = None  # rotation runs after the manifest, protocol-aware
-        if kind == "jit":
-            self.args.save_only_model = False
-        engine = self.model_wrapped if self.is_deepspeed_enabled else None
-        # A PEFT model's saves are upstream's (frozen base left out, adapters kept): both trainers resume them
-        peft = slim_save.excludes_frozen(self.model, engine)
-        slim_engine = engine if kind == "jit" and self.jit_config.slim_jit_save and not peft else None
-        try:
-            with (slim_save.slim_model_states(slim_engine) as slim,
-                  slim_save.frozen_left_out(engine if peft else None)):
-                super()._save_checkpoint(model, trial)
-            if self.args.save_only_model:  # model.safetensors (a PEFT model's: its adapters), no DeepSpeed files
-                return protocol.CONTENTS_MODEL_ONLY, slim_save.layout(None, False, frozen_excluded=peft)
-            return protocol.CONTENTS_FULL, slim_save.layout(engine, slim, frozen_excluded=peft)
-        finally:
-            self.args.save_total_limit, self.args.save_only_model = limit, only_model
-
-    def _write_manifest(self, ckpt: Path, step: int, kind: str, fields: dict[str, Any]) -> int:
-        """Ranks hash a share of the files each; rank 0 writes the manifest. Returns the bytes (rank 0)."""
-        agreement = self._agreement
-        rels = agreement.broadcast(protocol.payload_files(ckpt) if self._is_rank0 else None)
-        parts = agreement.gather(protocol.file_entries(ckpt, rels[agreement.rank::agreement.world_size]))
-        if not self._is_rank0 or parts is None:
-            return 0
-        files = {rel: entry for part in parts for rel, entry in part.items()}
-        fields = dict(fields)
-        weights = fields.pop("weights")
-        duplicate = sum(e["size"] for rel, e in files.items() if _duplicate_weights(rel, weights))
-        total = sum(e["size"] for e in files.values())
-        latest = ckpt / "latest"
-        tag = latest.read_text().strip() if latest.is_file() else None
-        engine: Any = self.model_wrapped
-        zero_stage = engine.zero_optimization_stage() if self.is_deepspeed_enabled else None
-        protocol.write_manifest(
-            ckpt, step=step, kind=kind, world_size=int(self.args.world_size), zero_stage=zero_stage,
-            deepspeed_tag=tag, files=files, contents=fields.pop("contents"), run_id=fields.pop("run_id"),
-            weights=weights,
-            extra={"bytes_weights_duplicate": duplicate, "bytes_needed_for_resume": total - duplicate, **fields},
-        )
-        logger.info("slurm_jit: %s checkpoint-%d: %d bytes written, %d needed for resume, %d over (model weights "
-                    "again beside the fp32 master copy in the optimizer shards); weights: %s",
-                    kind, step, total, total - duplicate, duplicate, weights)
-        return total
-
-    def _rotate_checkpoints_safely(self, run_dir: Path, just_written: Path) -> None:
-        """save_total_limit over resumable checkpoints only, after the new one is complete; never the one just
-        written, the best one, or the one resumed from until this run has written a newer one."""
-        limit = self.args.save_total_limit
-        if not limit or limit <= 0:
-            return
-        keep = {just_written.resolve()}
-        if self.state.best_model_checkpoint:
-            keep.add(Path(self.state.best_model_checkpoint).resolve())
-        run = self._jit_run
-        if run is not None and run.resumed_from and run.saved_step < 0:
-            keep.add(Path(run.resumed_from).resolve())
-        protocol.remove_deletion_leftovers(run_dir)
-        checkpoints, _ = protocol.scan(run_dir)
-        for ckpt in protocol.rotation_victims(checkpoints, limit, keep):
-            logger.info("slurm_jit: deleting %s (save_total_limit=%d)", ckpt.path, limit)
-            protocol.delete_checkpoint(ckpt.path)
+        save_path.save_checkpoint(self, model, trial, upstream=super()._save_checkpoint)
 
     # ------------------------------------------------------------ grace
 
