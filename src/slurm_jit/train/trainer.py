@@ -32,19 +32,16 @@ from pathlib import Path
 from typing import Any
 
 import transformers
-from transformers.trainer_utils import TrainOutput, _is_peft_model
+from transformers.trainer_utils import TrainOutput
 
-from slurm_jit.checkpoint import elastic_plan, protocol
-from slurm_jit.checkpoint import manifest as manifest_file
 from slurm_jit.signal_names import parse_signal
 from slurm_jit.timing import TimingLog
 from slurm_jit.train import (
     compat,
     elastic,
-    elastic_unheld,
     exact_resume,
-    model_match,
     output_lock,
+    resume_path,
     save_path,
     slim_save,
     stop_path,
@@ -52,8 +49,8 @@ from slurm_jit.train import (
 )
 from slurm_jit.train.agreement import StopAgreement
 from slurm_jit.train.jit_config import JitConfig
-from slurm_jit.train.refusals import JitRefusal, refused_settings, resume_refusal
-from slurm_jit.train.run_state import LINEAGE_ID_CHARS, EvalAborted, Run, StopBeforeFirstStep
+from slurm_jit.train.refusals import JitRefusal, refused_settings
+from slurm_jit.train.run_state import EvalAborted, Run, StopBeforeFirstStep
 from slurm_jit.train.save_path import FAULT_SAVE_SLEEP_ENV as FAULT_SAVE_SLEEP_ENV  # where tests set it
 from slurm_jit.train.signals import IgnoreSignalsInWorker, SignalLatch, StartWorkersMasked
 from slurm_jit.train.trackers import continue_wandb_run
@@ -160,7 +157,7 @@ class JitTrainer(transformers.Trainer):
         clean = False
         try:
             slim_save.install_load()  # before elastic's universal load, which goes on top of it
-            resume = self._resolve_resume(resume_from_checkpoint)
+            resume = resume_path.resolve(self, resume_from_checkpoint)
             run.checkpoint = run.resumed_from = resume
             compat.continue_tensorboard_run(self, resume)
             run_id = self._agreement.broadcast(uuid.uuid4().hex[:12])  # one id for all ranks of this train()
@@ -206,90 +203,6 @@ class JitTrainer(transformers.Trainer):
         agreement, self._jit_agreement = self._jit_agreement, None
         if agreement is not None:
             agreement.close(wait_for_peers=clean)
-
-    def _resolve_resume(self, resume_from_checkpoint: str | bool | None) -> str | None:
-        """Rank 0 picks the checkpoint (``True``: the newest resumable one, as ckpt-check does), checks that it
-        can be resumed exactly by this run, reads what it carries, and tells every rank."""
-        decision: tuple[str | None, str | None, dict[str, Any]] = (None, None, {})
-        if self._is_rank0:  # one training per output_dir, and a writable one (output_lock), before any step
-            self._jit_output_lock, locked_out = output_lock.acquire(str(self.args.output_dir))
-            decision = (None, locked_out, {}) if locked_out else self._pick_resume(resume_from_checkpoint)
-        path, refusal, carried = self._agreement.broadcast_after(decision, elastic.HEARTBEAT)
-        if refusal:
-            raise JitRefusal(f"slurm_jit: {refusal}")
-        run = self._jit_run
-        if run is not None:
-            run.lineage = carried.get("run_id") or uuid.uuid4().hex[:LINEAGE_ID_CHARS]
-            run.owed_eval_step = carried.get("owed_evaluation_step")
-            run.load_from, run.conversion = carried.get("load_from"), carried.get("conversion")
-            if run.load_from:
-                elastic.install_universal_load()
-        return path
-
-    def _pick_resume(self, resume_from_checkpoint: str | bool | None) -> tuple[str | None, str | None,
-                                                                                dict[str, Any]]:
-        path: str | None
-        if resume_from_checkpoint is True:
-            resolution = protocol.find_resumable(str(self.args.output_dir))
-            for ckpt in resolution.passed_over:
-                logger.warning("slurm_jit: passing over %s: %s (%s)", ckpt.path, ckpt.status.value, ckpt.reason)
-            if resolution.checkpoint is None:
-                logger.warning("slurm_jit: no resumable checkpoint in %s: starting fresh", self.args.output_dir)
-                return None, None, {}
-            path = str(resolution.checkpoint.path)
-            logger.warning("slurm_jit: resuming from %s (%s)", path, resolution.checkpoint.status.value)
-        else:
-            path = str(resume_from_checkpoint) if resume_from_checkpoint else None
-        if path is None:
-            return None, None, {}
-        refusal = resume_refusal(path, world_size=int(self.args.world_size))
-        manifest = None
-        if not refusal and (Path(path) / protocol.MANIFEST_NAME).is_file():
-            manifest, _ = manifest_file.read(Path(path))
-        carried: dict[str, Any] = {}
-        if manifest is not None:
-            if isinstance(manifest.get("run_id"), str):
-                carried["run_id"] = manifest["run_id"]
-            if manifest.get("owed_evaluation") is True:
-                carried["owed_evaluation_step"] = manifest["step"]
-            refusal = self._prepare_load(path, manifest, carried)
-        return path, refusal, carried
-
-    CONVERSIONS = (elastic_plan.CONVERT, elastic_plan.CONVERTED)  # a resume through the universal copy
-
-    def _prepare_load(self, path: str, manifest: dict[str, Any], carried: dict[str, Any]) -> str | None:
-        """Rank 0: why ``path`` cannot be loaded by this run's engine, or None, with what the load needs in
-        ``carried`` (an elastic resume's universal copy). The ZeRO stage first, on every world size: a conversion
-        keeps the stage's file layout (ZeRO-3 under ZeRO-2 would be converted and then fail in DeepSpeed's load)."""
-        ds_config = self._ds_config()
-        refusal = model_match.stage_refusal(path, manifest, ds_config)
-        if refusal:  # a slim save's own words where it has them (its weights are only in the shards)
-            return slim_save.resume_refusal(path, manifest, ds_config) or refusal
-        decided = elastic_plan.plan(path, int(self.args.world_size), manifest)
-        converting = decided.action in self.CONVERSIONS
-        if converting and manifest.get("weights") == manifest_file.WEIGHTS_FROZEN_EXCLUDED:
-            return (f"slurm_jit: {path}: a PEFT checkpoint (frozen base left out, weights: frozen-excluded) on "
-                    f"another world size ({decided.written_by} -> {self.args.world_size} ranks) is not supported: "
-                    f"its conversion is untested. HINT: resume it on {decided.written_by} ranks")
-        refusal = model_match.pick_refusal(path, self.model) if converting else None
-        if refusal:  # names and shapes, by name, before universal/ is written into the checkpoint
-            return refusal
-        carried["load_from"], refusal, carried["conversion"] = self._prepare_elastic(path, manifest)
-        if not refusal and not carried["load_from"]:  # a universal load rebuilds the weights itself
-            refusal = slim_save.resume_refusal(path, manifest, ds_config)
-        return refusal
-
-    def _prepare_elastic(self, path: str, manifest: dict[str, Any]) -> elastic.Prepared:
-        """Rank 0: elastic.prepare for loading ``path`` on this run's world size, heartbeating to the others."""
-        beat = elastic.heartbeat_every(elastic.heartbeat_interval_s(self.jit_config.side_group_timeout_s),
-                                       lambda s: self._agreement.broadcast((elastic.HEARTBEAT, s)))
-        params = self.model.named_parameters() if self.model is not None else ()
-        frozen = [name for name, p in params if not p.requires_grad]  # ZeRO-3's universal load skips them
-        unheld = elastic_unheld.unheld_names(self.model) if self.model is not None else []
-        held = elastic_unheld.held_names(self.model) if self.model is not None else []
-        return elastic.prepare(path, self.args, manifest, self.jit_config.convert_timeout_s, beat,
-                               frozen_now=frozen, unheld_now=unheld, strict=not _is_peft_model(self.model),
-                               held_now=held)
 
     # ------------------------------------------------------------ the stop decision
 
@@ -397,39 +310,7 @@ class JitTrainer(transformers.Trainer):
             logger.warning("slurm_jit: JIT stop: not loading the best model (%s); the job is on its way out",
                            self.state.best_model_checkpoint)
             return
-        best = self.state.best_model_checkpoint
-        if not (best and self.is_deepspeed_enabled):  # the same on every rank: all or none broadcast
-            super()._load_best_model(*args, **kwargs)
-            return
-        load_from, refusal = self._agreement.broadcast_after(self._best_model_elastic(best), elastic.HEARTBEAT)
-        if refusal:
-            logger.warning("slurm_jit: not loading the best model: %s", refusal)
-            return
-        if load_from is None:
-            super()._load_best_model(*args, **kwargs)
-            return
-        elastic.install_universal_load()  # the best checkpoint's ZeRO shards are another world size's
-        self.state.best_model_checkpoint = load_from
-        try:
-            super()._load_best_model(*args, **kwargs)
-        finally:
-            self.state.best_model_checkpoint = best
-            elastic.uninstall_universal_load()
-
-    def _best_model_elastic(self, best: str) -> tuple[str | None, str | None]:
-        """Rank 0 (None, None elsewhere): the best checkpoint's universal copy when it was written by another
-        number of ranks (DeepSpeed refuses its shards here: the run would end in a traceback after its last save,
-        and so would every requeue of it), or why it cannot be loaded."""
-        if not self._is_rank0:
-            return None, None
-        decided = elastic.plan(best, int(self.args.world_size))
-        if decided.action in (elastic.SAME, elastic.DIRECT) or not decided.resumable:
-            return None, None if decided.resumable else decided.reason
-        manifest, why = manifest_file.read(Path(best))
-        if manifest is None:
-            return None, f"{best}: {why}"
-        load_from, refusal, _ = self._prepare_elastic(best, manifest)
-        return load_from, refusal
+        resume_path.load_best_model(self, functools.partial(super()._load_best_model, *args, **kwargs))
 
     def _finish_current_push(self, *args: Any, **kwargs: Any) -> None:
         if self._jit_run is not None and self._jit_run.stopped:
