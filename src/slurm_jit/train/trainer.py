@@ -26,9 +26,7 @@ from __future__ import annotations
 import functools
 import logging
 import signal
-import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 import transformers
@@ -39,6 +37,7 @@ from slurm_jit.timing import TimingLog
 from slurm_jit.train import (
     compat,
     elastic,
+    evaluation,
     exact_resume,
     output_lock,
     resume_path,
@@ -50,7 +49,7 @@ from slurm_jit.train import (
 from slurm_jit.train.agreement import StopAgreement
 from slurm_jit.train.jit_config import JitConfig
 from slurm_jit.train.refusals import JitRefusal, refused_settings
-from slurm_jit.train.run_state import EvalAborted, Run, StopBeforeFirstStep
+from slurm_jit.train.run_state import Run, StopBeforeFirstStep
 from slurm_jit.train.save_path import FAULT_SAVE_SLEEP_ENV as FAULT_SAVE_SLEEP_ENV  # where tests set it
 from slurm_jit.train.signals import IgnoreSignalsInWorker, SignalLatch, StartWorkersMasked
 from slurm_jit.train.trackers import continue_wandb_run
@@ -65,7 +64,7 @@ class _JitCallback(transformers.TrainerCallback):
         stop_path.on_train_begin(self.trainer)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.trainer._run_owed_evaluation()  # when no RNG restore ran it (ignore_data_skip)
+        evaluation.run_owed(self.trainer)  # when no RNG restore ran it (ignore_data_skip)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         stop_path.on_step_end(self.trainer)
@@ -218,64 +217,24 @@ class JitTrainer(transformers.Trainer):
     def _evaluate(self, trial: Any, ignore_keys_for_eval: Any, skip_scheduler: bool = False, *args: Any,
                   **kwargs: Any) -> dict[str, float]:
         # *args/**kwargs here and in the other pass-through hooks: what a newer Trainer adds goes through
+        upstream = functools.partial(super()._evaluate, trial, ignore_keys_for_eval, skip_scheduler, *args, **kwargs)
         run = self._jit_run
-        if run is None or not run.in_loop:
-            return super()._evaluate(trial, ignore_keys_for_eval, skip_scheduler, *args, **kwargs)
-        t0 = time.monotonic()
-        try:
-            metrics = super()._evaluate(trial, ignore_keys_for_eval, skip_scheduler, *args, **kwargs)
-        except EvalAborted:
-            run.eval_aborted = run.eval_owed = True
-            self.control.should_save = False  # the JIT save takes the place of this step's periodic one
-            metrics = {}
-            if run.steps_done == 0:
-                # No step trained yet: the state is the checkpoint resumed from, which still owes this
-                # evaluation (a new checkpoint one step on would owe it at the wrong step, and lose this one).
-                run.stopped = True
-                logger.warning("slurm_jit: evaluation at step %d aborted before this run's first step: exiting "
-                               "without a new checkpoint (%s still owes it)", self.state.global_step,
-                               run.resumed_from or "a fresh start")
-                raise StopBeforeFirstStep from None
-            logger.warning("slurm_jit: evaluation aborted at step %d for a JIT checkpoint", self.state.global_step)
-        else:
-            stop_path.agree_now(self)
-        if run.timing is not None:
-            run.timing.evaluation(self.state.global_step, time.monotonic() - t0, run.eval_aborted)
-        return metrics
+        return upstream() if run is None or not run.in_loop else evaluation.evaluate_in_loop(self, run, upstream)
 
     def _load_rng_state(self, checkpoint: str | None, *args: Any, **kwargs: Any) -> None:
         super()._load_rng_state(checkpoint, *args, **kwargs)
         # The uninterrupted run evaluated before this point; its evaluation draws from the RNG (the DataLoader's
         # base seed), so the owed one runs right after the RNG is restored, before the next batch is trained on.
-        self._run_owed_evaluation()
-
-    def _run_owed_evaluation(self) -> None:
-        """Run the evaluation that the stop skipped or aborted, as the uninterrupted run would have."""
-        run = self._jit_run
-        if run is None or run.owed_eval_step is None:
-            return
-        step, run.owed_eval_step = run.owed_eval_step, None
-        if step != self.state.global_step or self.eval_dataset is None or self.args.eval_strategy == "no":
-            return  # not this step's state, or this run does not evaluate
-        logger.warning("slurm_jit: running the evaluation owed from step %d (skipped by the stop)", step)
-        metrics = self._evaluate(run.trial, run.ignore_keys_for_eval)
-        if self._determine_best_metric(metrics=metrics, trial=run.trial) and self.state.best_global_step == step:
-            # Upstream names the best checkpoint when it saves; this step's checkpoint is the one resumed from.
-            best = Path(self._get_output_dir(trial=run.trial)) / f"checkpoint-{step}"
-            if best.is_dir():
-                self.state.best_model_checkpoint = str(best)
+        evaluation.run_owed(self)
 
     def _determine_best_metric(self, metrics: dict[str, float], trial: Any, *args: Any, **kwargs: Any) -> bool:
-        if self._jit_run is not None and self._jit_run.eval_aborted:
+        if evaluation.no_best_from_aborted(self):
             return False  # no metrics from an aborted evaluation
         return bool(super()._determine_best_metric(metrics, trial, *args, **kwargs))
 
     def prediction_step(self, model: Any, inputs: Any, prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None) -> Any:
-        run = self._jit_run
-        if (run is not None and run.in_loop and not stop_path.at_last_step(self)
-                and stop_path.take(self, self._agreement.poll(*stop_path.wish(self)))):
-            raise EvalAborted
+        evaluation.abort_if_stopping(self)
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
     # ------------------------------------------------------------ exact resume
