@@ -18,7 +18,35 @@ Where a stop lands:
 
 A stop records ``jit_stop`` right after the checkpoint's manifest, before anything upstream runs at the end of
 training (best-model loading and Hub push waits are skipped on a JIT exit). Upstream never rotates or deletes a
-checkpoint: rotation is ours, after the manifest (:meth:`JitTrainer._rotate_checkpoints_safely`).
+checkpoint: rotation is ours, after the manifest (:func:`slurm_jit.train.save_path.rotate_checkpoints_safely`).
+
+This module is the class users see; its body delegates, by concern, to the rooms of ``train/``:
+``run_state`` (one ``train()``'s state), ``jit_config`` (``JitConfig``), ``stop_path`` (the boundary decision,
+the stop, the stop record), ``save_path`` (every save, the manifest, rotation), ``resume_path`` (pick, refusals,
+elastic load), ``evaluation`` (aborted and owed evaluations, the best metric), ``exact_resume`` (RNG and engine
+state restored).
+
+Every Trainer method JitTrainer overrides, and why (signatures are transformers 5.24's; ``compat.TRAINER_HOOKS``
+checks the private ones at construction):
+
+==================================  ============================================================================
+``train``                           install the signal latch; lock, pick and refuse (resume_path); stop record
+``_get_dataloader``                 DataLoader workers ignore the stop signals, and are born with them blocked
+``_maybe_log_save_evaluate``        the step boundary: the stop round, then the JIT save and stop (stop_path)
+``_evaluate``                       an evaluation aborted by a stop leaves it owed (evaluation)
+``prediction_step``                 polls the stop round at each evaluation batch, to abort (evaluation)
+``_load_rng_state``                 the owed evaluation runs right after the RNG restore, as it would have
+``_determine_best_metric``          an aborted evaluation has no metrics to call best
+``evaluate``                        no evaluation moves training's random streams (exact_resume)
+``_load_optimizer_and_scheduler``   the exact restore of the engine's state after DeepSpeed's load (exact_resume)
+``_save_checkpoint``                every save through the protocol: sentinel, manifest, then rotation (save_path)
+``save_model``                      a JIT save leaves out the consolidated weights unless asked (save_path)
+``_finalize_training``              upstream's end-of-training deletion (save_total_limit=1) is turned off
+``_load_best_model``                skipped after a JIT stop; across world sizes by the universal copy
+``_finish_current_push``            a JIT stop does not wait for a Hub push in progress
+==================================  ============================================================================
+
+The callbacks' ``on_save`` is called inside ``_save_checkpoint`` (before the manifest), not after it.
 """
 
 from __future__ import annotations
@@ -56,6 +84,7 @@ from slurm_jit.train.trackers import continue_wandb_run
 
 logger = logging.getLogger(__name__)
 
+
 class _JitCallback(transformers.TrainerCallback):
     def __init__(self, trainer: JitTrainer) -> None:
         self.trainer = trainer
@@ -80,6 +109,8 @@ class JitTrainer(transformers.Trainer):
     Same constructor as ``Trainer`` plus ``jit_config``. With ``TrainingArguments(enable_jit_checkpoint=True)``
     transformers' own JIT callback is removed, never run beside this one.
     """
+
+    _jit_output_lock: output_lock.OutputLock | None  # rank 0, during train(): the output_dir's lock (resume_path)
 
     def __init__(self, *args: Any, jit_config: JitConfig | None = None, **kwargs: Any) -> None:
         # A transformers without the hooks below, or passing them what they cannot take, fails here, not at the
@@ -287,6 +318,3 @@ class JitTrainer(transformers.Trainer):
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         save_path.save_checkpoint(self, model, trial, upstream=super()._save_checkpoint)
-
-    # ------------------------------------------------------------ grace
-
