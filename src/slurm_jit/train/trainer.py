@@ -182,20 +182,10 @@ class JitTrainer(transformers.Trainer):
         run = Run(latch=SignalLatch(self._jit_signums), trial=trial, ignore_keys_for_eval=ignore_keys_for_eval)
         self._jit_run = run
         self.jit_stopped = False
-        out_dir = str(self.args.output_dir)
         run.latch.install()
         clean = False
         try:
-            slim_save.install_load()  # before elastic's universal load, which goes on top of it
-            resume = resume_path.resolve(self, resume_from_checkpoint)
-            run.checkpoint = run.resumed_from = resume
-            compat.continue_tensorboard_run(self, resume)
-            run_id = self._agreement.broadcast(uuid.uuid4().hex[:12])  # one id for all ranks of this train()
-            run.timing = TimingLog(out_dir, int(self.args.process_index), int(self.args.world_size), run_id)
-            if run.conversion and self._is_rank0:
-                run.timing.conversion(**run.conversion)
-            if self._is_rank0:
-                stop_record.write(out_dir, "running", step=None, resumed_from=resume)
+            resume = self._jit_start(run, resume_from_checkpoint)
             try:
                 with (compat.eval_on_start_once(self.args, resuming=resume is not None),
                       continue_wandb_run(self, resume)):
@@ -211,23 +201,42 @@ class JitTrainer(transformers.Trainer):
             stop_path.record_failure(self, run, exc)
             raise
         finally:
-            # First, as nothing below may raise before them: the load wrappers are for this train() only.
-            elastic.uninstall_universal_load()
-            slim_save.uninstall_load()
-            # Every path closes the side group: a failed train() must not leave a round in flight for the next
-            # one, nor a gloo group for the interpreter's exit. After a failure no barrier (a peer may be gone).
-            self._close_agreement(clean)
-            output_lock.release(self.__dict__.pop("_jit_output_lock", None))
-            run.in_loop = False
-            compat.shut_down_persistent_workers(self)
-            # After a JIT stop the process is on its way out: a late signal (another node's copy, or Slurm's
-            # second SIGTERM at the time limit) must not kill it mid-exit, so the stop signals stay ignored.
-            # Otherwise the original handlers come back.
-            run.latch.restore(keep_ignoring=run.stopped)
-            if run.timing is not None:
-                stop_path.record_stop_timing(self, run)
-                run.timing.close()
-            self._jit_run = None
+            self._jit_end(run, clean)
+
+    def _jit_start(self, run: Run, resume_from_checkpoint: str | bool | None) -> str | None:
+        """Before upstream's train(): the checkpoint to resume (resume_path), the timing log, ``running``."""
+        out_dir = str(self.args.output_dir)
+        slim_save.install_load()  # before elastic's universal load, which goes on top of it
+        resume = resume_path.resolve(self, resume_from_checkpoint)
+        run.checkpoint = run.resumed_from = resume
+        compat.continue_tensorboard_run(self, resume)
+        run_id = self._agreement.broadcast(uuid.uuid4().hex[:12])  # one id for all ranks of this train()
+        run.timing = TimingLog(out_dir, int(self.args.process_index), int(self.args.world_size), run_id)
+        if run.conversion and self._is_rank0:
+            run.timing.conversion(**run.conversion)
+        if self._is_rank0:
+            stop_record.write(out_dir, "running", step=None, resumed_from=resume)
+        return resume
+
+    def _jit_end(self, run: Run, clean: bool) -> None:
+        """Every train() ends here, whatever ended it."""
+        # First, as nothing below may raise before them: the load wrappers are for this train() only.
+        elastic.uninstall_universal_load()
+        slim_save.uninstall_load()
+        # Every path closes the side group: a failed train() must not leave a round in flight for the next
+        # one, nor a gloo group for the interpreter's exit. After a failure no barrier (a peer may be gone).
+        self._close_agreement(clean)
+        output_lock.release(self.__dict__.pop("_jit_output_lock", None))
+        run.in_loop = False
+        compat.shut_down_persistent_workers(self)
+        # After a JIT stop the process is on its way out: a late signal (another node's copy, or Slurm's
+        # second SIGTERM at the time limit) must not kill it mid-exit, so the stop signals stay ignored.
+        # Otherwise the original handlers come back.
+        run.latch.restore(keep_ignoring=run.stopped)
+        if run.timing is not None:
+            stop_path.record_stop_timing(self, run)
+            run.timing.close()
+        self._jit_run = None
 
     def _close_agreement(self, clean: bool) -> None:
         agreement, self._jit_agreement = self._jit_agreement, None
