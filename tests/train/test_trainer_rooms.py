@@ -19,9 +19,10 @@ TABLE_ROW = re.compile(r"^``(\w+)``\s{2,}\S", re.MULTILINE)  # a row of the reST
 
 
 def _overrides() -> set[str]:
-    """The Trainer methods JitTrainer defines again (its own helpers are not overrides)."""
+    """The Trainer methods JitTrainer defines again (its own helpers, and Python's hooks such as __init__ or
+    __init_subclass__, are not overrides of the Trainer's)."""
     return {name for name, value in vars(JitTrainer).items()
-            if callable(value) and name != "__init__" and hasattr(transformers.Trainer, name)}
+            if callable(value) and not name.startswith("__") and hasattr(transformers.Trainer, name)}
 
 
 def test_every_override_is_listed_once_in_the_trainer_docstring_with_a_reason() -> None:
