@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from slurm_jit.checkpoint import elastic_plan, protocol
 from slurm_jit.checkpoint.ckpt_check import UsageError, parse_world_size, printable
-from slurm_jit.train import output_lock
+from slurm_jit.train import output_lock, output_lock_record
 
 EXIT_OK = 0
 EXIT_REFUSED = 1
@@ -52,7 +52,7 @@ def lock_holder(out_dir: str | os.PathLike[str]) -> str | None:
     except FileNotFoundError:
         return None
     try:
-        holder = output_lock._read_holder(fd)  # the lock file's one format
+        holder = output_lock_record.read_holder(fd)  # the lock file's one format
         named = holder.describe() if holder is not None else "a process that has not written its name yet"
         try:
             query = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0).ljust(_FLOCK_ROOM, b"\0")

@@ -50,37 +50,42 @@ Opening the lock file is also the start-of-training check that ``output_dir`` ca
 permission-denied output directory is refused here, before any step, in one line with a HINT; so is a lock path
 that is not a plain file of ours (a directory, a symbolic link, a FIFO, a hard link to another file: release
 empties the file).
+
+The record's format and checks, and the retry thread after a takeover, are :mod:`.output_lock_record`'s; this
+module decides when the lock is taken, waited for, taken over or refused.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import logging
 import os
 import re
-import socket
 import stat
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TypeGuard
 
 from slurm_jit import slurm
 from slurm_jit.timing import TIMING_DIR
+from slurm_jit.train.output_lock_record import (
+    HELD_ERRNOS,
+    Holder,
+    process_alive,
+    read_holder,
+    retry_kernel_lock,
+    this_process,
+    try_lock,
+    write_holder,
+)
 
 logger = logging.getLogger(__name__)
 
 LOCK_NAME = "output.lock"
-HOLDER_MAX_BYTES = 4096  # the holder's JSON is ~200 bytes; a bounded read of a file others can write
-HOLDER_TEXT_MAX_CHARS = 255  # a job id, restart count or host name in the record (HOST_NAME_MAX is 64)
-PID_LIMIT = 2**22  # Linux's PID_MAX_LIMIT: a larger pid in the record is not one we wrote
-SINCE_LIMIT_S = 2**33  # seconds since the epoch (year 2242): a later "since" is not one we wrote
-# lock errors that mean "someone holds it" (fcntl(2): EACCES or EAGAIN), and "this file system cannot lock"
-HELD_ERRNOS = {errno.EACCES, errno.EAGAIN}
+# lock errors that mean "this file system cannot lock" (HELD_ERRNOS: "someone holds it", output_lock_record.py)
 UNSUPPORTED_ERRNOS = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
 # Lock files held by THIS process, by (st_dev, st_ino): a POSIX lock does not exclude its own process (a second
 # JitTrainer here would lock the file again), and closing any descriptor of the file drops it.
@@ -99,30 +104,6 @@ JOB_ENDED_STATES = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FE
                               "COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
                               "DEADLINE", "OUT_OF_MEMORY", "REVOKED"})
 SLURM_JOB_ID_PATTERN = re.compile(r"[0-9]{1,12}(?:[_+][0-9]{1,12})?")  # 123, an array task 123_4, het 123+0
-
-
-@dataclass(frozen=True, kw_only=True)
-class Holder:
-    """Who holds (or last held) the lock."""
-
-    job_id: str | None  # SLURM_JOB_ID (None outside Slurm)
-    restart_count: str | None  # SLURM_RESTART_COUNT: a requeued job's run number (None: the first run)
-    host: str  # socket.gethostname()
-    pid: int  # rank 0's process id on that host
-    since: float  # when it took the lock (seconds since the epoch)
-    pid_start: int | None = None  # the pid's start (/proc/<pid>/stat, clock ticks since boot): not a recycled pid
-    kernel_lock: bool = True  # False: taken over, the kernel lock still held by an earlier run's lease (or none)
-
-    def describe(self) -> str:
-        job = f"Slurm job {self.job_id} (restart {self.restart_count or 0})" if self.job_id else "a process"
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
-        return f"{job} on host {self.host}, pid {self.pid}, since {when}"
-
-
-def this_process() -> Holder:
-    return Holder(job_id=os.environ.get("SLURM_JOB_ID") or None,
-                  restart_count=os.environ.get("SLURM_RESTART_COUNT") or None,
-                  host=socket.gethostname(), pid=os.getpid(), since=time.time(), pid_start=_start_ticks(os.getpid()))
 
 
 @dataclass
@@ -221,7 +202,7 @@ def _lock(path: Path, fd: int) -> tuple[OutputLock | None, str | None]:
         if exc.errno not in HELD_ERRNOS | UNSUPPORTED_ERRNOS:
             raise
         return _busy(path, fd, me, unsupported=exc.errno in UNSUPPORTED_ERRNOS)
-    why = _live_takeover(path, _read_holder(fd), me)  # the kernel lock is free: is the record's holder gone?
+    why = _live_takeover(path, read_holder(fd), me)  # the kernel lock is free: is the record's holder gone?
     if why is not None:
         os.close(fd)  # drops the kernel lock just taken: the holder that took over retries it
         return None, why
@@ -230,7 +211,7 @@ def _lock(path: Path, fd: int) -> tuple[OutputLock | None, str | None]:
 
 def _busy(path: Path, fd: int, me: Holder, unsupported: bool) -> tuple[OutputLock | None, str | None]:
     """The kernel lock is held (or the file system cannot lock): take over, wait, or refuse."""
-    holder = _read_holder(fd)
+    holder = read_holder(fd)
     locked = not unsupported and _earlier_run_ends_here(fd, holder, me)
     if not locked and not _may_take_over(holder, me, unsupported):
         os.close(fd)
@@ -242,60 +223,16 @@ def _busy(path: Path, fd: int, me: Holder, unsupported: bool) -> tuple[OutputLoc
                    path, holder.describe(), TAKEOVER_RETRY_S)
     lock = _hold(path, fd, me, locked=False)
     lock.taken_from = holder
-    lock.retry = threading.Thread(target=_retry_kernel_lock, args=(lock, me), name="slurm-jit-output-lock",
-                                  daemon=True)
+    lock.retry = threading.Thread(target=retry_kernel_lock, args=(lock, me, TAKEOVER_RETRY_S),
+                                  name="slurm-jit-output-lock", daemon=True)
     lock.retry.start()
     return lock, None
 
 
 def _hold(path: Path, fd: int, me: Holder, locked: bool) -> OutputLock:
-    _write_holder(fd, replace(me, kernel_lock=locked))
+    write_holder(fd, replace(me, kernel_lock=locked))
     _HELD_HERE.add(_file_key(fd))
     return OutputLock(path=path, fd=fd, locked=locked)
-
-
-def _retry_kernel_lock(lock: OutputLock, me: Holder) -> None:
-    """After a takeover: the kernel lock, once the earlier run's lease ends (the record then says so). Ends when
-    the lock is released. A non-blocking try under ``guard``: release() never waits for more than one try."""
-    said: set[str] = set()  # what was said once: a failing try, another holder in the record
-    while not lock.released.wait(TAKEOVER_RETRY_S):
-        with lock.guard:
-            if lock.released.is_set() or not _retry_once(lock, me, said):
-                continue
-        logger.info("slurm_jit: %s: the earlier run's lease ended, this run holds the lock", lock.path)
-        return
-
-
-def _retry_once(lock: OutputLock, me: Holder, said: set[str]) -> bool:
-    try:
-        if _try_lock(lock.fd):
-            lock.locked = True
-            _write_holder(lock.fd, replace(me, kernel_lock=True))
-            return True
-        holder = _read_holder(lock.fd)
-    except OSError as exc:  # an NFS server's lockd away for a while: keep trying, say it once
-        if "failed" not in said:
-            logger.warning("slurm_jit: retrying the lock of %s failed (%s); still retrying. HINT: the file "
-                           "system's locking (NFS lockd) must answer", lock.path, exc)
-        said.add("failed")
-        return False
-    if holder is not None and (holder.host, holder.pid, holder.since) != (me.host, me.pid, me.since) \
-            and "taken" not in said:  # a newcomer judged this run gone (Slurm of another cluster?)
-        said.add("taken")
-        logger.error("slurm_jit: %s now names %s, which took this output_dir while this run trains: two trainings "
-                     "write there. HINT: scancel one of them, then check the newest checkpoints with ckpt-check",
-                     lock.path, holder.describe())
-    return False
-
-
-def _try_lock(fd: int) -> bool:
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        if exc.errno not in HELD_ERRNOS:
-            raise
-        return False
-    return True
 
 
 def _wait_for(done: Callable[[], bool]) -> bool:
@@ -315,16 +252,16 @@ def _earlier_run_ends_here(fd: int, holder: Holder | None, me: Holder) -> bool:
     if holder is None or holder.host != me.host or not _earlier_run_of_this_job(holder, me):
         return False
     if not holder.kernel_lock:
-        if _process_alive(holder):
+        if process_alive(holder):
             _wait_for_earlier_run(holder)
         return False
-    return _wait_for_earlier_run(holder, lambda: _try_lock(fd))
+    return _wait_for_earlier_run(holder, lambda: try_lock(fd))
 
 
 def _wait_for_earlier_run(holder: Holder, done: Callable[[], bool] | None = None) -> bool:
     logger.warning("slurm_jit: the output_dir lock is still held by an earlier run of this job on this host (%s): "
                    "waiting up to %.0f s for it to end", holder.describe(), EARLIER_RUN_WAIT_S)
-    return _wait_for(done or (lambda: not _process_alive(holder)))
+    return _wait_for(done or (lambda: not process_alive(holder)))
 
 
 def _may_take_over(holder: Holder | None, me: Holder, unsupported: bool) -> bool:
@@ -333,7 +270,7 @@ def _may_take_over(holder: Holder | None, me: Holder, unsupported: bool) -> bool
     or dead holder."""
     if not unsupported:
         return (holder is not None and _earlier_run_of_this_job(holder, me)
-                and (holder.host != me.host or not holder.kernel_lock and not _process_alive(holder)))
+                and (holder.host != me.host or not holder.kernel_lock and not process_alive(holder)))
     return holder is None or _stale(holder, me)
 
 
@@ -343,7 +280,7 @@ def _live_takeover(path: Path, holder: Holder | None, me: Holder) -> str | None:
     if holder is None or holder.kernel_lock:
         return None
     if holder.host == me.host:
-        alive = _process_alive(holder)
+        alive = process_alive(holder)
         if alive and _earlier_run_of_this_job(holder, me):
             alive = not _wait_for_earlier_run(holder)
         return _refusal(path, holder, took_over=True) if alive else None
@@ -376,37 +313,7 @@ def _stale(holder: Holder, me: Holder) -> bool:
     """Without locking: is the holder known to be gone?"""
     if _earlier_run_of_this_job(holder, me):
         return True
-    return holder.host == me.host and not _process_alive(holder)
-
-
-def _process_alive(holder: Holder) -> bool:
-    """The holder's process, on this host, still runs: its pid is alive and, when the record has it, started when
-    the holder's did (a pid recycled since is another process). This process is not a holder."""
-    if holder.pid == os.getpid():
-        return False
-    if not _pid_alive(holder.pid):
-        return False
-    started = _start_ticks(holder.pid)
-    return holder.pid_start is None or started is None or started == holder.pid_start
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's live process
-    return True
-
-
-def _start_ticks(pid: int) -> int | None:
-    """proc(5) /proc/<pid>/stat field 22, starttime; None where there is no /proc."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as file:
-            return int(file.read().rsplit(b")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
+    return holder.host == me.host and not process_alive(holder)
 
 
 def _refusal(path: Path, holder: Holder | None, lock_unsupported: bool = False,
@@ -426,63 +333,6 @@ def _refusal(path: Path, holder: Holder | None, lock_unsupported: bool = False,
            f"checkpoints. HINT: {hint}"
 
 
-def _read_holder(fd: int) -> Holder | None:
-    """The holder named in the file, or None when it is empty or unusable (a released lock, a torn write, a file
-    not written by us: deep nesting, a negative or huge pid, a name with a control character)."""
-    try:
-        raw = os.pread(fd, HOLDER_MAX_BYTES, 0)
-        data = json.loads(raw.decode("utf-8")) if raw.strip() else None
-        return _holder_of(data) if isinstance(data, dict) else None
-    except (OSError, ValueError, RecursionError):  # RecursionError: [[[[... nested past the recursion limit
-        return None
-
-
-def _holder_of(data: dict[str, object]) -> Holder:
-    """A record's holder; ValueError when a field is not one we write."""
-    pid, since, pid_start = data.get("pid"), data.get("since"), data.get("pid_start")
-    kernel_lock = data.get("kernel_lock", True)  # records written before the field: held the kernel lock
-    if not _is_int(pid) or not 0 < pid <= PID_LIMIT:
-        raise ValueError(f"pid {pid!r}")
-    if not isinstance(since, (int, float)) or isinstance(since, bool):
-        raise ValueError(f"since {since!r}")
-    if not 0 <= since < SINCE_LIMIT_S:  # NaN fails the comparison too
-        raise ValueError(f"since {since!r}")
-    if (pid_start is not None and not _is_int(pid_start)) or not isinstance(kernel_lock, bool):
-        raise ValueError(f"pid_start {pid_start!r}, kernel_lock {kernel_lock!r}")
-    host = _text(data.get("host"))
-    if host is None:
-        raise ValueError("no host")
-    return Holder(job_id=_text(data.get("job_id")), restart_count=_text(data.get("restart_count")), host=host,
-                  pid=pid, since=float(since), pid_start=pid_start, kernel_lock=kernel_lock)
-
-
-def _is_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _text(value: object) -> str | None:
-    """A name from the record (None stays None): printable, one line, bounded; else ValueError."""
-    if value is None:
-        return None
-    text = str(value) if _is_int(value) else value
-    if not isinstance(text, str) or not text.isprintable() or not 0 < len(text) <= HOLDER_TEXT_MAX_CHARS:
-        raise ValueError(f"not a name: {str(value)[:40]!r}")
-    return text
-
-
-def _write_holder(fd: int, holder: Holder) -> None:
-    """The new record over the old, padded to its length, then cut to size: never an empty file in between (a
-    reader finding the kernel lock free and the file empty would take the directory)."""
-    data = json.dumps(asdict(holder)).encode("utf-8")
-    size = os.fstat(fd).st_size
-    if size > HOLDER_MAX_BYTES:  # not a record of ours: no need to keep it readable
-        os.ftruncate(fd, 0)
-        size = 0
-    os.pwrite(fd, data.ljust(size), 0)
-    os.ftruncate(fd, len(data))
-    os.fsync(fd)
-
-
 def release(lock: OutputLock | None) -> None:
     """Empty the file and close it, which drops the lock; a takeover's retry ends. Without the kernel lock yet, the
     record taken over is put back: the dead node's lease (NFSv3's: until it reboots) still holds the lock, and the
@@ -494,7 +344,7 @@ def release(lock: OutputLock | None) -> None:
         try:
             _HELD_HERE.discard(_file_key(lock.fd))
             if lock.taken_from is not None and not lock.locked:
-                _write_holder(lock.fd, lock.taken_from)
+                write_holder(lock.fd, lock.taken_from)
             else:
                 os.ftruncate(lock.fd, 0)
         except OSError as exc:  # releasing must not mask what ended training; closing drops the lock anyway

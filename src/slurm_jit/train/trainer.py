@@ -18,172 +18,72 @@ Where a stop lands:
 
 A stop records ``jit_stop`` right after the checkpoint's manifest, before anything upstream runs at the end of
 training (best-model loading and Hub push waits are skipped on a JIT exit). Upstream never rotates or deletes a
-checkpoint: rotation is ours, after the manifest (:meth:`JitTrainer._rotate_checkpoints_safely`).
+checkpoint: rotation is ours, after the manifest (:func:`slurm_jit.train.save_path.rotate_checkpoints_safely`).
+
+This module is the class users see; its body delegates, by concern, to the rooms of ``train/``:
+``run_state`` (one ``train()``'s state), ``jit_config`` (``JitConfig``), ``stop_path`` (the boundary decision,
+the stop, the stop record), ``save_path`` (every save, the manifest, rotation), ``resume_path`` (pick, refusals,
+elastic load), ``evaluation`` (aborted and owed evaluations, the best metric), ``exact_resume`` (RNG and engine
+state restored).
+
+Every Trainer method JitTrainer overrides, and why (signatures are transformers 5.24's; ``compat.TRAINER_HOOKS``
+checks the private ones at construction):
+
+==================================  ============================================================================
+``train``                           install the signal latch; lock, pick and refuse (resume_path); stop record
+``_get_dataloader``                 DataLoader workers ignore the stop signals, and are born with them blocked
+``_maybe_log_save_evaluate``        the step boundary: the stop round, then the JIT save and stop (stop_path)
+``_evaluate``                       an evaluation aborted by a stop leaves it owed (evaluation)
+``prediction_step``                 polls the stop round at each evaluation batch, to abort (evaluation)
+``_load_rng_state``                 the owed evaluation runs right after the RNG restore, as it would have
+``_determine_best_metric``          an aborted evaluation has no metrics to call best
+``evaluate``                        no evaluation moves training's random streams (exact_resume)
+``_load_optimizer_and_scheduler``   the exact restore of the engine's state after DeepSpeed's load (exact_resume)
+``_save_checkpoint``                every save through the protocol: sentinel, manifest, then rotation (save_path)
+``save_model``                      a JIT save leaves out the consolidated weights unless asked (save_path)
+``_finalize_training``              upstream's end-of-training deletion (save_total_limit=1) is turned off
+``_load_best_model``                skipped after a JIT stop; across world sizes by the universal copy
+``_finish_current_push``            a JIT stop does not wait for a Hub push in progress
+==================================  ============================================================================
+
+The callbacks' ``on_save`` is called inside ``_save_checkpoint`` (before the manifest), not after it.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-import math
-import os
-import re
 import signal
-import time
 import uuid
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import transformers
-from transformers.trainer_utils import TrainOutput, _is_peft_model
+from transformers.trainer_utils import TrainOutput
 
-from slurm_jit.checkpoint import elastic_plan, protocol
-from slurm_jit.checkpoint import manifest as manifest_file
-from slurm_jit.grace.calc import AGREE_BLOCKING, SLURM_SIGNAL_LEAD_MAX_S
 from slurm_jit.signal_names import parse_signal
-from slurm_jit.timing import WARMUP_STEPS, TimingLog
+from slurm_jit.timing import TimingLog
 from slurm_jit.train import (
     compat,
     elastic,
-    elastic_unheld,
+    evaluation,
     exact_resume,
-    model_match,
     output_lock,
-    runtime_grace,
-    save_errors,
+    resume_path,
+    save_path,
     slim_save,
+    stop_path,
     stop_record,
     subclassing,
-    writable,
 )
-from slurm_jit.train.agreement import SIDE_GROUP_TIMEOUT_S, Decision, StopAgreement
-from slurm_jit.train.refusals import JitRefusal, refused_settings, resume_refusal
+from slurm_jit.train.agreement import StopAgreement
+from slurm_jit.train.jit_config import JitConfig
+from slurm_jit.train.refusals import JitRefusal, refused_settings
+from slurm_jit.train.run_state import Run, StopBeforeFirstStep
+from slurm_jit.train.save_path import FAULT_SAVE_SLEEP_ENV as FAULT_SAVE_SLEEP_ENV  # where tests set it
 from slurm_jit.train.signals import IgnoreSignalsInWorker, SignalLatch, StartWorkersMasked
-from slurm_jit.train.trackers import continue_wandb_run, log_stop_to_trackers
+from slurm_jit.train.trackers import continue_wandb_run
 
 logger = logging.getLogger(__name__)
-
-FAULT_SAVE_SLEEP_ENV = "SLURM_JIT_FAULT_SAVE_SLEEP_S"  # fault injection: seconds to stall inside every save
-LINEAGE_ID_CHARS = 12  # hex digits of a training lineage id (the manifest's run_id)
-# A JitConfig duration above Slurm's largest signal lead can never be waited out before the kill (and a huge one
-# overflows time.sleep on the stop path).
-MAX_CONFIG_S = SLURM_SIGNAL_LEAD_MAX_S
-# Signals that cannot request a stop: uncatchable, sent for other reasons (SIGCHLD at every DataLoader worker's
-# exit), or faults (a handler that only sets a flag returns to the faulting instruction).
-UNFIT_STOP_SIGNALS = {
-    signal.SIGKILL: "cannot be caught", signal.SIGSTOP: "cannot be caught",
-    signal.SIGCHLD: "is sent whenever a child process (a DataLoader worker) exits",
-    signal.SIGCONT: "is sent on every resume of a stopped process", signal.SIGURG: "is not a stop request",
-    signal.SIGWINCH: "is not a stop request", signal.SIGSEGV: "is a fault", signal.SIGBUS: "is a fault",
-    signal.SIGILL: "is a fault", signal.SIGFPE: "is a fault",
-}
-DEFAULT_KILL_WAIT_S = 3.0  # transformers' kill_wait: a SIGKILL this soon after SIGTERM makes a save pointless
-# Files that hold the model weights again beside the fp32 master copy in the optimizer shards: what a JIT save
-# writes over the minimum a resume needs (the DeepSpeed format requires its model-states file).
-DUPLICATE_WEIGHT_RE = re.compile(
-    r"^(mp_rank_\d+_model_states\.pt|model(-\d+-of-\d+)?\.safetensors|pytorch_model(-\d+-of-\d+)?\.bin)$"
-)
-MODEL_STATES_RE = re.compile(r"^mp_rank_\d+_model_states\.pt$")  # without the weights in a slim JIT save
-
-
-def _duplicate_weights(rel: str, weights: str) -> bool:
-    """Whether a checkpoint file holds the model weights again (a slim model-states file holds no such copy)."""
-    name = rel.rsplit("/", 1)[-1]
-    if weights == protocol.WEIGHTS_MASTER_ONLY and MODEL_STATES_RE.match(name):
-        return False
-    return DUPLICATE_WEIGHT_RE.match(name) is not None
-
-
-@dataclass(frozen=True, kw_only=True)
-class JitConfig:
-    """How JitTrainer reacts to stop signals."""
-
-    kill_wait_s: float = DEFAULT_KILL_WAIT_S  # a checkpoint is started only this long after the first signal
-    signals: tuple[str, ...] = ("TERM",)  # signal names that request a JIT stop (e.g. ("TERM", "USR1"))
-    jit_save_model_weights: bool = False  # also write model.safetensors (under ZeRO-3: gather 16-bit weights)
-    # Under ZeRO-1/2 a JIT save writes the module weights once, in the optimizer shards' fp32 master copy, not again
-    # in DeepSpeed's model-states file (train/slim_save.py); False: DeepSpeed's layout (a plain Trainer resumes it).
-    # A PEFT model's saves are transformers' layout either way (the adapters only, no frozen base: both resume it)
-    slim_jit_save: bool = True
-    ignore_signals_in_workers: bool = True  # DataLoader workers ignore the stop signals
-    grace_check: bool = True  # under Slurm, warn when the signal lead is shorter than the grace needed
-    side_group_timeout_s: float = SIDE_GROUP_TIMEOUT_S  # timeout of the gloo side group's collectives
-    convert_timeout_s: float = elastic.CONVERT_TIMEOUT_S  # an elastic resume's conversion (train/elastic.py)
-
-    def __post_init__(self) -> None:
-        for name in ("kill_wait_s", "side_group_timeout_s", "convert_timeout_s"):
-            _check_seconds(name, getattr(self, name), allow_zero=name == "kill_wait_s")
-        if isinstance(self.signals, str) or not isinstance(self.signals, tuple | list):
-            raise ValueError(f"signals={self.signals!r} is not a tuple of names. HINT: signals=('TERM',)")
-        if not self.signals:
-            raise ValueError("signals is empty. HINT: signals=('TERM',)")
-        seen: set[signal.Signals] = set()
-        for name in self.signals:
-            signum = parse_signal(name)
-            if signum in UNFIT_STOP_SIGNALS:
-                raise ValueError(f"signals: {name!r} {UNFIT_STOP_SIGNALS[signum]}. HINT: use TERM or USR1")
-            if signum in seen:
-                raise ValueError(f"signals={tuple(self.signals)!r} names {signum.name} twice. HINT: list each "
-                                 "signal once, e.g. ('TERM', 'USR1')")
-            seen.add(signum)
-
-
-def _check_seconds(name: str, value: object, allow_zero: bool) -> None:
-    """A JitConfig duration: a finite number of seconds, >= 0 (or > 0), at most MAX_CONFIG_S."""
-    number = float(value) if isinstance(value, int | float) and not isinstance(value, bool) else math.nan
-    if not (0 <= number <= MAX_CONFIG_S and (allow_zero or number > 0)):  # NaN fails every comparison
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{name}={value!r}. HINT: a number of seconds {bound} and <= {MAX_CONFIG_S}, e.g. 3")
-
-
-def _signal_name(signum: int | None) -> str | None:
-    return signal.Signals(signum).name if signum is not None else None
-
-
-class _StopBeforeFirstStep(Exception):
-    """Raised when a stop was agreed before this run's first step: in on_train_begin, or during an evaluation
-    that runs before it (the one owed on resume, eval_on_start)."""
-
-
-class _EvalAborted(Exception):
-    """Raised from prediction_step when a stop was agreed during evaluation."""
-
-
-@dataclass
-class _Run:
-    """The state of one ``train()`` call."""
-
-    latch: SignalLatch
-    timing: TimingLog | None = None
-    in_loop: bool = False  # between on_train_begin and the end of the training loop
-    polled_step: int = -1  # the global_step of the last step-boundary poll
-    stop_now: bool = False  # a stop has been agreed
-    kill_wait_until: float = 0.0  # monotonic time when kill_wait since the earliest signal (any rank) has passed
-    stopped: bool = False  # training stopped for a JIT checkpoint
-    eval_aborted: bool = False
-    eval_owed: bool = False  # an evaluation due at the stop step was skipped or aborted: run it first on resume
-    owed_eval_step: int | None = None  # resumed from a checkpoint that owes the evaluation of this step
-    lineage: str = ""  # the manifest's run_id: carried from the checkpoint resumed from, new on a fresh start
-    resumed_from: str | None = None  # kept by rotation until this run has written a newer checkpoint
-    load_from: str | None = None  # what the Trainer loads when not resumed_from: its universal copy (elastic.py)
-    conversion: dict[str, Any] | None = None  # rank 0: the conversion this start did, for the timing log
-    stop_recorded: bool = False  # rank 0 wrote jit_stop (right after the stop checkpoint's manifest)
-    trackers_told: bool = False  # the trackers (W&B, TensorBoard) were told how this job ended
-    trial: Any = None
-    ignore_keys_for_eval: list[str] | None = None
-    grace_due: list[str] = field(default_factory=list)  # runtime grace checks to run at the next calm boundary
-    saved_step: int = -1  # the step of the last checkpoint written by this run
-    saved_contents: str = "full"  # what it holds: full, or model_only (save_only_model)
-    save_kind: str | None = None
-    checkpoint: str | None = None  # the checkpoint to resume from after this run
-    step_t0: float = field(default_factory=time.monotonic)
-    est_step_s: float = 0.0  # duration of the last step: how far ahead a stop wish is sent
-    steps_done: int = 0
-    signal_step: int | None = None  # the step boundary at which this rank first saw its signal
-    save_started_at: float | None = None  # monotonic times of the JIT save (after the kill_wait sleep)
-    save_ended_at: float | None = None
-    agreement_mode: str = AGREE_BLOCKING  # how this boundary's stop rounds are read (fixed after warm-up)
-    grace_checked: set[str] = field(default_factory=set)
 
 
 class _JitCallback(transformers.TrainerCallback):
@@ -191,13 +91,13 @@ class _JitCallback(transformers.TrainerCallback):
         self.trainer = trainer
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.trainer._jit_on_train_begin()
+        stop_path.on_train_begin(self.trainer)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.trainer._run_owed_evaluation()  # when no RNG restore ran it (ignore_data_skip)
+        evaluation.run_owed(self.trainer)  # when no RNG restore ran it (ignore_data_skip)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.trainer._jit_on_step_end()
+        stop_path.on_step_end(self.trainer)
 
 
 def _already_called_on_save(args: Any, state: Any, control: Any) -> Any:
@@ -211,6 +111,8 @@ class JitTrainer(transformers.Trainer):
     transformers' own JIT callback is removed, never run beside this one.
     """
 
+    _jit_output_lock: output_lock.OutputLock | None  # rank 0, during train(): the output_dir's lock (resume_path)
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         subclassing.refuse_wrong_order(cls, JitTrainer)  # class X(SFTTrainer, JitTrainer): one line, a HINT
@@ -223,7 +125,7 @@ class JitTrainer(transformers.Trainer):
         self.jit_config = jit_config or JitConfig()
         self._jit_signums = tuple(parse_signal(s) for s in self.jit_config.signals)
         self._jit_agreement: StopAgreement | None = None
-        self._jit_run: _Run | None = None
+        self._jit_run: Run | None = None
         self.jit_stopped = False  # after train(): did it stop for a JIT checkpoint?
         self._drop_upstream_jit()
         refusal = refused_settings(save_on_each_node=bool(self.args.save_on_each_node), ds_config=self._ds_config())
@@ -282,348 +184,102 @@ class JitTrainer(transformers.Trainer):
         trial: Any = None,
         ignore_keys_for_eval: list[str] | None = None,
     ) -> TrainOutput:
-        run = _Run(latch=SignalLatch(self._jit_signums), trial=trial, ignore_keys_for_eval=ignore_keys_for_eval)
+        run = Run(latch=SignalLatch(self._jit_signums), trial=trial, ignore_keys_for_eval=ignore_keys_for_eval)
         self._jit_run = run
         self.jit_stopped = False
-        out_dir = str(self.args.output_dir)
         run.latch.install()
         clean = False
         try:
-            slim_save.install_load()  # before elastic's universal load, which goes on top of it
-            resume = self._resolve_resume(resume_from_checkpoint)
-            run.checkpoint = run.resumed_from = resume
-            compat.continue_tensorboard_run(self, resume)
-            run_id = self._agreement.broadcast(uuid.uuid4().hex[:12])  # one id for all ranks of this train()
-            run.timing = TimingLog(out_dir, int(self.args.process_index), int(self.args.world_size), run_id)
-            if run.conversion and self._is_rank0:
-                run.timing.conversion(**run.conversion)
-            if self._is_rank0:
-                stop_record.write(out_dir, "running", step=None, resumed_from=resume)
+            resume = self._jit_start(run, resume_from_checkpoint)
             try:
                 with (compat.eval_on_start_once(self.args, resuming=resume is not None),
                       continue_wandb_run(self, resume)):
                     output = super().train(resume_from_checkpoint=run.load_from or resume, trial=trial,
                                            ignore_keys_for_eval=ignore_keys_for_eval)
-            except _StopBeforeFirstStep:
+            except StopBeforeFirstStep:
                 output = TrainOutput(self.state.global_step, 0.0, {})
             self.jit_stopped = run.stopped
-            run.trackers_told = True
-            log_stop_to_trackers(self, "jit_stop" if run.stopped else "finished", self.state.global_step,
-                                 _signal_name(run.latch.first_signum))
-            if self._is_rank0 and not run.stop_recorded:
-                state = "jit_stop" if run.stopped else "finished"
-                stop_record.write(out_dir, state, step=self.state.global_step, checkpoint=run.checkpoint,
-                                  signal=_signal_name(run.latch.first_signum))
+            stop_path.record_end(self, run)
             clean = True
             return output
         except BaseException as exc:
-            self._record_failure(run, exc)
+            stop_path.record_failure(self, run, exc)
             raise
         finally:
-            # First, as nothing below may raise before them: the load wrappers are for this train() only.
-            elastic.uninstall_universal_load()
-            slim_save.uninstall_load()
-            # Every path closes the side group: a failed train() must not leave a round in flight for the next
-            # one, nor a gloo group for the interpreter's exit. After a failure no barrier (a peer may be gone).
-            self._close_agreement(clean)
-            output_lock.release(self.__dict__.pop("_jit_output_lock", None))
-            run.in_loop = False
-            compat.shut_down_persistent_workers(self)
-            # After a JIT stop the process is on its way out: a late signal (another node's copy, or Slurm's
-            # second SIGTERM at the time limit) must not kill it mid-exit, so the stop signals stay ignored.
-            # Otherwise the original handlers come back.
-            run.latch.restore(keep_ignoring=run.stopped)
-            if run.timing is not None:
-                self._record_stop_timing(run)
-                run.timing.close()
-            self._jit_run = None
+            self._jit_end(run, clean)
+
+    def _jit_start(self, run: Run, resume_from_checkpoint: str | bool | None) -> str | None:
+        """Before upstream's train(): the checkpoint to resume (resume_path), the timing log, ``running``."""
+        out_dir = str(self.args.output_dir)
+        slim_save.install_load()  # before elastic's universal load, which goes on top of it
+        resume = resume_path.resolve(self, resume_from_checkpoint)
+        run.checkpoint = run.resumed_from = resume
+        compat.continue_tensorboard_run(self, resume)
+        run_id = self._agreement.broadcast(uuid.uuid4().hex[:12])  # one id for all ranks of this train()
+        run.timing = TimingLog(out_dir, int(self.args.process_index), int(self.args.world_size), run_id)
+        if run.conversion and self._is_rank0:
+            run.timing.conversion(**run.conversion)
+        if self._is_rank0:
+            stop_record.write(out_dir, "running", step=None, resumed_from=resume)
+        return resume
+
+    def _jit_end(self, run: Run, clean: bool) -> None:
+        """Every train() ends here, whatever ended it."""
+        # First, as nothing below may raise before them: the load wrappers are for this train() only.
+        elastic.uninstall_universal_load()
+        slim_save.uninstall_load()
+        # Every path closes the side group: a failed train() must not leave a round in flight for the next
+        # one, nor a gloo group for the interpreter's exit. After a failure no barrier (a peer may be gone).
+        self._close_agreement(clean)
+        output_lock.release(self.__dict__.pop("_jit_output_lock", None))
+        run.in_loop = False
+        compat.shut_down_persistent_workers(self)
+        # After a JIT stop the process is on its way out: a late signal (another node's copy, or Slurm's
+        # second SIGTERM at the time limit) must not kill it mid-exit, so the stop signals stay ignored.
+        # Otherwise the original handlers come back.
+        run.latch.restore(keep_ignoring=run.stopped)
+        if run.timing is not None:
+            stop_path.record_stop_timing(self, run)
+            run.timing.close()
+        self._jit_run = None
 
     def _close_agreement(self, clean: bool) -> None:
         agreement, self._jit_agreement = self._jit_agreement, None
         if agreement is not None:
             agreement.close(wait_for_peers=clean)
 
-    def _record_failure(self, run: _Run, exc: BaseException) -> None:
-        if not self._is_rank0 or self.__dict__.get("_jit_output_lock") is None:
-            return  # only the output_dir's lock holder writes its stop record (a refused launch is not it)
-        error = f"{type(exc).__name__}: {exc}"[:2000]
-        try:
-            self._write_failure(run, error)
-        except OSError as write_exc:  # a full disk: the record cannot be written; the error itself must go on
-            logger.error("slurm_jit: stop record not written: %s", write_exc)
-        if run.stop_recorded and not run.trackers_told:  # the trackers say what the record says: a JIT stop
-            run.trackers_told = True
-            log_stop_to_trackers(self, "jit_stop", self.state.global_step, _signal_name(run.latch.first_signum),
-                                 error_after_stop=error)
-
-    def _write_failure(self, run: _Run, error: str) -> None:
-        if run.stop_recorded:  # the stop checkpoint is complete: still a JIT stop (requeue), with what went wrong
-            stop_record.write(str(self.args.output_dir), "jit_stop", step=self.state.global_step,
-                              checkpoint=run.checkpoint, signal=_signal_name(run.latch.first_signum),
-                              error_after_stop=error)
-        else:
-            stop_record.write(str(self.args.output_dir), "failed", step=getattr(self.state, "global_step", None),
-                              error=error)
-
-    def _resolve_resume(self, resume_from_checkpoint: str | bool | None) -> str | None:
-        """Rank 0 picks the checkpoint (``True``: the newest resumable one, as ckpt-check does), checks that it
-        can be resumed exactly by this run, reads what it carries, and tells every rank."""
-        decision: tuple[str | None, str | None, dict[str, Any]] = (None, None, {})
-        not_writable = writable.refusal_on_any_rank(self._agreement, str(self.args.output_dir))  # every rank's view
-        if not_writable:
-            raise JitRefusal(f"slurm_jit: {not_writable}")
-        if self._is_rank0:  # one training per output_dir, and a writable one (output_lock), before any step
-            self._jit_output_lock, locked_out = output_lock.acquire(str(self.args.output_dir))
-            decision = (None, locked_out, {}) if locked_out else self._pick_resume(resume_from_checkpoint)
-        path, refusal, carried = self._agreement.broadcast_after(decision, elastic.HEARTBEAT)
-        if refusal:
-            raise JitRefusal(f"slurm_jit: {refusal}")
-        run = self._jit_run
-        if run is not None:
-            run.lineage = carried.get("run_id") or uuid.uuid4().hex[:LINEAGE_ID_CHARS]
-            run.owed_eval_step = carried.get("owed_evaluation_step")
-            run.load_from, run.conversion = carried.get("load_from"), carried.get("conversion")
-            if run.load_from:
-                elastic.install_universal_load()
-        return path
-
-    def _pick_resume(self, resume_from_checkpoint: str | bool | None) -> tuple[str | None, str | None,
-                                                                                dict[str, Any]]:
-        path: str | None
-        if resume_from_checkpoint is True:
-            resolution = protocol.find_resumable(str(self.args.output_dir))
-            for ckpt in resolution.passed_over:
-                logger.warning("slurm_jit: passing over %s: %s (%s)", ckpt.path, ckpt.status.value, ckpt.reason)
-            if resolution.checkpoint is None:
-                logger.warning("slurm_jit: no resumable checkpoint in %s: starting fresh", self.args.output_dir)
-                return None, None, {}
-            path = str(resolution.checkpoint.path)
-            logger.warning("slurm_jit: resuming from %s (%s)", path, resolution.checkpoint.status.value)
-        else:
-            path = str(resume_from_checkpoint) if resume_from_checkpoint else None
-        if path is None:
-            return None, None, {}
-        refusal = resume_refusal(path, world_size=int(self.args.world_size))
-        manifest = None
-        if not refusal and (Path(path) / protocol.MANIFEST_NAME).is_file():
-            manifest, _ = manifest_file.read(Path(path))
-        carried: dict[str, Any] = {}
-        if manifest is not None:
-            if isinstance(manifest.get("run_id"), str):
-                carried["run_id"] = manifest["run_id"]
-            if manifest.get("owed_evaluation") is True:
-                carried["owed_evaluation_step"] = manifest["step"]
-            refusal = self._prepare_load(path, manifest, carried)
-        return path, refusal, carried
-
-    CONVERSIONS = (elastic_plan.CONVERT, elastic_plan.CONVERTED)  # a resume through the universal copy
-
-    def _prepare_load(self, path: str, manifest: dict[str, Any], carried: dict[str, Any]) -> str | None:
-        """Rank 0: why ``path`` cannot be loaded by this run's engine, or None, with what the load needs in
-        ``carried`` (an elastic resume's universal copy). The ZeRO stage first, on every world size: a conversion
-        keeps the stage's file layout (ZeRO-3 under ZeRO-2 would be converted and then fail in DeepSpeed's load)."""
-        ds_config = self._ds_config()
-        refusal = model_match.stage_refusal(path, manifest, ds_config)
-        if refusal:  # a slim save's own words where it has them (its weights are only in the shards)
-            return slim_save.resume_refusal(path, manifest, ds_config) or refusal
-        decided = elastic_plan.plan(path, int(self.args.world_size), manifest)
-        converting = decided.action in self.CONVERSIONS
-        if converting and manifest.get("weights") == manifest_file.WEIGHTS_FROZEN_EXCLUDED:
-            return (f"slurm_jit: {path}: a PEFT checkpoint (frozen base left out, weights: frozen-excluded) on "
-                    f"another world size ({decided.written_by} -> {self.args.world_size} ranks) is not supported: "
-                    f"its conversion is untested. HINT: resume it on {decided.written_by} ranks")
-        refusal = model_match.pick_refusal(path, self.model) if converting else None
-        if refusal:  # names and shapes, by name, before universal/ is written into the checkpoint
-            return refusal
-        carried["load_from"], refusal, carried["conversion"] = self._prepare_elastic(path, manifest)
-        if not refusal and not carried["load_from"]:  # a universal load rebuilds the weights itself
-            refusal = slim_save.resume_refusal(path, manifest, ds_config)
-        return refusal
-
-    def _prepare_elastic(self, path: str, manifest: dict[str, Any]) -> elastic.Prepared:
-        """Rank 0: elastic.prepare for loading ``path`` on this run's world size, heartbeating to the others."""
-        beat = elastic.heartbeat_every(elastic.heartbeat_interval_s(self.jit_config.side_group_timeout_s),
-                                       lambda s: self._agreement.broadcast((elastic.HEARTBEAT, s)))
-        params = self.model.named_parameters() if self.model is not None else ()
-        frozen = [name for name, p in params if not p.requires_grad]  # ZeRO-3's universal load skips them
-        unheld = elastic_unheld.unheld_names(self.model) if self.model is not None else []
-        held = elastic_unheld.held_names(self.model) if self.model is not None else []
-        return elastic.prepare(path, self.args, manifest, self.jit_config.convert_timeout_s, beat,
-                               frozen_now=frozen, unheld_now=unheld, strict=not _is_peft_model(self.model),
-                               held_now=held)
-
     # ------------------------------------------------------------ the stop decision
-
-    def _wish(self, steps_ahead: int = 1) -> tuple[bool, float | None]:
-        """(stop, remaining kill_wait): this rank wants to stop once kill_wait since its first signal passes
-        within ``steps_ahead`` steps: the steps until the next chance to stop (1 where this round is read now, 2
-        where it is read one step on). The save then waits out the rest, never longer than by waiting."""
-        run = self._jit_run
-        if run is None or run.latch.first_at is None:
-            return False, None
-        remaining_s = run.latch.first_at + self.jit_config.kill_wait_s - time.monotonic()
-        return steps_ahead * run.est_step_s >= remaining_s, remaining_s
-
-    def _at_boundary(self) -> Decision:
-        """The stop round of this optimizer-step boundary; fixes the agreement mode after warm-up."""
-        run = self._jit_run
-        assert run is not None
-        agreement = self._agreement
-        if run.signal_step is None and run.latch.seen:
-            run.signal_step = self.state.global_step
-        choose = run.steps_done == WARMUP_STEPS + 1  # the first timed step, the same on every rank
-        decision = agreement.at_boundary(*self._wish(agreement.latency_steps), step_s=run.est_step_s,
-                                         choose_mode=choose)
-        run.agreement_mode = agreement.mode
-        if choose and agreement.choice is not None:
-            choice = agreement.choice
-            logger.info("slurm_jit: steps of %.3f s, a stop round costs %.4f s: rounds read %s (blocking from "
-                        "%.2f s steps)", choice.step_s, choice.allreduce_s, choice.mode, choice.threshold_s)
-            if run.timing is not None:
-                run.timing.agreement(self.state.global_step, mode=choice.mode, allreduce_s=choice.allreduce_s,
-                                     step_s=choice.step_s, threshold_s=choice.threshold_s,
-                                     kill_wait_s=self.jit_config.kill_wait_s)
-            run.grace_due.append("warm-up")  # run at the next calm boundary, never on the stop path
-        return decision
-
-    def _take(self, decision: Decision) -> bool:
-        """Record an agreed stop and when kill_wait (since the earliest signal on any rank) will have passed."""
-        run = self._jit_run
-        if decision.stop and run is not None and not run.stop_now:
-            run.stop_now = True
-            run.kill_wait_until = time.monotonic() + decision.wait_s
-        return decision.stop
-
-    def _jit_on_train_begin(self) -> None:
-        run = self._jit_run
-        if run is None:
-            return
-        if self._agreement.agree_now(run.latch.seen).stop:
-            run.stopped = True
-            logger.warning("slurm_jit: stop signal before the first step: exiting without a new checkpoint")
-            raise _StopBeforeFirstStep
-        run.in_loop = True
-        run.step_t0 = time.monotonic()
-
-    def _jit_on_step_end(self) -> None:
-        run = self._jit_run
-        if run is None:
-            return
-        run.est_step_s = time.monotonic() - run.step_t0
-        run.steps_done += 1
-        if run.timing is not None:
-            run.timing.step(self.state.global_step, run.est_step_s)
 
     def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
         run = self._jit_run
+        upstream = functools.partial(super()._maybe_log_save_evaluate, *args, **kwargs)
         if run is None or not run.in_loop:
-            super()._maybe_log_save_evaluate(*args, **kwargs)
+            upstream()
             return
-        step = self.state.global_step
-        last_step = self._at_last_step()  # training ends here anyway: nothing to stop
-        if step != run.polled_step:  # once per optimizer step; epoch ends call this again at the same step
-            run.polled_step = step
-            self._take(self._at_boundary())
-        if run.stop_now and not last_step:
-            run.eval_owed = run.eval_owed or self.control.should_evaluate
-            self.control.should_evaluate = False
-            self.control.should_save = False
-        super()._maybe_log_save_evaluate(*args, **kwargs)
-        if not run.stop_now and run.saved_step == step:
-            # A periodic save just ended: a stop that came during it is taken here, not a step later.
-            self._take(self._agreement.agree_now(*self._wish()))
-        stopping = (run.stop_now or run.eval_aborted) and not last_step
-        if stopping and run.saved_step == step and run.saved_contents != "full":
-            # The stop came during a model-only periodic save (save_only_model): it cannot be resumed from, and
-            # its directory must not be replaced. Train one more step and write a full JIT checkpoint there.
-            logger.warning("slurm_jit: stop during a model-only save of step %d: a full JIT checkpoint follows "
-                           "after the next step", step)
-            stopping = False
-        if stopping:
-            if run.saved_step != step:
-                self._save_jit(args[2] if len(args) > 2 else kwargs["model"], args[3] if len(args) > 3 else None)
-            run.checkpoint = str(Path(self._get_output_dir(trial=None)) / f"checkpoint-{step}")
-            run.stopped = True
-            self._record_stop()
-            self.control.should_training_stop = True
-        else:
-            if not run.stop_now:
-                self._run_due_grace_checks()  # never between a stop decision and the exit: it may query Slurm
-            run.step_t0 = time.monotonic()
-
-    def _at_last_step(self) -> bool:
-        return bool(self.state.max_steps) and self.state.global_step >= self.state.max_steps
-
-    def _record_stop(self) -> None:
-        """Rank 0 records ``jit_stop`` as soon as the stop checkpoint is complete (nothing slow in between)."""
-        run = self._jit_run
-        if run is None or run.stop_recorded or not self._is_rank0:
-            return
-        stop_record.write(str(self.args.output_dir), "jit_stop", step=self.state.global_step,
-                          checkpoint=run.checkpoint, signal=_signal_name(run.latch.first_signum))
-        run.stop_recorded = True
+        model, trial = args[2] if len(args) > 2 else kwargs["model"], args[3] if len(args) > 3 else None
+        stop_path.log_save_evaluate(self, run, upstream, model, trial)
 
     def _evaluate(self, trial: Any, ignore_keys_for_eval: Any, skip_scheduler: bool = False, *args: Any,
                   **kwargs: Any) -> dict[str, float]:
         # *args/**kwargs here and in the other pass-through hooks: what a newer Trainer adds goes through
+        upstream = functools.partial(super()._evaluate, trial, ignore_keys_for_eval, skip_scheduler, *args, **kwargs)
         run = self._jit_run
-        if run is None or not run.in_loop:
-            return super()._evaluate(trial, ignore_keys_for_eval, skip_scheduler, *args, **kwargs)
-        t0 = time.monotonic()
-        try:
-            metrics = super()._evaluate(trial, ignore_keys_for_eval, skip_scheduler, *args, **kwargs)
-        except _EvalAborted:
-            run.eval_aborted = run.eval_owed = True
-            self.control.should_save = False  # the JIT save takes the place of this step's periodic one
-            metrics = {}
-            if run.steps_done == 0:
-                # No step trained yet: the state is the checkpoint resumed from, which still owes this
-                # evaluation (a new checkpoint one step on would owe it at the wrong step, and lose this one).
-                run.stopped = True
-                logger.warning("slurm_jit: evaluation at step %d aborted before this run's first step: exiting "
-                               "without a new checkpoint (%s still owes it)", self.state.global_step,
-                               run.resumed_from or "a fresh start")
-                raise _StopBeforeFirstStep from None
-            logger.warning("slurm_jit: evaluation aborted at step %d for a JIT checkpoint", self.state.global_step)
-        else:
-            self._take(self._agreement.agree_now(*self._wish()))
-        if run.timing is not None:
-            run.timing.evaluation(self.state.global_step, time.monotonic() - t0, run.eval_aborted)
-        return metrics
+        return upstream() if run is None or not run.in_loop else evaluation.evaluate_in_loop(self, run, upstream)
 
     def _load_rng_state(self, checkpoint: str | None, *args: Any, **kwargs: Any) -> None:
         super()._load_rng_state(checkpoint, *args, **kwargs)
         # The uninterrupted run evaluated before this point; its evaluation draws from the RNG (the DataLoader's
         # base seed), so the owed one runs right after the RNG is restored, before the next batch is trained on.
-        self._run_owed_evaluation()
-
-    def _run_owed_evaluation(self) -> None:
-        """Run the evaluation that the stop skipped or aborted, as the uninterrupted run would have."""
-        run = self._jit_run
-        if run is None or run.owed_eval_step is None:
-            return
-        step, run.owed_eval_step = run.owed_eval_step, None
-        if step != self.state.global_step or self.eval_dataset is None or self.args.eval_strategy == "no":
-            return  # not this step's state, or this run does not evaluate
-        logger.warning("slurm_jit: running the evaluation owed from step %d (skipped by the stop)", step)
-        metrics = self._evaluate(run.trial, run.ignore_keys_for_eval)
-        if self._determine_best_metric(metrics=metrics, trial=run.trial) and self.state.best_global_step == step:
-            # Upstream names the best checkpoint when it saves; this step's checkpoint is the one resumed from.
-            best = Path(self._get_output_dir(trial=run.trial)) / f"checkpoint-{step}"
-            if best.is_dir():
-                self.state.best_model_checkpoint = str(best)
+        evaluation.run_owed(self)
 
     def _determine_best_metric(self, metrics: dict[str, float], trial: Any, *args: Any, **kwargs: Any) -> bool:
-        if self._jit_run is not None and self._jit_run.eval_aborted:
+        if evaluation.no_best_from_aborted(self):
             return False  # no metrics from an aborted evaluation
         return bool(super()._determine_best_metric(metrics, trial, *args, **kwargs))
 
     def prediction_step(self, model: Any, inputs: Any, prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None) -> Any:
-        run = self._jit_run
-        if (run is not None and run.in_loop and not self._at_last_step()
-                and self._take(self._agreement.poll(*self._wish()))):
-            raise _EvalAborted
+        evaluation.abort_if_stopping(self)
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
     # ------------------------------------------------------------ exact resume
@@ -658,39 +314,7 @@ class JitTrainer(transformers.Trainer):
             logger.warning("slurm_jit: JIT stop: not loading the best model (%s); the job is on its way out",
                            self.state.best_model_checkpoint)
             return
-        best = self.state.best_model_checkpoint
-        if not (best and self.is_deepspeed_enabled):  # the same on every rank: all or none broadcast
-            super()._load_best_model(*args, **kwargs)
-            return
-        load_from, refusal = self._agreement.broadcast_after(self._best_model_elastic(best), elastic.HEARTBEAT)
-        if refusal:
-            logger.warning("slurm_jit: not loading the best model: %s", refusal)
-            return
-        if load_from is None:
-            super()._load_best_model(*args, **kwargs)
-            return
-        elastic.install_universal_load()  # the best checkpoint's ZeRO shards are another world size's
-        self.state.best_model_checkpoint = load_from
-        try:
-            super()._load_best_model(*args, **kwargs)
-        finally:
-            self.state.best_model_checkpoint = best
-            elastic.uninstall_universal_load()
-
-    def _best_model_elastic(self, best: str) -> tuple[str | None, str | None]:
-        """Rank 0 (None, None elsewhere): the best checkpoint's universal copy when it was written by another
-        number of ranks (DeepSpeed refuses its shards here: the run would end in a traceback after its last save,
-        and so would every requeue of it), or why it cannot be loaded."""
-        if not self._is_rank0:
-            return None, None
-        decided = elastic.plan(best, int(self.args.world_size))
-        if decided.action in (elastic.SAME, elastic.DIRECT) or not decided.resumable:
-            return None, None if decided.resumable else decided.reason
-        manifest, why = manifest_file.read(Path(best))
-        if manifest is None:
-            return None, f"{best}: {why}"
-        load_from, refusal, _ = self._prepare_elastic(best, manifest)
-        return load_from, refusal
+        resume_path.load_best_model(self, functools.partial(super()._load_best_model, *args, **kwargs))
 
     def _finish_current_push(self, *args: Any, **kwargs: Any) -> None:
         if self._jit_run is not None and self._jit_run.stopped:
@@ -702,179 +326,9 @@ class JitTrainer(transformers.Trainer):
 
     # ------------------------------------------------------------ saving
 
-    def _save_jit(self, model: Any, trial: Any) -> None:
-        run = self._jit_run
-        assert run is not None
-        engine_step = getattr(self.model_wrapped, "global_steps", None) if self.is_deepspeed_enabled else None
-        if engine_step is not None and engine_step != self.state.global_step:
-            raise RuntimeError(
-                f"slurm_jit: DeepSpeed engine at step {engine_step} but Trainer at {self.state.global_step}; "
-                "refusing a checkpoint whose name and contents would disagree"
-            )
-        remaining_s = run.kill_wait_until - time.monotonic()  # the wish may come before kill_wait is over
-        if remaining_s > 0:
-            time.sleep(remaining_s)
-        run.save_kind = "jit"
-        run.save_started_at = time.monotonic()
-        try:
-            self._save_checkpoint(model, trial)
-        finally:
-            run.save_kind = None
-        subclassing.refuse_unsaved_jit(self, run.saved_step, JitTrainer)  # an override skipped super() here
-        run.save_ended_at = time.monotonic()
-
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        run = self._jit_run
-        if _internal_call and run is not None and run.save_kind == "jit" and not self.jit_config.jit_save_model_weights:
-            # A resume reads the DeepSpeed shards; the consolidated weights would be a third copy (and a ZeRO-3
-            # gather). Keep the config so that the directory still says what model it holds.
-            if self.is_deepspeed_enabled:
-                config = getattr(self.model, "config", None)
-                if self._is_rank0 and output_dir and config is not None:
-                    config.save_pretrained(output_dir)
-                return
-        super().save_model(output_dir, _internal_call=_internal_call)
+        if not save_path.leaves_out_weights(self, output_dir, _internal_call):
+            super().save_model(output_dir, _internal_call=_internal_call)
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        run = self._jit_run
-        step = self.state.global_step
-        if run is not None and run.saved_step == step:
-            return  # this step is already saved by this run
-        kind = (run.save_kind if run and run.save_kind else None) or (
-            "final" if self.state.max_steps and step >= self.state.max_steps else "periodic")
-        run_dir = Path(self._get_output_dir(trial=trial))
-        ckpt = run_dir / f"checkpoint-{step}"
-        t0 = time.monotonic()
-        if self._is_rank0:
-            if os.path.lexists(ckpt):
-                aside = protocol.set_aside_replaced(ckpt)  # .superseded-<seq> if whole, else .incomplete
-                logger.warning("slurm_jit: %s exists from an earlier run: moved to %s", ckpt, aside)
-            with save_errors.disk_full_is_one_line(ckpt):  # the sentinel is the save's first write
-                protocol.write_sentinel(ckpt, step, kind)
-        self._agreement.barrier()
-        with save_errors.disk_full_is_one_line(ckpt):  # one clear line; the sentinel stays, nothing rotates
-            contents, weights = self._upstream_save(model, trial, kind)
-            # Callbacks run on every save (JIT too) before the manifest: what they add or rewrite is in it.
-            self.control = self._upstream_on_save(self.args, self.state, self.control)
-            fault_sleep_s = float(os.environ.get(FAULT_SAVE_SLEEP_ENV, "0") or 0)
-            if fault_sleep_s > 0:
-                time.sleep(fault_sleep_s)
-            protocol.fsync_tree(ckpt)
-            self._agreement.barrier()
-            nbytes = self._write_manifest(ckpt, step, kind, {
-                "contents": contents, "weights": weights, "run_id": run.lineage if run and run.lineage else None,
-                "owed_evaluation": bool(run and run.eval_owed),
-            })
-        if run is not None:
-            run.saved_step, run.saved_contents = step, contents
-            run.checkpoint = str(ckpt)
-            if kind == "jit":
-                self._record_stop()
-        if self._is_rank0:
-            self._rotate_checkpoints_safely(run_dir, just_written=ckpt)
-        self._agreement.barrier()
-        dur_s = time.monotonic() - t0
-        if run is not None:
-            if run.timing is not None:
-                run.timing.save(step, kind, dur_s, nbytes)
-            run.grace_due.append("first save")
-        logger.info("slurm_jit: %s checkpoint %s complete in %.2f s", kind, ckpt, dur_s)
-
-    def _upstream_save(self, model: Any, trial: Any, kind: str) -> tuple[str, str]:
-        """Upstream's save, without its rotation; a JIT save always holds what an exact resume needs
-        (optimizer, scheduler, RNG, DeepSpeed shards) whatever save_only_model says, and under ZeRO-1/2 the module
-        weights only once (slim_save.py). Returns the contents and the weights layout."""
-        limit, only_model = self.args.save_total_limit, self.args.save_only_model
-        self.args.save_total_limit = None  # rotation runs after the manifest, protocol-aware
-        if kind == "jit":
-            self.args.save_only_model = False
-        engine = self.model_wrapped if self.is_deepspeed_enabled else None
-        # A PEFT model's saves are upstream's (frozen base left out, adapters kept): both trainers resume them
-        peft = slim_save.excludes_frozen(self.model, engine)
-        slim_engine = engine if kind == "jit" and self.jit_config.slim_jit_save and not peft else None
-        try:
-            with (slim_save.slim_model_states(slim_engine) as slim,
-                  slim_save.frozen_left_out(engine if peft else None)):
-                super()._save_checkpoint(model, trial)
-            if self.args.save_only_model:  # model.safetensors (a PEFT model's: its adapters), no DeepSpeed files
-                return protocol.CONTENTS_MODEL_ONLY, slim_save.layout(None, False, frozen_excluded=peft)
-            return protocol.CONTENTS_FULL, slim_save.layout(engine, slim, frozen_excluded=peft)
-        finally:
-            self.args.save_total_limit, self.args.save_only_model = limit, only_model
-
-    def _write_manifest(self, ckpt: Path, step: int, kind: str, fields: dict[str, Any]) -> int:
-        """Ranks hash a share of the files each; rank 0 writes the manifest. Returns the bytes (rank 0)."""
-        agreement = self._agreement
-        rels = agreement.broadcast(protocol.payload_files(ckpt) if self._is_rank0 else None)
-        parts = agreement.gather(protocol.file_entries(ckpt, rels[agreement.rank::agreement.world_size]))
-        if not self._is_rank0 or parts is None:
-            return 0
-        files = {rel: entry for part in parts for rel, entry in part.items()}
-        fields = dict(fields)
-        weights = fields.pop("weights")
-        duplicate = sum(e["size"] for rel, e in files.items() if _duplicate_weights(rel, weights))
-        total = sum(e["size"] for e in files.values())
-        latest = ckpt / "latest"
-        tag = latest.read_text().strip() if latest.is_file() else None
-        engine: Any = self.model_wrapped
-        zero_stage = engine.zero_optimization_stage() if self.is_deepspeed_enabled else None
-        protocol.write_manifest(
-            ckpt, step=step, kind=kind, world_size=int(self.args.world_size), zero_stage=zero_stage,
-            deepspeed_tag=tag, files=files, contents=fields.pop("contents"), run_id=fields.pop("run_id"),
-            weights=weights,
-            extra={"bytes_weights_duplicate": duplicate, "bytes_needed_for_resume": total - duplicate, **fields},
-        )
-        logger.info("slurm_jit: %s checkpoint-%d: %d bytes written, %d needed for resume, %d over (model weights "
-                    "again beside the fp32 master copy in the optimizer shards); weights: %s",
-                    kind, step, total, total - duplicate, duplicate, weights)
-        return total
-
-    def _rotate_checkpoints_safely(self, run_dir: Path, just_written: Path) -> None:
-        """save_total_limit over resumable checkpoints only, after the new one is complete; never the one just
-        written, the best one, or the one resumed from until this run has written a newer one."""
-        limit = self.args.save_total_limit
-        if not limit or limit <= 0:
-            return
-        keep = {just_written.resolve()}
-        if self.state.best_model_checkpoint:
-            keep.add(Path(self.state.best_model_checkpoint).resolve())
-        run = self._jit_run
-        if run is not None and run.resumed_from and run.saved_step < 0:
-            keep.add(Path(run.resumed_from).resolve())
-        protocol.remove_deletion_leftovers(run_dir)
-        checkpoints, _ = protocol.scan(run_dir)
-        for ckpt in protocol.rotation_victims(checkpoints, limit, keep):
-            logger.info("slurm_jit: deleting %s (save_total_limit=%d)", ckpt.path, limit)
-            protocol.delete_checkpoint(ckpt.path)
-
-    # ------------------------------------------------------------ grace
-
-    def _record_stop_timing(self, run: _Run) -> None:
-        """On a JIT stop, where the time from this rank's first signal until now (train() returning) went."""
-        if not run.stopped or run.latch.first_at is None or run.timing is None:
-            return
-        now, wall = time.monotonic(), time.time()
-        fields: dict[str, Any] = {
-            "signal_step": run.signal_step, "mode": run.agreement_mode, "kill_wait_s": self.jit_config.kill_wait_s,
-            "signal_time": wall - (now - run.latch.first_at), "end_time": wall,
-        }
-        if run.save_started_at is not None and run.save_ended_at is not None:
-            fields.update(signal_to_save_s=run.save_started_at - run.latch.first_at,
-                          save_s=run.save_ended_at - run.save_started_at, teardown_s=now - run.save_ended_at,
-                          save_start_time=wall - (now - run.save_started_at))
-        run.timing.stop(self.state.global_step, signal_to_end_s=now - run.latch.first_at, fields=fields)
-
-    def _run_due_grace_checks(self) -> None:
-        """Rank 0, at a boundary where training goes on and no signal is seen here (it may query Slurm)."""
-        run = self._jit_run
-        # Before warm-up has passed the timing log has no step to judge by: the checks wait (they run once each).
-        if run is None or not run.grace_due or run.latch.seen or run.steps_done <= WARMUP_STEPS:
-            return
-        due, run.grace_due = run.grace_due, []
-        if run.timing is not None:
-            run.timing.flush()
-        for when in due:
-            if not self.jit_config.grace_check or when in run.grace_checked or not self._is_rank0:
-                continue
-            run.grace_checked.add(when)
-            runtime_grace.check_and_warn(str(self.args.output_dir), self.jit_config.kill_wait_s, when)
+        save_path.save_checkpoint(self, model, trial, upstream=super()._save_checkpoint)

@@ -1,0 +1,164 @@
+"""The resume path of ``JitTrainer``: which checkpoint a ``train()`` loads, or why it refuses, before any step.
+
+Owns the pick (rank 0 takes the output_dir's lock, then ``True`` means the newest resumable checkpoint, as
+``ckpt-check`` says), the refusals in order (the lock, the checkpoint's status, the ZeRO stage, a PEFT conversion,
+model names and shapes, the conversion's own, a slim save's), what a manifest carries into the run (lineage, an
+owed evaluation), the elastic resume's universal copy (written by :mod:`.elastic`) and the same for loading the
+best model at the end. Every rank learns rank 0's verdict by one broadcast. The exact restore after the load is
+:mod:`.exact_resume`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from transformers.trainer_utils import _is_peft_model
+
+from slurm_jit.checkpoint import elastic_plan, protocol
+from slurm_jit.checkpoint import manifest as manifest_file
+from slurm_jit.train import elastic, elastic_unheld, model_match, output_lock, slim_save, writable
+from slurm_jit.train.refusals import JitRefusal, resume_refusal
+from slurm_jit.train.run_state import LINEAGE_ID_CHARS
+
+if TYPE_CHECKING:
+    from slurm_jit.train.trainer import JitTrainer
+
+logger = logging.getLogger(__name__)
+
+CONVERSIONS = (elastic_plan.CONVERT, elastic_plan.CONVERTED)  # a resume through the universal copy
+Picked = tuple[str | None, str | None, dict[str, Any]]  # (checkpoint, refusal, what it carries into the run)
+
+
+def resolve(trainer: JitTrainer, resume_from_checkpoint: str | bool | None) -> str | None:
+    """Rank 0 picks the checkpoint (``True``: the newest resumable one, as ckpt-check does), checks that it
+    can be resumed exactly by this run, reads what it carries, and tells every rank."""
+    decision: Picked = (None, None, {})
+    not_writable = writable.refusal_on_any_rank(trainer._agreement, str(trainer.args.output_dir))  # every rank's
+    if not_writable:
+        raise JitRefusal(f"slurm_jit: {not_writable}")
+    if trainer._is_rank0:  # one training per output_dir, and a writable one (output_lock), before any step
+        trainer._jit_output_lock, locked_out = output_lock.acquire(str(trainer.args.output_dir))
+        decision = (None, locked_out, {}) if locked_out else pick(trainer, resume_from_checkpoint)
+    path, refusal, carried = trainer._agreement.broadcast_after(decision, elastic.HEARTBEAT)
+    if refusal:
+        raise JitRefusal(f"slurm_jit: {refusal}")
+    run = trainer._jit_run
+    if run is not None:
+        run.lineage = carried.get("run_id") or uuid.uuid4().hex[:LINEAGE_ID_CHARS]
+        run.owed_eval_step = carried.get("owed_evaluation_step")
+        run.load_from, run.conversion = carried.get("load_from"), carried.get("conversion")
+        if run.load_from:
+            elastic.install_universal_load()
+    return path
+
+
+def pick(trainer: JitTrainer, resume_from_checkpoint: str | bool | None) -> Picked:
+    """Rank 0: the checkpoint named or found, why it cannot be resumed (or None), and what it carries."""
+    path = _named_or_newest(trainer, resume_from_checkpoint)
+    if path is None:
+        return None, None, {}
+    refusal = resume_refusal(path, world_size=int(trainer.args.world_size))
+    manifest = None
+    if not refusal and (Path(path) / protocol.MANIFEST_NAME).is_file():
+        manifest, _ = manifest_file.read(Path(path))
+    carried: dict[str, Any] = {}
+    if manifest is not None:
+        if isinstance(manifest.get("run_id"), str):
+            carried["run_id"] = manifest["run_id"]
+        if manifest.get("owed_evaluation") is True:
+            carried["owed_evaluation_step"] = manifest["step"]
+        refusal = prepare_load(trainer, path, manifest, carried)
+    return path, refusal, carried
+
+
+def _named_or_newest(trainer: JitTrainer, resume_from_checkpoint: str | bool | None) -> str | None:
+    if resume_from_checkpoint is not True:
+        return str(resume_from_checkpoint) if resume_from_checkpoint else None
+    resolution = protocol.find_resumable(str(trainer.args.output_dir))
+    for ckpt in resolution.passed_over:
+        logger.warning("slurm_jit: passing over %s: %s (%s)", ckpt.path, ckpt.status.value, ckpt.reason)
+    if resolution.checkpoint is None:
+        logger.warning("slurm_jit: no resumable checkpoint in %s: starting fresh", trainer.args.output_dir)
+        return None
+    path = str(resolution.checkpoint.path)
+    logger.warning("slurm_jit: resuming from %s (%s)", path, resolution.checkpoint.status.value)
+    return path
+
+
+def prepare_load(trainer: JitTrainer, path: str, manifest: dict[str, Any], carried: dict[str, Any]) -> str | None:
+    """Rank 0: why ``path`` cannot be loaded by this run's engine, or None, with what the load needs in
+    ``carried`` (an elastic resume's universal copy). The ZeRO stage first, on every world size: a conversion
+    keeps the stage's file layout (ZeRO-3 under ZeRO-2 would be converted and then fail in DeepSpeed's load)."""
+    ds_config = trainer._ds_config()
+    refusal = model_match.stage_refusal(path, manifest, ds_config)
+    if refusal:  # a slim save's own words where it has them (its weights are only in the shards)
+        return slim_save.resume_refusal(path, manifest, ds_config) or refusal
+    decided = elastic_plan.plan(path, int(trainer.args.world_size), manifest)
+    converting = decided.action in CONVERSIONS
+    if converting and manifest.get("weights") == manifest_file.WEIGHTS_FROZEN_EXCLUDED:
+        return (f"slurm_jit: {path}: a PEFT checkpoint (frozen base left out, weights: frozen-excluded) on "
+                f"another world size ({decided.written_by} -> {trainer.args.world_size} ranks) is not supported: "
+                f"its conversion is untested. HINT: resume it on {decided.written_by} ranks")
+    refusal = model_match.pick_refusal(path, trainer.model) if converting else None
+    if refusal:  # names and shapes, by name, before universal/ is written into the checkpoint
+        return refusal
+    carried["load_from"], refusal, carried["conversion"] = prepare_elastic(trainer, path, manifest)
+    if not refusal and not carried["load_from"]:  # a universal load rebuilds the weights itself
+        refusal = slim_save.resume_refusal(path, manifest, ds_config)
+    return refusal
+
+
+def prepare_elastic(trainer: JitTrainer, path: str, manifest: dict[str, Any]) -> elastic.Prepared:
+    """Rank 0: elastic.prepare for loading ``path`` on this run's world size, heartbeating to the others."""
+    beat = elastic.heartbeat_every(elastic.heartbeat_interval_s(trainer.jit_config.side_group_timeout_s),
+                                   lambda s: trainer._agreement.broadcast((elastic.HEARTBEAT, s)))
+    model = trainer.model
+    params = model.named_parameters() if model is not None else ()
+    frozen = [name for name, p in params if not p.requires_grad]  # ZeRO-3's universal load skips them
+    unheld = elastic_unheld.unheld_names(model) if model is not None else []
+    held = elastic_unheld.held_names(model) if model is not None else []
+    return elastic.prepare(path, trainer.args, manifest, trainer.jit_config.convert_timeout_s, beat,
+                           frozen_now=frozen, unheld_now=unheld, strict=not _is_peft_model(model), held_now=held)
+
+
+def load_best_model(trainer: JitTrainer, upstream: Callable[[], None]) -> None:
+    """Upstream's best-model load, through the best checkpoint's universal copy when another number of ranks
+    wrote it; a refusal is a warning (the run has ended well: its last save is complete)."""
+    best = trainer.state.best_model_checkpoint
+    if not (best and trainer.is_deepspeed_enabled):  # the same on every rank: all or none broadcast
+        upstream()
+        return
+    load_from, refusal = trainer._agreement.broadcast_after(_best_model_elastic(trainer, best), elastic.HEARTBEAT)
+    if refusal:
+        logger.warning("slurm_jit: not loading the best model: %s", refusal)
+        return
+    if load_from is None:
+        upstream()
+        return
+    elastic.install_universal_load()  # the best checkpoint's ZeRO shards are another world size's
+    trainer.state.best_model_checkpoint = load_from
+    try:
+        upstream()
+    finally:
+        trainer.state.best_model_checkpoint = best
+        elastic.uninstall_universal_load()
+
+
+def _best_model_elastic(trainer: JitTrainer, best: str) -> tuple[str | None, str | None]:
+    """Rank 0 (None, None elsewhere): the best checkpoint's universal copy when it was written by another
+    number of ranks (DeepSpeed refuses its shards here: the run would end in a traceback after its last save,
+    and so would every requeue of it), or why it cannot be loaded."""
+    if not trainer._is_rank0:
+        return None, None
+    decided = elastic.plan(best, int(trainer.args.world_size))
+    if decided.action in (elastic.SAME, elastic.DIRECT) or not decided.resumable:
+        return None, None if decided.resumable else decided.reason
+    manifest, why = manifest_file.read(Path(best))
+    if manifest is None:
+        return None, f"{best}: {why}"
+    load_from, refusal, _ = prepare_elastic(trainer, best, manifest)
+    return load_from, refusal

@@ -1,0 +1,186 @@
+"""The save path of ``JitTrainer``: every checkpoint (JIT, periodic, final) through the crash-safe protocol.
+
+Owns the order of one save (an earlier run's directory set aside, the sentinel first, upstream's save without its
+rotation, the callbacks' ``on_save``, fsync, the manifest hashed by all ranks, then ``jit_stop`` and rotation), what
+a JIT save leaves out (the consolidated weights unless asked; under ZeRO-1/2 the model-states copy:
+:mod:`.slim_save`), the manifest's byte counts, and rotation over resumable checkpoints only. What "complete"
+means is :mod:`slurm_jit.checkpoint.protocol`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from slurm_jit.checkpoint import protocol
+from slurm_jit.train import save_errors, slim_save, stop_path
+
+if TYPE_CHECKING:
+    from slurm_jit.train.trainer import JitTrainer
+
+logger = logging.getLogger(__name__)
+
+FAULT_SAVE_SLEEP_ENV = "SLURM_JIT_FAULT_SAVE_SLEEP_S"  # fault injection: seconds to stall inside every save
+# Files that hold the model weights again beside the fp32 master copy in the optimizer shards: what a JIT save
+# writes over the minimum a resume needs (the DeepSpeed format requires its model-states file).
+DUPLICATE_WEIGHT_RE = re.compile(
+    r"^(mp_rank_\d+_model_states\.pt|model(-\d+-of-\d+)?\.safetensors|pytorch_model(-\d+-of-\d+)?\.bin)$"
+)
+MODEL_STATES_RE = re.compile(r"^mp_rank_\d+_model_states\.pt$")  # without the weights in a slim JIT save
+
+Upstream = Callable[[Any, Any], None]  # the Trainer's own _save_checkpoint(model, trial)
+
+
+def _duplicate_weights(rel: str, weights: str) -> bool:
+    """Whether a checkpoint file holds the model weights again (a slim model-states file holds no such copy)."""
+    name = rel.rsplit("/", 1)[-1]
+    if weights == protocol.WEIGHTS_MASTER_ONLY and MODEL_STATES_RE.match(name):
+        return False
+    return DUPLICATE_WEIGHT_RE.match(name) is not None
+
+
+def leaves_out_weights(trainer: JitTrainer, output_dir: str | None, internal_call: bool) -> bool:
+    """``save_model`` inside a JIT save: True (and only the config written) where the consolidated weights are
+    left out; False where upstream's save_model runs."""
+    run = trainer._jit_run
+    if not (internal_call and run is not None and run.save_kind == "jit"
+            and not trainer.jit_config.jit_save_model_weights and trainer.is_deepspeed_enabled):
+        return False
+    # A resume reads the DeepSpeed shards; the consolidated weights would be a third copy (and a ZeRO-3 gather).
+    # Keep the config so that the directory still says what model it holds.
+    config = getattr(trainer.model, "config", None)
+    if trainer._is_rank0 and output_dir and config is not None:
+        config.save_pretrained(output_dir)
+    return True
+
+
+def save_checkpoint(trainer: JitTrainer, model: Any, trial: Any, upstream: Upstream) -> None:
+    """One checkpoint of this step, complete by the protocol's definition before anything rotates."""
+    run = trainer._jit_run
+    step = trainer.state.global_step
+    if run is not None and run.saved_step == step:
+        return  # this step is already saved by this run
+    kind = (run.save_kind if run and run.save_kind else None) or (
+        "final" if trainer.state.max_steps and step >= trainer.state.max_steps else "periodic")
+    run_dir = Path(trainer._get_output_dir(trial=trial))
+    ckpt = run_dir / f"checkpoint-{step}"
+    t0 = time.monotonic()
+    _begin(trainer, ckpt, step, kind)
+    with save_errors.disk_full_is_one_line(ckpt):  # one clear line; the sentinel stays, nothing rotates
+        contents, weights = upstream_save(trainer, model, trial, kind, upstream)
+        # Callbacks run on every save (JIT too) before the manifest: what they add or rewrite is in it.
+        trainer.control = trainer._upstream_on_save(trainer.args, trainer.state, trainer.control)
+        fault_sleep_s = float(os.environ.get(FAULT_SAVE_SLEEP_ENV, "0") or 0)
+        if fault_sleep_s > 0:
+            time.sleep(fault_sleep_s)
+        protocol.fsync_tree(ckpt)
+        trainer._agreement.barrier()
+        nbytes = write_manifest(trainer, ckpt, step, kind, {
+            "contents": contents, "weights": weights, "run_id": run.lineage if run and run.lineage else None,
+            "owed_evaluation": bool(run and run.eval_owed),
+        })
+    if run is not None:
+        run.saved_step, run.saved_contents = step, contents
+        run.checkpoint = str(ckpt)
+        if kind == "jit":
+            stop_path.record_stop(trainer)
+    if trainer._is_rank0:
+        rotate_checkpoints_safely(trainer, run_dir, just_written=ckpt)
+    trainer._agreement.barrier()
+    _done(trainer, step, kind, ckpt, time.monotonic() - t0, nbytes)
+
+
+def _begin(trainer: JitTrainer, ckpt: Path, step: int, kind: str) -> None:
+    """Rank 0 sets an earlier run's directory of this step aside and writes the sentinel; then all ranks meet."""
+    if trainer._is_rank0:
+        if os.path.lexists(ckpt):
+            aside = protocol.set_aside_replaced(ckpt)  # .superseded-<seq> if whole, else .incomplete
+            logger.warning("slurm_jit: %s exists from an earlier run: moved to %s", ckpt, aside)
+        with save_errors.disk_full_is_one_line(ckpt):  # the sentinel is the save's first write
+            protocol.write_sentinel(ckpt, step, kind)
+    trainer._agreement.barrier()
+
+
+def _done(trainer: JitTrainer, step: int, kind: str, ckpt: Path, dur_s: float, nbytes: int) -> None:
+    run = trainer._jit_run
+    if run is not None:
+        if run.timing is not None:
+            run.timing.save(step, kind, dur_s, nbytes)
+        run.grace_due.append("first save")
+    logger.info("slurm_jit: %s checkpoint %s complete in %.2f s", kind, ckpt, dur_s)
+
+
+def upstream_save(trainer: JitTrainer, model: Any, trial: Any, kind: str, upstream: Upstream) -> tuple[str, str]:
+    """Upstream's save, without its rotation; a JIT save always holds what an exact resume needs
+    (optimizer, scheduler, RNG, DeepSpeed shards) whatever save_only_model says, and under ZeRO-1/2 the module
+    weights only once (slim_save.py). Returns the contents and the weights layout."""
+    args = trainer.args
+    limit, only_model = args.save_total_limit, args.save_only_model
+    args.save_total_limit = None  # rotation runs after the manifest, protocol-aware
+    if kind == "jit":
+        args.save_only_model = False
+    engine = trainer.model_wrapped if trainer.is_deepspeed_enabled else None
+    # A PEFT model's saves are upstream's (frozen base left out, adapters kept): both trainers resume them
+    peft = slim_save.excludes_frozen(trainer.model, engine)
+    slim_engine = engine if kind == "jit" and trainer.jit_config.slim_jit_save and not peft else None
+    try:
+        with (slim_save.slim_model_states(slim_engine) as slim,
+              slim_save.frozen_left_out(engine if peft else None)):
+            upstream(model, trial)
+        if args.save_only_model:  # model.safetensors (a PEFT model's: its adapters), no DeepSpeed files
+            return protocol.CONTENTS_MODEL_ONLY, slim_save.layout(None, False, frozen_excluded=peft)
+        return protocol.CONTENTS_FULL, slim_save.layout(engine, slim, frozen_excluded=peft)
+    finally:
+        args.save_total_limit, args.save_only_model = limit, only_model
+
+
+def write_manifest(trainer: JitTrainer, ckpt: Path, step: int, kind: str, fields: dict[str, Any]) -> int:
+    """Ranks hash a share of the files each; rank 0 writes the manifest. Returns the bytes (rank 0)."""
+    agreement = trainer._agreement
+    rels = agreement.broadcast(protocol.payload_files(ckpt) if trainer._is_rank0 else None)
+    parts = agreement.gather(protocol.file_entries(ckpt, rels[agreement.rank::agreement.world_size]))
+    if not trainer._is_rank0 or parts is None:
+        return 0
+    files = {rel: entry for part in parts for rel, entry in part.items()}
+    fields = dict(fields)
+    weights = fields.pop("weights")
+    duplicate = sum(e["size"] for rel, e in files.items() if _duplicate_weights(rel, weights))
+    total = sum(e["size"] for e in files.values())
+    latest = ckpt / "latest"
+    tag = latest.read_text().strip() if latest.is_file() else None
+    engine: Any = trainer.model_wrapped
+    zero_stage = engine.zero_optimization_stage() if trainer.is_deepspeed_enabled else None
+    protocol.write_manifest(
+        ckpt, step=step, kind=kind, world_size=int(trainer.args.world_size), zero_stage=zero_stage,
+        deepspeed_tag=tag, files=files, contents=fields.pop("contents"), run_id=fields.pop("run_id"),
+        weights=weights,
+        extra={"bytes_weights_duplicate": duplicate, "bytes_needed_for_resume": total - duplicate, **fields},
+    )
+    logger.info("slurm_jit: %s checkpoint-%d: %d bytes written, %d needed for resume, %d over (model weights "
+                "again beside the fp32 master copy in the optimizer shards); weights: %s",
+                kind, step, total, total - duplicate, duplicate, weights)
+    return total
+
+
+def rotate_checkpoints_safely(trainer: JitTrainer, run_dir: Path, just_written: Path) -> None:
+    """save_total_limit over resumable checkpoints only, after the new one is complete; never the one just
+    written, the best one, or the one resumed from until this run has written a newer one."""
+    limit = trainer.args.save_total_limit
+    if not limit or limit <= 0:
+        return
+    keep = {just_written.resolve()}
+    if trainer.state.best_model_checkpoint:
+        keep.add(Path(trainer.state.best_model_checkpoint).resolve())
+    run = trainer._jit_run
+    if run is not None and run.resumed_from and run.saved_step < 0:
+        keep.add(Path(run.resumed_from).resolve())
+    protocol.remove_deletion_leftovers(run_dir)
+    checkpoints, _ = protocol.scan(run_dir)
+    for ckpt in protocol.rotation_victims(checkpoints, limit, keep):
+        logger.info("slurm_jit: deleting %s (save_total_limit=%d)", ckpt.path, limit)
+        protocol.delete_checkpoint(ckpt.path)

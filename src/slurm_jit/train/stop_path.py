@@ -1,0 +1,243 @@
+"""The stop path of ``JitTrainer``: where a stop lands, and what records it.
+
+Owns the boundary decision (a stop wish sent ahead by the step time, the agreed round of each optimizer-step
+boundary, the agreement mode fixed after warm-up), the stop itself at ``_maybe_log_save_evaluate`` (periodic
+evaluation and save skipped, the JIT save, ``should_training_stop``), the stop record's ``jit_stop``/``failed``
+lines written by the trainer, the stop's timing fields, and the runtime grace checks run at calm boundaries.
+The rank agreement itself is :mod:`slurm_jit.train.agreement`; the record's format :mod:`.stop_record`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from slurm_jit.timing import WARMUP_STEPS
+from slurm_jit.train import runtime_grace, stop_record, subclassing
+from slurm_jit.train.agreement import Decision
+from slurm_jit.train.run_state import Run, StopBeforeFirstStep, signal_name
+from slurm_jit.train.trackers import log_stop_to_trackers
+
+if TYPE_CHECKING:
+    from slurm_jit.train.trainer import JitTrainer
+
+logger = logging.getLogger(__name__)
+
+
+def wish(trainer: JitTrainer, steps_ahead: int = 1) -> tuple[bool, float | None]:
+    """(stop, remaining kill_wait): this rank wants to stop once kill_wait since its first signal passes
+    within ``steps_ahead`` steps: the steps until the next chance to stop (1 where this round is read now, 2
+    where it is read one step on). The save then waits out the rest, never longer than by waiting."""
+    run = trainer._jit_run
+    if run is None or run.latch.first_at is None:
+        return False, None
+    remaining_s = run.latch.first_at + trainer.jit_config.kill_wait_s - time.monotonic()
+    return steps_ahead * run.est_step_s >= remaining_s, remaining_s
+
+
+def at_boundary(trainer: JitTrainer) -> Decision:
+    """The stop round of this optimizer-step boundary; fixes the agreement mode after warm-up."""
+    run = trainer._jit_run
+    assert run is not None
+    agreement = trainer._agreement
+    if run.signal_step is None and run.latch.seen:
+        run.signal_step = trainer.state.global_step
+    choose = run.steps_done == WARMUP_STEPS + 1  # the first timed step, the same on every rank
+    decision = agreement.at_boundary(*wish(trainer, agreement.latency_steps), step_s=run.est_step_s,
+                                     choose_mode=choose)
+    run.agreement_mode = agreement.mode
+    if choose and agreement.choice is not None:
+        choice = agreement.choice
+        logger.info("slurm_jit: steps of %.3f s, a stop round costs %.4f s: rounds read %s (blocking from "
+                    "%.2f s steps)", choice.step_s, choice.allreduce_s, choice.mode, choice.threshold_s)
+        if run.timing is not None:
+            run.timing.agreement(trainer.state.global_step, mode=choice.mode, allreduce_s=choice.allreduce_s,
+                                 step_s=choice.step_s, threshold_s=choice.threshold_s,
+                                 kill_wait_s=trainer.jit_config.kill_wait_s)
+        run.grace_due.append("warm-up")  # run at the next calm boundary, never on the stop path
+    return decision
+
+
+def take(trainer: JitTrainer, decision: Decision) -> bool:
+    """Record an agreed stop and when kill_wait (since the earliest signal on any rank) will have passed."""
+    run = trainer._jit_run
+    if decision.stop and run is not None and not run.stop_now:
+        run.stop_now = True
+        run.kill_wait_until = time.monotonic() + decision.wait_s
+    return decision.stop
+
+
+def agree_now(trainer: JitTrainer) -> bool:
+    """A stop round read at once (after a save or an evaluation), taken when agreed."""
+    return take(trainer, trainer._agreement.agree_now(*wish(trainer)))
+
+
+def on_train_begin(trainer: JitTrainer) -> None:
+    run = trainer._jit_run
+    if run is None:
+        return
+    if trainer._agreement.agree_now(run.latch.seen).stop:
+        run.stopped = True
+        logger.warning("slurm_jit: stop signal before the first step: exiting without a new checkpoint")
+        raise StopBeforeFirstStep
+    run.in_loop = True
+    run.step_t0 = time.monotonic()
+
+
+def on_step_end(trainer: JitTrainer) -> None:
+    run = trainer._jit_run
+    if run is None:
+        return
+    run.est_step_s = time.monotonic() - run.step_t0
+    run.steps_done += 1
+    if run.timing is not None:
+        run.timing.step(trainer.state.global_step, run.est_step_s)
+
+
+def at_last_step(trainer: JitTrainer) -> bool:
+    return bool(trainer.state.max_steps) and trainer.state.global_step >= trainer.state.max_steps
+
+
+def log_save_evaluate(trainer: JitTrainer, run: Run, upstream: Callable[[], None], model: Any,
+                      trial: Any) -> None:
+    """``_maybe_log_save_evaluate`` inside the loop: this boundary's stop round, upstream's evaluation and save
+    (skipped once a stop is agreed), then the JIT save and the stop, or a calm boundary's grace checks."""
+    step = trainer.state.global_step
+    last_step = at_last_step(trainer)  # training ends here anyway: nothing to stop
+    if step != run.polled_step:  # once per optimizer step; epoch ends call this again at the same step
+        run.polled_step = step
+        take(trainer, at_boundary(trainer))
+    if run.stop_now and not last_step:
+        run.eval_owed = run.eval_owed or trainer.control.should_evaluate
+        trainer.control.should_evaluate = False
+        trainer.control.should_save = False
+    upstream()
+    if not run.stop_now and run.saved_step == step:
+        agree_now(trainer)  # a periodic save just ended: a stop that came during it is taken here, not a step later
+    if _stopping(run, step, last_step):
+        if run.saved_step != step:
+            save_jit(trainer, model, trial)
+        run.checkpoint = str(Path(trainer._get_output_dir(trial=None)) / f"checkpoint-{step}")
+        run.stopped = True
+        record_stop(trainer)
+        trainer.control.should_training_stop = True
+    else:
+        if not run.stop_now:
+            run_due_grace_checks(trainer)  # never between a stop decision and the exit: it may query Slurm
+        run.step_t0 = time.monotonic()
+
+
+def save_jit(trainer: JitTrainer, model: Any, trial: Any) -> None:
+    """The stop's checkpoint: once the engine and the Trainer agree on the step and kill_wait has passed, the
+    trainer's ``_save_checkpoint`` (train/save_path.py) with the kind ``jit``."""
+    run = trainer._jit_run
+    assert run is not None
+    engine_step = getattr(trainer.model_wrapped, "global_steps", None) if trainer.is_deepspeed_enabled else None
+    if engine_step is not None and engine_step != trainer.state.global_step:
+        raise RuntimeError(
+            f"slurm_jit: DeepSpeed engine at step {engine_step} but Trainer at {trainer.state.global_step}; "
+            "refusing a checkpoint whose name and contents would disagree"
+        )
+    remaining_s = run.kill_wait_until - time.monotonic()  # the wish may come before kill_wait is over
+    if remaining_s > 0:
+        time.sleep(remaining_s)
+    run.save_kind = "jit"
+    run.save_started_at = time.monotonic()
+    try:
+        trainer._save_checkpoint(model, trial)
+    finally:
+        run.save_kind = None
+    from slurm_jit.train.trainer import JitTrainer  # noqa: PLC0415 (trainer imports this module)
+
+    subclassing.refuse_unsaved_jit(trainer, run.saved_step, JitTrainer)  # an override skipped super() here
+    run.save_ended_at = time.monotonic()
+
+
+def _stopping(run: Run, step: int, last_step: bool) -> bool:
+    stopping = (run.stop_now or run.eval_aborted) and not last_step
+    if stopping and run.saved_step == step and run.saved_contents != "full":
+        # The stop came during a model-only periodic save (save_only_model): it cannot be resumed from, and
+        # its directory must not be replaced. Train one more step and write a full JIT checkpoint there.
+        logger.warning("slurm_jit: stop during a model-only save of step %d: a full JIT checkpoint follows "
+                       "after the next step", step)
+        return False
+    return stopping
+
+
+def record_stop(trainer: JitTrainer) -> None:
+    """Rank 0 records ``jit_stop`` as soon as the stop checkpoint is complete (nothing slow in between)."""
+    run = trainer._jit_run
+    if run is None or run.stop_recorded or not trainer._is_rank0:
+        return
+    stop_record.write(str(trainer.args.output_dir), "jit_stop", step=trainer.state.global_step,
+                      checkpoint=run.checkpoint, signal=signal_name(run.latch.first_signum))
+    run.stop_recorded = True
+
+
+def record_end(trainer: JitTrainer, run: Run) -> None:
+    """``train()`` returned: the trackers and (rank 0) the stop record say ``jit_stop`` or ``finished``."""
+    state = "jit_stop" if run.stopped else "finished"
+    run.trackers_told = True
+    log_stop_to_trackers(trainer, state, trainer.state.global_step, signal_name(run.latch.first_signum))
+    if trainer._is_rank0 and not run.stop_recorded:
+        stop_record.write(str(trainer.args.output_dir), state, step=trainer.state.global_step,
+                          checkpoint=run.checkpoint, signal=signal_name(run.latch.first_signum))
+
+
+def record_failure(trainer: JitTrainer, run: Run, exc: BaseException) -> None:
+    if not trainer._is_rank0 or trainer.__dict__.get("_jit_output_lock") is None:
+        return  # only the output_dir's lock holder writes its stop record (a refused launch is not it)
+    error = f"{type(exc).__name__}: {exc}"[:2000]
+    try:
+        _write_failure(trainer, run, error)
+    except OSError as write_exc:  # a full disk: the record cannot be written; the error itself must go on
+        logger.error("slurm_jit: stop record not written: %s", write_exc)
+    if run.stop_recorded and not run.trackers_told:  # the trackers say what the record says: a JIT stop
+        run.trackers_told = True
+        log_stop_to_trackers(trainer, "jit_stop", trainer.state.global_step, signal_name(run.latch.first_signum),
+                             error_after_stop=error)
+
+
+def _write_failure(trainer: JitTrainer, run: Run, error: str) -> None:
+    if run.stop_recorded:  # the stop checkpoint is complete: still a JIT stop (requeue), with what went wrong
+        stop_record.write(str(trainer.args.output_dir), "jit_stop", step=trainer.state.global_step,
+                          checkpoint=run.checkpoint, signal=signal_name(run.latch.first_signum),
+                          error_after_stop=error)
+    else:
+        stop_record.write(str(trainer.args.output_dir), "failed", step=getattr(trainer.state, "global_step", None),
+                          error=error)
+
+
+def record_stop_timing(trainer: JitTrainer, run: Run) -> None:
+    """On a JIT stop, where the time from this rank's first signal until now (train() returning) went."""
+    if not run.stopped or run.latch.first_at is None or run.timing is None:
+        return
+    now, wall = time.monotonic(), time.time()
+    fields: dict[str, Any] = {
+        "signal_step": run.signal_step, "mode": run.agreement_mode, "kill_wait_s": trainer.jit_config.kill_wait_s,
+        "signal_time": wall - (now - run.latch.first_at), "end_time": wall,
+    }
+    if run.save_started_at is not None and run.save_ended_at is not None:
+        fields.update(signal_to_save_s=run.save_started_at - run.latch.first_at,
+                      save_s=run.save_ended_at - run.save_started_at, teardown_s=now - run.save_ended_at,
+                      save_start_time=wall - (now - run.save_started_at))
+    run.timing.stop(trainer.state.global_step, signal_to_end_s=now - run.latch.first_at, fields=fields)
+
+
+def run_due_grace_checks(trainer: JitTrainer) -> None:
+    """Rank 0, at a boundary where training goes on and no signal is seen here (it may query Slurm)."""
+    run = trainer._jit_run
+    # Before warm-up has passed the timing log has no step to judge by: the checks wait (they run once each).
+    if run is None or not run.grace_due or run.latch.seen or run.steps_done <= WARMUP_STEPS:
+        return
+    due, run.grace_due = run.grace_due, []
+    if run.timing is not None:
+        run.timing.flush()
+    for when in due:
+        if not trainer.jit_config.grace_check or when in run.grace_checked or not trainer._is_rank0:
+            continue
+        run.grace_checked.add(when)
+        runtime_grace.check_and_warn(str(trainer.args.output_dir), trainer.jit_config.kill_wait_s, when)
