@@ -1,10 +1,8 @@
-"""JitTrainer hardening (issue 7): upstream never deletes a checkpoint, rotation by write time, JIT saves always
-resumable under save_only_model, jit_stop recorded right after the manifest, on_save before the manifest, no stop
-at the last step, the owed evaluation run on resume, refusals, the side group closed after a failure.
-
-Real DeepSpeed ranks (2 CPU ranks over gloo) with a real SIGTERM that each rank sends itself at the end of a known
-step (``--signal-self-at-step``), so that the stop lands at a known step. About 5 minutes on an idle machine: the
-runs are shared between the assertions.
+"""A JIT stop under eval_steps = save_steps = 2, metric_for_best_model, save_total_limit=1, save_only_model and an
+on_save callback (issue 7): jit_stop recorded right after the manifest, upstream's end-of-training cleanup keeps
+the JIT checkpoint, the JIT save is full, on_save runs before the manifest, the owed evaluation runs first on
+resume. Real DeepSpeed ranks (2 CPU ranks over gloo), a real SIGTERM each rank sends itself at a known step; one
+run shared by the assertions.
 """
 
 from __future__ import annotations
@@ -15,19 +13,13 @@ import time
 from pathlib import Path
 
 import pytest
-from jit_helpers import (
-    START_TIMEOUT_S,
-    assert_same_losses,
-    ckpt_check,
-    losses,
-    run_to_end,
-    start_demo,
-    wait_for_path,
-)
+from jit_helpers import assert_same_losses, ckpt_check, losses, run_to_end, start_demo, wait_for_path
+from run_outputs import checkpoint_names as _dirs
+from run_outputs import eval_losses as _evals
+from run_outputs import manifest_of as _manifest
 
 from slurm_jit.checkpoint import protocol
 from slurm_jit.train import stop_record
-from slurm_jit.train.refusals import refused_settings
 
 pytestmark = pytest.mark.deepspeed
 
@@ -36,21 +28,9 @@ pytestmark = pytest.mark.deepspeed
 # every checkpoint and rewrites config.json (a file the manifest lists).
 BEST_LIMIT_1 = ["--max-steps", "10", "--eval-steps", "2", "--save-steps", "2", "--metric-for-best", "loss",
                 "--save-total-limit", "1", "--save-only-model", "--on-save-file", "extra.txt", "--kill-wait", "0"]
+
+
 SLOW_END_S = 60  # an on_train_end callback this slow after a stop: the SIGKILL comes while it sleeps
-
-
-def _evals(out: Path) -> list[tuple[int, float]]:
-    path = out / "evals-rank0.jsonl"
-    return [(r["step"], r["eval_loss"]) for r in map(json.loads, path.read_text().splitlines())] if path.exists() \
-        else []
-
-
-def _manifest(ckpt: Path) -> dict:
-    return json.loads((ckpt / protocol.MANIFEST_NAME).read_text())
-
-
-def _dirs(out: Path) -> list[str]:
-    return sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-"))
 
 
 @pytest.fixture(scope="module")
@@ -128,127 +108,3 @@ def test_resume_runs_the_owed_evaluation_first_and_matches_the_uninterrupted_run
     assert_same_losses(losses(out), losses(ref))
     record = stop_record.read(out)
     assert record is not None and record["state"] == "finished", record
-
-
-def test_signal_at_the_last_step_finishes_normally(tmp_path: Path) -> None:
-    """Item 6 (and the README's "no JIT stop at the last step", stop.json reaching finished): max_steps=6,
-    SIGTERM at step 5: the final evaluation runs once, the final save is written, the record says finished."""
-    out = tmp_path / "out"
-    args = ["--max-steps", "6", "--eval-steps", "2", "--save-steps", "2", "--metric-for-best", "loss",
-            "--kill-wait", "0", "--signal-self-at-step", "5"]
-    assert run_to_end(out, args) == [0, 0]
-    assert [s for s, _ in _evals(out)] == [2, 4, 6]
-    record = stop_record.read(out)
-    assert record is not None and record["state"] == "finished" and record["step"] == 6, record
-    info = protocol.inspect(out / "checkpoint-6", 6, deep=True)
-    assert info.status is protocol.Status.COMPLETE and info.kind == "final"
-    assert "aborted" not in (tmp_path / "logs-out" / "rank0.log").read_text()
-
-
-def test_rotation_keeps_the_checkpoint_just_written_and_resume_picks_it(tmp_path: Path, copy_run,
-                                                                        jit_zero2_run: Path) -> None:
-    """Item 2: checkpoint-6 of an earlier run is there; resume from checkpoint-3 (a rollback) with
-    save_total_limit=1 and SIGTERM at the end of step 4: a round read at that boundary (blocking during the
-    resumed run's warm-up) stops there; checkpoint-4 survives rotation and is what resume=True picks next."""
-    out = copy_run(jit_zero2_run)
-    args = ["--max-steps", "10", "--save-total-limit", "1", "--kill-wait", "0", "--signal-self-at-step", "4",
-            "--resume-from", str(out / "checkpoint-3")]
-    assert run_to_end(out, args) == [0, 0]
-    record = stop_record.read(out)
-    assert record is not None and record["state"] == "jit_stop" and record["step"] == 4, record
-    assert (out / "checkpoint-4").is_dir(), _dirs(out)
-    resolution = protocol.find_resumable(out)
-    assert resolution.checkpoint is not None and resolution.checkpoint.step == 4, resolution
-    assert _manifest(out / "checkpoint-4")["run_id"] == _manifest(jit_zero2_run / "checkpoint-3")["run_id"]
-
-
-def test_plain_ddp_save_only_model_jit_save_resumes_exactly(tmp_path: Path) -> None:
-    """Item 3 without DeepSpeed: the JIT checkpoint has optimizer, scheduler and RNG files; the resumed run's
-    learning rates and losses are the uninterrupted run's (a fresh optimizer or a restarted schedule would not)."""
-    args = ["--zero-stage", "0", "--max-steps", "8", "--save-steps", "2", "--save-only-model", "--kill-wait", "0"]
-    ref, out = tmp_path / "ref", tmp_path / "out"
-    assert run_to_end(ref, args) == [0, 0]
-    # SIGTERM at the end of step 4, during its model-only periodic save: the stop moves to step 5, full
-    assert run_to_end(out, [*args, "--signal-self-at-step", "4"]) == [0, 0]
-    jit = out / "checkpoint-5"
-    assert _manifest(jit)["contents"] == "full" and _manifest(out / "checkpoint-4")["contents"] == "model_only"
-    assert _manifest(jit)["kind"] == "jit"
-    for name in ("optimizer.pt", "scheduler.pt", "rng_state_0.pth", "rng_state_1.pth"):
-        assert (jit / name).is_file(), name
-    assert run_to_end(out, [*args, "--resume"]) == [0, 0]
-    assert_same_losses(losses(out), losses(ref))
-    lrs = [json.loads(line)["lr"] for line in (out / "losses-rank0.jsonl").read_text().splitlines()]
-    assert lrs == [json.loads(line)["lr"] for line in (ref / "losses-rank0.jsonl").read_text().splitlines()]
-
-
-def test_failed_train_closes_the_side_group_and_a_second_train_starts_clean(tmp_path: Path) -> None:
-    """Item 14: train() raises at step 3 on both ranks; the side group is closed; train() again runs to the end
-    (without DeepSpeed: accelerate cannot train() a DeepSpeed engine twice in one process)."""
-    out = tmp_path / "out"
-    assert run_to_end(out, ["--zero-stage", "0", "--max-steps", "6", "--fail-at-step", "3", "--train-again"]) == [0, 0]
-    log = (tmp_path / "logs-out" / "rank0.log").read_text(errors="replace")
-    assert "side group closed: True" in log, log[-3000:]
-    assert "terminate called" not in log
-    record = stop_record.read(out)
-    assert record is not None and record["state"] == "finished" and record["step"] == 6, record
-
-
-def _refused(tmp_path: Path, out: Path, args: list[str], ranks_n: int = 1) -> str:
-    ranks = start_demo(out, args, world_size=ranks_n, log_dir=tmp_path / "logs-refused")
-    codes = ranks.wait(START_TIMEOUT_S)
-    log = ranks.log(0)
-    assert codes == [2] * ranks_n, log[-3000:]
-    assert "Traceback" not in log
-    lines = [line for line in log.splitlines() if line.startswith("demo_train: slurm_jit:")]
-    assert len(lines) == 1 and "HINT:" in lines[0], log[-3000:]
-    return lines[0]
-
-
-def test_resume_with_another_world_size_is_refused_before_training(tmp_path: Path, copy_run,
-                                                                   jit_zero2_run: Path) -> None:
-    """Item 8 (issue 13): a 2-rank checkpoint resumed by 1 rank with the same per-device batch, i.e. half the
-    samples per step: one line with a HINT, nothing trained, nothing touched, nothing converted (1 rank with
-    twice the batch is converted and resumed: tests/test_elastic.py)."""
-    out = copy_run(jit_zero2_run)
-    before = losses(out)
-    line = _refused(tmp_path, out, ["--max-steps", "10", "--resume"])
-    assert "4 samples per optimizer step when written, 2 in this run" in line, line
-    assert losses(out) == before and _dirs(out) == ["checkpoint-3", "checkpoint-6"]
-    assert not (out / "checkpoint-6" / "universal").exists()
-
-
-def test_checkpoint_whose_deepspeed_tag_is_another_step_is_refused(tmp_path: Path, copy_run,
-                                                                    plain_zero2_run: Path) -> None:
-    """Item 8: checkpoint-6 whose DeepSpeed tag says global_step7, as transformers' enable_jit_checkpoint writes
-    when the signal lands in on_pre_optimizer_step (its tag directory renamed here: upstream's off-by-one is
-    timing-dependent); resuming it by explicit path is refused with one line on both ranks."""
-    out = copy_run(plain_zero2_run)
-    ckpt = out / "checkpoint-6"
-    (ckpt / "global_step6").rename(ckpt / "global_step7")
-    (ckpt / "latest").write_text("global_step7")
-    line = _refused(tmp_path, out, ["--max-steps", "10", "--resume-from", str(ckpt)], ranks_n=2)
-    assert "DeepSpeed tag 'global_step7' is not global_step6" in line
-
-
-def test_save_on_each_node_is_refused_at_init(tmp_path: Path) -> None:
-    """Item 12, for real: one line with a HINT, before any training."""
-    line = _refused(tmp_path, tmp_path / "out", ["--save-on-each-node"])
-    assert "save_on_each_node=True" in line
-
-
-@pytest.mark.parametrize(("ds_config", "needle"), [
-    ({"checkpoint": {"writer": {"decoupled": True}}}, "decoupled"),
-    ({"datastates_ckpt": {}}, "datastates_ckpt"),
-    ({"checkpoint": {"use_node_local_storage": True}}, "use_node_local_storage"),
-])
-def test_async_and_node_local_deepspeed_engines_are_refused(ds_config: dict, needle: str) -> None:
-    """Item 12: the DeepSpeed 0.19.8 keys whose files are committed after save_checkpoint returns, or land on
-    node-local storage."""
-    why = refused_settings(save_on_each_node=False, ds_config=ds_config)
-    assert why is not None and needle in why and "HINT:" in why
-
-
-def test_synchronous_deepspeed_writers_are_accepted() -> None:
-    assert refused_settings(save_on_each_node=False, ds_config={"checkpoint": {"writer": {"type": "fast"}}}) is None
-    assert refused_settings(save_on_each_node=False, ds_config={"datastates_ckpt": False}) is None
-    assert refused_settings(save_on_each_node=False, ds_config=None) is None
