@@ -12,7 +12,7 @@ import pytest
 from slurm_jit.bench.cli import ROW_NAMES
 from slurm_jit.bench.rows import NO_TARGET, REFERENCE, judge
 
-BENCH = Path(__file__).resolve().parents[1] / "tools" / "bench"
+BENCH = Path(__file__).resolve().parents[2] / "tools" / "bench"
 QUICK_TIMEOUT_S = 600  # ~1-2 min on 2 idle cores (6 two-rank runs); a hang fails here, not the CI run
 ROW_KEYS = {"name", "value", "unit", "target", "met", "compares"}
 

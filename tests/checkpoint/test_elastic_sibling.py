@@ -1,5 +1,5 @@
 """The ``universal/`` conversion inside ``checkpoint-S`` (issue 13) never changes the verdict on ``checkpoint-S``
-itself: crafted directories (tests/ckpt_factory.py), milliseconds, no torch."""
+itself: crafted directories (tests/helpers/ckpt_factory.py), milliseconds, no torch."""
 
 from __future__ import annotations
 

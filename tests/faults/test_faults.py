@@ -15,7 +15,7 @@ import pytest
 
 from slurm_jit.faults import common, runner
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 QUICK_TIMEOUT_S = 1500  # a hang detector: the quick run takes 4-6 min on a loaded 2-core host
 QUICK_ROWS = {"random SIGKILL mid-save", "disk full during a save", "read-only output directory",
               "corruption of a complete checkpoint", "races: lock and requeue after durability",

@@ -1,6 +1,7 @@
 """grace-calc and an elastic resume: the next start on another number of ranks converts its checkpoint before its
 first step (issue 13). The estimate and the --time check are pure (calc.py); the CLI reads a real timing log
-(written by the real writer) and a checkpoint written by the real protocol (tests/ckpt_factory.py). Under 2 s."""
+(written by the real writer) and a checkpoint written by the real protocol (tests/helpers/ckpt_factory.py).
+Under 2 s."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """demo_train whose model also has a persistent buffer that changes in training, as BatchNorm's running statistics
-do: ``seen_batches`` counts the training forward passes of this rank (tests/test_elastic_weights.py). Run as a
+do: ``seen_batches`` counts the training forward passes of this rank (tests/train/test_elastic_weights.py). Run as a
 script with demo_train's arguments."""
 
 from __future__ import annotations

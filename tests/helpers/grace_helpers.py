@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SBATCH = ROOT / "sbatch"
 EXAMPLE_SIZING = ("--step-time", "10s", "--save-time", "45s")  # needs TERM@69 (sbatch/examples/README.md)
 TINY_SIZING = ("--step-time", "1s", "--save-time", "10s")  # the demo's saves are well under a second

@@ -9,7 +9,7 @@ import os
 import subprocess
 from pathlib import Path
 
-LOCAL_SLURM = Path(__file__).resolve().parents[1] / "tools" / "local-slurm"
+LOCAL_SLURM = Path(__file__).resolve().parents[2] / "tools" / "local-slurm"
 UP_TIMEOUT_S = 300  # a fresh CI machine may apt-install first; then up waits <= 60 s for the nodes
 USE_LINE = "local-slurm: use it with: export SLURM_CONF="
 # Settings of one instance, which the two-node one must not inherit from the caller's environment.

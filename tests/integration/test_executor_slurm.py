@@ -27,7 +27,7 @@ from slurm_jit.train import stop_record
 
 pytestmark = [pytest.mark.slurm, pytest.mark.deepspeed, pytest.mark.usefixtures("slurm_cluster")]
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 JOB_DEADLINE_S = 600  # a hang detector: queued behind other jobs on 2 CPUs, a 3-minute job ends well within
 # 300 steps of >= 0.4 s cannot end before the warning (at most 60 s after the limit is moved, as TERM@60 may come
 # up to 60 s early); the requeued run finishes the rest.
@@ -38,7 +38,7 @@ LIMIT_FROM_NOW_S = 120  # TERM@60: the warning 0-60 s after the limit is moved
 def _executor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str = "jit-executor",
               out: str = "out") -> JitExecutor:
     # sbatch exports this environment: the job imports executor_helpers (and this tree's slurm_jit) from it
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS.parent / "src"), str(TESTS),
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS.parent / "src"), str(TESTS / "helpers"),
                                                       os.environ.get("PYTHONPATH", "")]))
     ex = JitExecutor(folder=tmp_path / "logs" / "%j", output_dir=tmp_path / out, max_requeues=3,
                      signal_lead_s=60)

@@ -1,5 +1,6 @@
 """Two nodes through the launcher, for real: ``python launch/submit.py --nodes 2 --ntasks-per-node 1`` on the
-two-node local cluster (``tools/local-slurm up --nodes 2``, its own SLURM_CONF; see tests/test_multinode.py). One
+two-node local cluster (``tools/local-slurm up --nodes 2``, its own SLURM_CONF; see
+tests/integration/test_multinode.py). One
 rank per node with MASTER_ADDR from the node list, the real time-limit ``--signal=TERM@60``, a JIT checkpoint, the
 same job requeued by the policy, resumed, finished; per-step losses equal an uninterrupted 2-rank run's.
 
@@ -25,7 +26,7 @@ from slurm_jit.train import stop_record
 
 pytestmark = [pytest.mark.slurm, pytest.mark.deepspeed]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SUBMIT = ROOT / "launch" / "submit.py"
 SIGNAL_LEAD_S = 60  # --time=3: the warning comes 60-120 s in (sbatch(1): up to 60 s early), after the start
 MAX_STEPS = 400  # at >= 0.4 s a step the first run cannot finish before the latest warning (120 s) plus margin

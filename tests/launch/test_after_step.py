@@ -1,6 +1,6 @@
 """after_step: the facts it gathers (stop record of this job and restart only, the job's state through the
 gateway, the progress file) and that it calls scontrol requeue only when the policy says so. The Slurm gateway
-is swapped for a fake at its one boundary here; tests/test_launch_slurm.py runs the same path on the real
+is swapped for a fake at its one boundary here; tests/integration/test_launch_slurm.py runs the same path on the real
 cluster."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from slurm_jit import slurm
 from slurm_jit.launch import after_step, progress
 from slurm_jit.train import stop_record
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 SHOW_JOB = ("JobId=42 JobName=x\n   JobState={state} Reason=None Dependency=(null)\n   Requeue=1 Restarts={restarts} "
             "BatchFlag=1\n   RunTime=00:02:10 TimeLimit=00:03:00 TimeMin=N/A\n"

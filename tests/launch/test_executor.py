@@ -1,6 +1,6 @@
 """JitExecutor without a cluster: the batch script it generates (submitit's, with the JIT pieces), the parameters
 it takes and refuses, the submitit hooks it checks, and what sbatch/scontrol it calls (the gateway faked at its one
-boundary; tests/test_executor_slurm.py runs the real cluster)."""
+boundary; tests/integration/test_executor_slurm.py runs the real cluster)."""
 
 from __future__ import annotations
 
@@ -133,7 +133,7 @@ def test_submitit_outside_the_range_is_refused_in_one_line(monkeypatch: pytest.M
 
 
 def test_pyproject_pins_the_checked_range() -> None:
-    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
     assert f'"{submitit_hooks.SUPPORTED_RANGE}"' in pyproject
 
 

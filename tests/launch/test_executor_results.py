@@ -1,6 +1,6 @@
 """The runner's result files and the Job that reads them, on real files: a run that is requeued writes no result,
 the run that ends the job writes every task's, and an error carries the policy's one-line reason. The Slurm
-gateway is faked at its one boundary (tests/test_executor_slurm.py runs the real cluster)."""
+gateway is faked at its one boundary (tests/integration/test_executor_slurm.py runs the real cluster)."""
 
 from __future__ import annotations
 

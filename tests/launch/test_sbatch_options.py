@@ -14,7 +14,7 @@ import pytest
 
 from slurm_jit.launch import sbatch_options
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BASE = ["--python", "python", "--time", "30", "--signal-lead", "300"]
 CMD = ["--", "python", "train.py"]
 

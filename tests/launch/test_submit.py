@@ -16,8 +16,8 @@ import pytest
 from slurm_jit.launch import script, task
 from slurm_jit.train import dist_env
 
-ROOT = Path(__file__).resolve().parents[1]
-GOLDEN = Path(__file__).parent / "golden"
+ROOT = Path(__file__).resolve().parents[2]
+GOLDEN = Path(__file__).resolve().parents[1] / "helpers" / "golden"
 OUT = "/nonexistent/slurm-jit-golden/out"  # never created: the gate sees a fresh start
 BASE = ["--output-dir", OUT, "--python", "python", "--time", "30", "--signal-lead", "300"]
 CMD = ["--", "python", "train.py", "--lr", "3e-4"]

@@ -18,7 +18,7 @@ from slurm_jit import local_ranks, slurm
 
 pytestmark = pytest.mark.slurm
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LOCAL_SLURM = ROOT / "tools" / "local-slurm"
 UP_TIMEOUT_S = 300  # a fresh CI machine apt-installs slurm-wlm and munge first; then up waits <= 60 s
 POLL_S = 0.5

@@ -16,7 +16,7 @@ from slurm_jit.train import compat
 from slurm_jit.train.refusals import JitRefusal
 from slurm_jit.train.trainer import JitTrainer
 
-PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 
 
 def _tiny_trainer(tmp_path: Path) -> JitTrainer:
@@ -97,7 +97,7 @@ def test_pyproject_declares_the_supported_range() -> None:
 
 
 def test_the_lowest_version_tested_is_the_lower_bound_of_the_range() -> None:
-    """tests/test_compat_versions.py runs the stop/resume scenario on LOWEST_TRANSFORMERS: it must be the range's
+    """tests/train/test_compat_versions.py runs the stop/resume scenario on LOWEST_TRANSFORMERS: it must be the range's
     lowest (a widened range whose new lower end is not tested fails here)."""
     lowest = re.search(r"transformers>=([0-9.]+)", compat.SUPPORTED_RANGE)
     assert lowest and compat.LOWEST_TRANSFORMERS in (lowest.group(1), f"{lowest.group(1)}.0"), compat.SUPPORTED_RANGE

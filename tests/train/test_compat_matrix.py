@@ -38,7 +38,7 @@ from jit_helpers import (
 from slurm_jit.checkpoint import protocol
 from slurm_jit.train import stop_record, trackers
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 MAX_STEPS = 12
 # First and last step after which the SIGTERM may be sent: the stop lands up to 2 steps later (the agreement
 # round), and a signal at the last step is not a stop (the run just finishes).

@@ -1,7 +1,7 @@
 """TensorBoard across requeues (issue 12), the part a DeepSpeed run cannot show cheaply: a job resumed from an
 older checkpoint (after a crash) redoes steps; their old points must be dropped, not shown twice. transformers'
 own TensorBoardCallback writes real event files; only the trainer around it is a stand-in (the real path, with
-DeepSpeed ranks, a SIGTERM and a resume, is the GRPO row of tests/test_compat_matrix.py)."""
+DeepSpeed ranks, a SIGTERM and a resume, is the GRPO row of tests/train/test_compat_matrix.py)."""
 
 from __future__ import annotations
 

@@ -9,10 +9,8 @@ Without network (pip cannot fetch it) the test skips with the reason: it never p
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,45 +18,14 @@ from pathlib import Path
 
 import pytest
 from jit_helpers import assert_jit_stop, ckpt_check, losses, run_and_signal, run_logged
+from transformers_overlay import PIP_TIMEOUT_S
+from transformers_overlay import overlay as _overlay
 
 from slurm_jit.train import compat, stop_record
 
-PIP_TIMEOUT_S = 600  # a ~12 MB wheel; a stalled download fails the install (a skip), not the test run
 MAX_STEPS = 8
-OVERLAY_LOCK = ".overlay.lock"  # in the cache directory: one install at a time
+HELPERS = Path(__file__).resolve().parents[1] / "helpers"  # the overlay race imports transformers_overlay from it
 ARGS = ["--max-steps", str(MAX_STEPS), "--kill-wait", "0", "--step-sleep", "0.1", "--save-steps", "3"]
-
-
-def _overlay(version: str) -> Path:
-    """transformers==version alone in a directory (the venv supplies its dependencies), installed once. Under a lock
-    on the cache: a concurrent run (another worktree, another CI job on the machine) waits for the install and
-    uses it; it never replaces an overlay another run's ranks are importing."""
-    cache = Path(os.environ.get("SLURM_JIT_TEST_CACHE", Path.home() / ".cache" / "slurm-jit"))
-    cache.mkdir(parents=True, exist_ok=True)
-    with (cache / OVERLAY_LOCK).open("a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when the process dies
-        return _install_once(cache, version)
-
-
-def _install_once(cache: Path, version: str) -> Path:
-    target = cache / f"transformers-{version}"
-    if (target / "transformers" / "__init__.py").exists():
-        return target
-    for stale in cache.glob(".transformers-*.partial-*"):  # a killed run's (installs run only under the lock)
-        shutil.rmtree(stale, ignore_errors=True)
-    partial = cache / f".transformers-{version}.partial-{os.getpid()}"
-    try:
-        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(partial),
-                               f"transformers=={version}"], capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        done = None
-    if done is None or done.returncode != 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        reason = "timed out" if done is None else (done.stderr.strip().splitlines() or ["pip failed"])[-1]
-        pytest.skip(f"cannot install transformers=={version} into {target} (no network?): {reason}")
-    shutil.rmtree(target, ignore_errors=True)
-    os.replace(partial, target)  # a killed install leaves a .partial, never a half overlay taken as done
-    return target
 
 
 def _imported_version(env: dict[str, str]) -> str:
@@ -91,8 +58,8 @@ def test_stop_and_resume_on_the_lowest_transformers_of_the_range(tmp_path: Path)
 OVERLAY_RACE = """
 import os, sys, time
 sys.path.insert(0, sys.argv[1])
-from test_compat_versions import _overlay
-init = _overlay(sys.argv[2]) / "transformers" / "__init__.py"
+from transformers_overlay import overlay
+init = overlay(sys.argv[2]) / "transformers" / "__init__.py"
 print(os.stat(init).st_ino, flush=True)
 """
 
@@ -106,7 +73,7 @@ def test_concurrent_runs_install_the_overlay_once_and_never_replace_it_under_eac
     cache = tmp_path / "cache"
     (cache / ".transformers-0.0.partial-1" / "transformers").mkdir(parents=True)  # left by a killed run
     env = {**os.environ, "SLURM_JIT_TEST_CACHE": str(cache)}
-    command = [sys.executable, "-c", OVERLAY_RACE, str(Path(__file__).parent), compat.LOWEST_TRANSFORMERS]
+    command = [sys.executable, "-c", OVERLAY_RACE, str(HELPERS), compat.LOWEST_TRANSFORMERS]
     runs = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for _ in range(2)]
     try:

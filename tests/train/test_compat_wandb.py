@@ -2,7 +2,7 @@
 checkpoint (after a crash) redoes steps, whose points must not be logged twice; an unusable record; a run the
 user chose. transformers' own WandbCallback writes a real offline run (WANDB_MODE=offline: no network, no
 account); only the trainer around it is a stand-in. The real path (DeepSpeed ranks, SIGTERM, resume) is the GRPO
-row of tests/test_compat_matrix.py."""
+row of tests/train/test_compat_matrix.py."""
 
 from __future__ import annotations
 

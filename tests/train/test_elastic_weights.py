@@ -7,7 +7,8 @@ another shape, two trained tensors tied into one now.
 
 Real DeepSpeed ranks on CPU: two 2-rank ZeRO-2 runs that differ only in the learning rate, each JIT-stopped at
 step 5, shared by the tests (logging every 500 steps, so that their trainer_state.json are byte-identical; the
-model has a persistent buffer that counts training batches: tests/demo_with_buffer.py). The resumes run on 1 rank
+model has a persistent buffer that counts training batches: tests/helpers/demo_with_buffer.py). The resumes run
+on 1 rank
 and dump the state right after the load (``--dump-state-at 5``: demo_train's exactness dump, at on_train_begin),
 which is compared with the checkpoint's. A third 2-rank run, with the embeddings frozen, serves the refusal of
 unfreezing them. About 4 minutes on an idle 2-core machine (6 under load).
@@ -41,7 +42,7 @@ ONE_RANK = ["--batch-size", "4", "--resume", "--max-steps", str(STEP + 1), "--du
 EMBEDDINGS = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
 DOWN_PROJ = "model.layers.0.mlp.down_proj.weight"
-PROGRAM = [str(Path(__file__).with_name("demo_with_buffer.py"))]
+PROGRAM = [str(Path(__file__).resolve().parents[1] / "helpers" / "demo_with_buffer.py")]
 pytestmark = pytest.mark.deepspeed
 
 

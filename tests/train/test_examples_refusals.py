@@ -14,7 +14,7 @@ import transformers
 
 from slurm_jit.train.refusals import JitRefusal
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def _example(name: str) -> ModuleType:

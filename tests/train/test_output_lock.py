@@ -3,7 +3,7 @@ mount.
 
 A lock holder is a child process that takes the lock through the module and sleeps; the test takes it again in
 this process. About 3 s. The trainer-level path (a second 2-rank launch refused while the first trains, a
-read-only output_dir refused before any step) runs in tools/faults --quick (tests/test_faults.py).
+read-only output_dir refused before any step) runs in tools/faults --quick (tests/faults/test_faults.py).
 """
 
 from __future__ import annotations

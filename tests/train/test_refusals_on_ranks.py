@@ -30,7 +30,7 @@ def test_resume_with_another_world_size_is_refused_before_training(tmp_path: Pat
                                                                    jit_zero2_run: Path) -> None:
     """Item 8 (issue 13): a 2-rank checkpoint resumed by 1 rank with the same per-device batch, i.e. half the
     samples per step: one line with a HINT, nothing trained, nothing touched, nothing converted (1 rank with
-    twice the batch is converted and resumed: tests/test_elastic.py)."""
+    twice the batch is converted and resumed: tests/train/test_elastic.py)."""
     out = copy_run(jit_zero2_run)
     before = losses(out)
     line = _refused(tmp_path, out, ["--max-steps", "10", "--resume"])

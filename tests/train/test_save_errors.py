@@ -1,5 +1,5 @@
 """A full disk inside a checkpoint write (train/save_errors.py), on a real full tmpfs; the trainer-level path (2
-DeepSpeed ranks whose second save fills the disk) runs in tools/faults --quick (tests/test_faults.py). ~1 s."""
+DeepSpeed ranks whose second save fills the disk) runs in tools/faults --quick (tests/faults/test_faults.py). ~1 s."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The slim JIT save's resume checks that need no ranks (train/slim_save.py); the save, the load and their
-exactness run on real DeepSpeed ranks in test_exact_resume.py, test_jit_stop.py and test_elastic.py."""
+exactness run on real DeepSpeed ranks in test_exact_resume.py, test_stop_and_resume.py and test_elastic.py."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ from slurm_jit.train.trainer import FAULT_SAVE_SLEEP_ENV
 
 pytestmark = pytest.mark.deepspeed
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STEP_SLEEP_S = 1.5  # long steps: read blocking (>= calc.BLOCKING_MIN_STEP_S)
 LONG = ["--zero-stage", "2", "--max-steps", "12", "--step-sleep", str(STEP_SLEEP_S), "--kill-wait", "0.5"]
 SHORT = ["--zero-stage", "2", "--max-steps", "200", "--step-sleep", "0.03", "--kill-wait", "3"]
