@@ -8,7 +8,7 @@ not trained, not in the checkpoint and rebuilt identically on resume (a copy of 
 Runs as it is, one process per rank (tiny GPT-2 from a config; the data, flags and launch are demo_train's)::
 
     srun python examples/dpo_style.py --output-dir OUT --max-steps 20 --resume
-    python -m pytest tests/test_compat_matrix.py -k dpo   # 2 local CPU ranks, stopped and resumed
+    python -m pytest tests/train/test_compat_matrix.py -k dpo   # 2 local CPU ranks, stopped and resumed
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ that JitTrainer's DataLoader-worker signal masking applies to it.
 Runs as it is, one process per rank (tiny GPT-2 from a config; the data, flags and launch are demo_train's)::
 
     srun python examples/grpo_style.py --steps-per-generation 3 --output-dir OUT --max-steps 20 --resume
-    python -m pytest tests/test_compat_matrix.py -k grpo   # 2 local CPU ranks, stopped and resumed
+    python -m pytest tests/train/test_compat_matrix.py -k grpo   # 2 local CPU ranks, stopped and resumed
 """
 
 from __future__ import annotations

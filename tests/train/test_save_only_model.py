@@ -1,0 +1,32 @@
+"""save_only_model without DeepSpeed: the JIT save is full (optimizer, scheduler, RNG) and resumes exactly.
+Real ranks (plain DDP, 2 CPU ranks).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from jit_helpers import assert_same_losses, losses, run_to_end
+from run_outputs import manifest_of as _manifest
+
+pytestmark = pytest.mark.deepspeed
+
+def test_plain_ddp_save_only_model_jit_save_resumes_exactly(tmp_path: Path) -> None:
+    """Item 3 without DeepSpeed: the JIT checkpoint has optimizer, scheduler and RNG files; the resumed run's
+    learning rates and losses are the uninterrupted run's (a fresh optimizer or a restarted schedule would not)."""
+    args = ["--zero-stage", "0", "--max-steps", "8", "--save-steps", "2", "--save-only-model", "--kill-wait", "0"]
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    assert run_to_end(ref, args) == [0, 0]
+    # SIGTERM at the end of step 4, during its model-only periodic save: the stop moves to step 5, full
+    assert run_to_end(out, [*args, "--signal-self-at-step", "4"]) == [0, 0]
+    jit = out / "checkpoint-5"
+    assert _manifest(jit)["contents"] == "full" and _manifest(out / "checkpoint-4")["contents"] == "model_only"
+    assert _manifest(jit)["kind"] == "jit"
+    for name in ("optimizer.pt", "scheduler.pt", "rng_state_0.pth", "rng_state_1.pth"):
+        assert (jit / name).is_file(), name
+    assert run_to_end(out, [*args, "--resume"]) == [0, 0]
+    assert_same_losses(losses(out), losses(ref))
+    lrs = [json.loads(line)["lr"] for line in (out / "losses-rank0.jsonl").read_text().splitlines()]
+    assert lrs == [json.loads(line)["lr"] for line in (ref / "losses-rank0.jsonl").read_text().splitlines()]

@@ -1,0 +1,122 @@
+"""The stop signals (train/signals.py, signal_names.py): the latch records the first signal only and restores the
+handlers, signal names parsed, DataLoader workers (forked and spawned) survive a SIGTERM meant for the rank.
+Real signals and real processes; no DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+
+from slurm_jit.signal_names import parse_signal
+from slurm_jit.train.signals import IgnoreSignalsInWorker, SignalLatch, StartWorkersMasked
+
+
+def test_latch_records_first_signal_only_and_restores() -> None:
+    before = signal.getsignal(signal.SIGUSR1)
+    latch = SignalLatch([signal.SIGUSR1])
+    latch.install()
+    try:
+        assert not latch.seen
+        t0 = time.monotonic()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        first = latch.first_at
+        assert first is not None and first >= t0 and latch.first_signum == signal.SIGUSR1
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert latch.first_at == first and latch.count == 2
+    finally:
+        latch.restore()
+    assert signal.getsignal(signal.SIGUSR1) == before
+
+
+def test_latch_keep_ignoring_after_a_stop() -> None:
+    latch = SignalLatch([signal.SIGUSR2])
+    latch.install()
+    latch.restore(keep_ignoring=True)
+    try:
+        assert signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGUSR2)  # would end the process if not ignored
+    finally:
+        signal.signal(signal.SIGUSR2, signal.SIG_DFL)
+
+
+def test_parse_signal() -> None:
+    assert parse_signal("TERM") == signal.SIGTERM
+    assert parse_signal("sigusr1") == signal.SIGUSR1
+    assert parse_signal(15) == signal.SIGTERM
+    with pytest.raises(ValueError, match="HINT"):
+        parse_signal("NOPE")
+
+
+def _worker(ready: multiprocessing.synchronize.Event, init: IgnoreSignalsInWorker) -> None:  # type: ignore[name-defined]
+    init(0)
+    ready.set()
+    time.sleep(3)
+
+
+def test_worker_init_makes_a_forked_worker_survive_sigterm() -> None:
+    ctx = multiprocessing.get_context("fork")
+    for wrapper, survives in ((IgnoreSignalsInWorker(None, [signal.SIGTERM]), True),
+                              (IgnoreSignalsInWorker(None, []), False)):
+        ready = ctx.Event()
+        proc = ctx.Process(target=_worker, args=(ready, wrapper))
+        proc.start()
+        assert ready.wait(10)
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.join(0.5 if survives else 10.0)  # dying can take long on a loaded machine; surviving is 0.5 s alive
+        assert proc.is_alive() == survives
+        proc.kill()
+        proc.join()
+
+
+@pytest.mark.parametrize("masked", [True, False])
+def test_spawned_workers_are_born_with_the_stop_signals_blocked(masked: bool) -> None:
+    """A signal sent while a spawn worker imports (before worker_init_fn) must not kill it; the parent's latch
+    still gets one that arrived while the parent blocked it. SIGUSR1 stands in for the stop signal."""
+    from torch.utils.data import DataLoader
+
+    stop = signal.SIGUSR1
+    latch = SignalLatch([stop])
+    loader = DataLoader(list(range(4)), num_workers=1, multiprocessing_context="spawn",
+                        worker_init_fn=IgnoreSignalsInWorker(None, [stop]))
+
+    def start_and_signal():  # type: ignore[no-untyped-def]
+        iterator = DataLoader._get_iterator(loader)
+        os.kill(os.getpid(), stop)  # inside the blocked window when masked
+        for worker in iterator._workers:  # still importing torch: seconds before worker_init_fn
+            os.kill(worker.pid, stop)
+        return iterator
+
+    loader._get_iterator = StartWorkersMasked(start_and_signal, [stop]) if masked else start_and_signal
+    latch.install()
+    try:
+        if masked:
+            assert [int(b) for b in loader] == [0, 1, 2, 3]
+        else:
+            with pytest.raises(RuntimeError, match="DataLoader worker"):
+                list(loader)
+        assert latch.seen
+        assert stop not in signal.pthread_sigmask(signal.SIG_BLOCK, [])  # the parent's mask is back
+    finally:
+        latch.restore()
+
+
+def test_latch_with_a_signal_named_twice_restores_the_original_handler() -> None:
+    # install() recorded its own handler as the "previous" one of the second copy: after train() the latch stayed
+    # installed, and every later SIGUSR1 was swallowed.
+    seen: list[int] = []
+    original = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
+    try:
+        latch = SignalLatch([signal.SIGUSR1, signal.SIGUSR1])
+        latch.install()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert latch.seen and not seen
+        latch.restore()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert seen == [signal.SIGUSR1] and latch.count == 1
+    finally:
+        signal.signal(signal.SIGUSR1, original)
