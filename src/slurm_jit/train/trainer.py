@@ -74,6 +74,7 @@ from slurm_jit.train import (
     stop_path,
     stop_record,
     subclassing,
+    writable,
 )
 from slurm_jit.train.agreement import StopAgreement
 from slurm_jit.train.jit_config import JitConfig
@@ -121,6 +122,9 @@ class JitTrainer(transformers.Trainer):
         # A transformers without the hooks below, or passing them what they cannot take, fails here, not at the
         # first stop
         subclassing.check_hooks(type(self), JitTrainer)
+        unusable = writable.refusal_at_construction(args, kwargs)  # upstream's os.makedirs: a traceback
+        if unusable:
+            raise JitRefusal(unusable)
         super().__init__(*args, **kwargs)
         self.jit_config = jit_config or JitConfig()
         self._jit_signums = tuple(parse_signal(s) for s in self.jit_config.signals)
