@@ -5,6 +5,7 @@ the resume pick nor rotation takes it. One real single-process JitTrainer run pa
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import ckpt_factory
@@ -65,3 +66,27 @@ def test_ckpt_check_reports_superseded_and_quarantined_directories_and_never_pic
         ("checkpoint-4.superseded-1", "superseded"), ("checkpoint-4.superseded-2", "superseded"),
         ("checkpoint-6.incomplete", "incomplete")]
     assert protocol.rotation_victims(protocol.scan(tmp_path)[0], 1) == []  # one checkpoint-<step> only: kept
+
+
+def test_a_step_set_aside_again_after_one_copy_was_deleted_takes_the_next_number_not_the_freed_one(
+        tmp_path: Path) -> None:
+    for created in (1000.0, 2000.0, 3000.0):
+        protocol.set_aside_replaced(ckpt_factory.checkpoint(tmp_path, 4, created=created))
+    shutil.rmtree(tmp_path / "checkpoint-4.superseded-1")  # a user freeing space by hand
+    newest = protocol.set_aside_replaced(ckpt_factory.checkpoint(tmp_path, 4, created=4000.0))
+    assert newest.name == "checkpoint-4.superseded-4"  # -1 would read as the oldest copy
+    assert not (tmp_path / "checkpoint-4").exists()
+
+
+def test_ckpt_check_lists_many_copies_of_one_step_in_the_order_they_were_set_aside(tmp_path: Path) -> None:
+    for created in range(12):
+        protocol.set_aside_replaced(ckpt_factory.checkpoint(tmp_path, 4, created=1000.0 + created))
+    for _ in range(11):  # quarantined: .incomplete, .incomplete.1, ... .incomplete.10
+        broken = ckpt_factory.checkpoint(tmp_path, 4)
+        (broken / protocol.SENTINEL_NAME).write_text("killed\n")
+        protocol.set_aside_replaced(broken)
+    names = [a.name for a in protocol.set_aside(tmp_path)]
+    assert names == ([f"checkpoint-4.superseded-{seq}" for seq in range(1, 13)]
+                     + ["checkpoint-4.incomplete"] + [f"checkpoint-4.incomplete.{n}" for n in range(1, 11)]), names
+    report = json.loads(ckpt_factory.run_ckpt_check(tmp_path, "--json").stdout)
+    assert [a["name"] for a in report["set_aside"]] == names and report["resume_from"] is None, report

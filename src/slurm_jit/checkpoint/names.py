@@ -60,17 +60,34 @@ def quarantine_path(ckpt_dir: Path) -> Path:
 
 
 def superseded_path(ckpt_dir: Path) -> Path:
-    """``checkpoint-<step>.superseded-<seq>``, the first ``seq`` from 1 whose name is free."""
-    seq = 1
-    while os.path.lexists(target := ckpt_dir.with_name(f"{ckpt_dir.name}{SUPERSEDED_SUFFIX}{seq}")):
+    """``checkpoint-<step>.superseded-<seq>``, ``seq`` one past the highest taken (1 for the first), so that the
+    numbers keep the order they were set aside in even after one of them was deleted."""
+    prefix = f"{ckpt_dir.name}{SUPERSEDED_SUFFIX}"
+    taken = [int(m.group(2)) for name in os.listdir(ckpt_dir.parent)
+             if name.startswith(prefix) and (m := SUPERSEDED_RE.fullmatch(name)) is not None
+             and len(m.group(2)) <= MAX_STEP_DIGITS]  # int() refuses over 4300 digits
+    seq = max(taken, default=0) + 1
+    while os.path.lexists(target := ckpt_dir.with_name(f"{prefix}{seq}")):  # one set aside since the listing
         seq += 1
     return target
+
+
+def _listing_order(name: str) -> tuple[tuple[int, str], int, tuple[int, str]]:
+    """Step, superseded before quarantined, then the number in numeric order (``-2`` before ``-10``), compared
+    as (length, digits): no int() of a name's digits, however many."""
+    superseded = SUPERSEDED_RE.fullmatch(name)
+    if superseded is not None:
+        step, kind, number = superseded.group(1), 0, superseded.group(2)
+    else:
+        step, _, number = name.removeprefix("checkpoint-").partition(QUARANTINE_SUFFIX)
+        kind, number = 1, number.lstrip(".")
+    return (len(step.lstrip("0")), step.lstrip("0")), kind, (len(number.lstrip("0")), number.lstrip("0"))
 
 
 def set_aside(out_dir: str | os.PathLike[str]) -> list[SetAside]:
     """The directories set aside in ``out_dir``, by name. Raises OSError when it cannot be listed."""
     found = []
-    for name in sorted(os.listdir(out_dir)):
+    for name in sorted((n for n in os.listdir(out_dir) if is_set_aside(n)), key=_listing_order):
         superseded = SUPERSEDED_RE.fullmatch(name)
         if superseded is not None:
             what = SUPERSEDED_WHAT.format(step=superseded.group(1))
