@@ -224,3 +224,28 @@ def test_edquot_inside_torch_save_is_one_line_with_a_quota_hint(tmp_path: Path) 
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert (earlier / "kept.bin").read_bytes() == b"saved before"
     assert not (ckpt / save_errors.PROBE_NAME).exists()  # the guard's test write is gone
+
+
+def test_a_read_only_file_system_at_setting_aside_an_earlier_run_s_checkpoint_is_one_line_and_keeps_it(
+        two_mounts: Path) -> None:
+    import transformers
+
+    out, root = two_mounts, two_mounts.parent
+    _trainer(out, transformers.TrainerCallback(), max_steps=2).train()  # type: ignore[attr-defined]
+    earlier = (out / "checkpoint-2" / protocol.MANIFEST_NAME).read_bytes()
+
+    class ReadOnlyBeforeTheResave(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            if state.global_step == 2:  # a rollback run about to save step 2 again: its first write is a rename
+                subprocess.run(["mount", "-o", "remount,ro", str(root)], check=True, timeout=MOUNT_TIMEOUT_S)
+
+    trainer = _trainer(out, ReadOnlyBeforeTheResave(), max_steps=2)
+    with pytest.raises(save_errors.CheckpointWriteError) as caught:
+        trainer.train(resume_from_checkpoint=str(out / "checkpoint-1"))  # type: ignore[attr-defined]
+    assert caught.value.__cause__ is None and caught.value.__suppress_context__
+    _assert_one_line(str(caught.value), "checkpoint-2", "could not be set aside", "Read-only file system (EROFS)",
+                     "untouched")
+    assert (out / "checkpoint-2" / protocol.MANIFEST_NAME).read_bytes() == earlier
+    assert not list(out.glob("checkpoint-2.*"))
+    resolution = protocol.find_resumable(out, deep=True)
+    assert resolution.checkpoint is not None and resolution.checkpoint.path.name == "checkpoint-2"

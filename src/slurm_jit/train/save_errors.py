@@ -113,3 +113,22 @@ def disk_full_is_one_line(ckpt_dir: Path) -> Iterator[None]:
         if found is None:
             raise
         raise CheckpointWriteError(one_line(ckpt_dir, *found)) from None
+
+
+@contextlib.contextmanager
+def set_aside_is_one_line(ckpt_dir: Path) -> Iterator[None]:
+    """Setting an earlier run's ``checkpoint-<step>`` aside for a new save of that step (a rename, the save's first
+    write) refused by the file system: :class:`CheckpointWriteError`, one line; nothing of the new save exists
+    yet, and the earlier directory is where it was."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in REFUSED_ERRNOS:
+            raise
+        where = ckpt_dir.parent
+        hint = REFUSAL_HINTS[exc.errno or 0].format(where=where)
+        raise CheckpointWriteError(
+            f"slurm_jit: {ckpt_dir}, from an earlier run, could not be set aside for a new save of its step: "
+            f"{_errno_words(exc)}. Nothing of the new save was written; {ckpt_dir.name} and every other checkpoint "
+            f"are untouched. HINT: {hint}, then resume: ckpt-check {where} names the checkpoint it resumes from"
+        ) from None

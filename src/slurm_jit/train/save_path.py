@@ -99,7 +99,8 @@ def _begin(trainer: JitTrainer, ckpt: Path, step: int, kind: str) -> None:
     """Rank 0 sets an earlier run's directory of this step aside and writes the sentinel; then all ranks meet."""
     if trainer._is_rank0:
         if os.path.lexists(ckpt):
-            aside = protocol.set_aside_replaced(ckpt)  # .superseded-<seq> if whole, else .incomplete
+            with save_errors.set_aside_is_one_line(ckpt):  # a rename: the save's first write here
+                aside = protocol.set_aside_replaced(ckpt)  # .superseded-<seq> if whole, else .incomplete
             logger.warning("slurm_jit: %s exists from an earlier run: moved to %s", ckpt, aside)
         with save_errors.disk_full_is_one_line(ckpt):  # the sentinel is the save's first write
             protocol.write_sentinel(ckpt, step, kind)
