@@ -57,3 +57,25 @@ def test_a_rank_that_cannot_write_the_output_dir_stops_every_rank_before_the_fir
     assert _tree(out) == before  # the checkpoint and the stop record as they were; no probe file left
     assert protocol.inspect(ckpt, 4, deep=True).status is protocol.Status.COMPLETE
     assert not list(out.rglob(f"{writable.PROBE_PREFIX}*"))
+
+
+# Rank 0 only (the saving rank, which creates output_dir at JitTrainer(...)): the parent bind-mounted read-only.
+PARENT_READ_ONLY_ON_RANK_0 = (
+    READ_ONLY_ON_RANK_1.replace('os.environ.get("RANK") == "1"', 'os.environ.get("RANK") == "0"')
+    .replace('out = sys.argv[sys.argv.index("--output-dir") + 1]',
+             'out = os.path.dirname(sys.argv[sys.argv.index("--output-dir") + 1])'))
+
+
+def test_an_output_dir_the_saving_rank_cannot_create_is_one_line_on_every_rank(tmp_path: Path) -> None:
+    out = tmp_path / "runs" / "out"  # does not exist yet; rank 0 sees runs/ read-only
+    out.parent.mkdir()
+    program = tmp_path / "parent_read_only_on_rank_0.py"
+    program.write_text(PARENT_READ_ONLY_ON_RANK_0)
+    result = jit_helpers.run_logged(out, ["--zero-stage", "0", "--max-steps", "3"], program=[str(program)])
+    assert result.codes == [2, 2], result.log[-4000:]
+    assert "Traceback" not in result.log and "'loss'" not in result.log, result.log[-4000:]
+    made = [line for line in result.log.splitlines() if f"output_dir {out} cannot be created" in line]
+    assert len(made) == 1 and "Read-only file system (EROFS)" in made[0] and "HINT:" in made[0], result.log[-4000:]
+    reach = [line for line in result.log.splitlines() if "rank 1 could not reach the other ranks" in line]
+    assert len(reach) == 1 and "HINT:" in reach[0], result.log[-4000:]
+    assert not out.exists()

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from slurm_jit.grace import calc
+from slurm_jit.train.refusals import JitRefusal
 
 SIDE_GROUP_TIMEOUT_S = 1800  # torch.distributed's default collective timeout
 
@@ -63,6 +64,19 @@ class ModeChoice:
     threshold_s: float
 
 
+def _side_group(rank: int, timeout_s: float) -> Any:
+    """The gloo side group; a rank that ended before it was made (a refusal at construction on the saving rank,
+    whose process hosted the rendezvous store) is one line here, not a DistNetworkError traceback."""
+    try:
+        return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    except dist.DistNetworkError as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise JitRefusal(
+            f"slurm_jit: rank {rank} could not reach the other ranks before the first step ({first}): another rank "
+            "ended first; this rank trained nothing and saved nothing. HINT: the first error in the job log, from "
+            "the rank that ended, says why") from None
+
+
 class StopAgreement:
     def __init__(self, timeout_s: float = SIDE_GROUP_TIMEOUT_S) -> None:
         self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -70,7 +84,7 @@ class StopAgreement:
         self.world_size = dist.get_world_size() if self.distributed else 1
         self.group: Any = None
         if self.distributed:
-            self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+            self.group = _side_group(self.rank, timeout_s)
         self._pending: _Round | None = None
         self.mode = calc.AGREE_BLOCKING  # until fixed after warm-up
         self.choice: ModeChoice | None = None
