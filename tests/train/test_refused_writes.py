@@ -249,3 +249,24 @@ def test_a_read_only_file_system_at_setting_aside_an_earlier_run_s_checkpoint_is
     assert not list(out.glob("checkpoint-2.*"))
     resolution = protocol.find_resumable(out, deep=True)
     assert resolution.checkpoint is not None and resolution.checkpoint.path.name == "checkpoint-2"
+
+
+def test_a_failure_whose_stop_record_finds_the_disk_full_logs_that_in_one_line_with_one_prefix(
+        two_mounts: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import transformers
+
+    out = two_mounts
+
+    class FillTheRecordDiskThenFail(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            if state.global_step == 1:
+                _fill(out / "slurm-jit")
+                raise RuntimeError("a user's callback failed")
+
+    trainer = _trainer(out, FillTheRecordDiskThenFail())
+    with caplog.at_level("ERROR"), pytest.raises(RuntimeError, match="a user's callback failed"):
+        trainer.train()  # type: ignore[attr-defined]
+    said = [r.getMessage() for r in caplog.records if "stop.json" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in caplog.records]
+    _assert_one_line(said[0], "(failed) could not be written", "No space left on device (ENOSPC)")
+    assert said[0].count("slurm_jit:") == 1, said[0]

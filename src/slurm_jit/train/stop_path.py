@@ -194,7 +194,8 @@ def record_failure(trainer: JitTrainer, run: Run, exc: BaseException) -> None:
     try:
         _write_failure(trainer, run, error)
     except OSError as write_exc:  # a full disk: the record cannot be written; the error itself must go on
-        logger.error("slurm_jit: stop record not written: %s", write_exc)
+        said = str(write_exc)  # a StopRecordError is already the one line, prefix and HINT included
+        logger.error("%s", said if said.startswith("slurm_jit:") else f"slurm_jit: stop record not written: {said}")
     if run.stop_recorded and not run.trackers_told:  # the trackers say what the record says: a JIT stop
         run.trackers_told = True
         log_stop_to_trackers(trainer, "jit_stop", trainer.state.global_step, signal_name(run.latch.first_signum),
