@@ -237,3 +237,15 @@ def test_ckpt_check_without_the_output_lock_refuses_to_reseal(tmp_path: Path, ca
     assert f"HINT: run the ckpt-check command (python -m slurm_jit.launch.ckpt_check_command --reseal {ckpt})" \
         in message, message
     assert (ckpt / protocol.MANIFEST_NAME).read_bytes() == before and not _backups(ckpt)
+
+
+def test_a_superseded_copy_is_refused_without_advice_to_rename_it(tmp_path: Path) -> None:
+    """A complete checkpoint a later save of its step replaced: renaming it back to checkpoint-<step> (the generic
+    refusal's advice) would put it in the way of that save's checkpoint; the refusal names what it is."""
+    out = tmp_path / "out"
+    aside = protocol.set_aside_replaced(_ds_checkpoint(out))
+    assert protocol.SUPERSEDED_RE.fullmatch(aside.name), aside
+    before = (aside / protocol.MANIFEST_NAME).read_bytes()
+    message = _one_line_refusal(run_ckpt_check("--reseal", aside), "superseded", "ckpt-check OUT_DIR")
+    assert "rename it" not in message, message
+    assert (aside / protocol.MANIFEST_NAME).read_bytes() == before and not _backups(aside)

@@ -68,6 +68,10 @@ def _step_of(path: Path) -> int:
             protocol.QUARANTINE_SUFFIX in path.name:
         raise _refuse(path, "quarantined (ckpt-check --quarantine found it not resumable)", "resume from the "
                       "checkpoint `ckpt-check OUT_DIR` names; a checkpoint found broken is never resealed")
+    superseded = protocol.SUPERSEDED_RE.fullmatch(path.name)
+    if superseded is not None:
+        raise _refuse(path, f"superseded (a later save of step {superseded.group(1)} replaced it; kept as it was)",
+                      "resume from the checkpoint `ckpt-check OUT_DIR` names; a copy set aside is never resealed")
     match = protocol.CHECKPOINT_RE.fullmatch(path.name)
     if match is None or len(match.group(1)) > protocol.MAX_STEP_DIGITS:
         raise _refuse(path, "not named checkpoint-<step>", "rename it checkpoint-<step> (its trainer_state's "
