@@ -18,6 +18,8 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import torch.distributed as dist
+
 from slurm_jit.checkpoint import protocol
 
 # What to do about each refusal, after "HINT: " ({where}: the output directory).
@@ -37,6 +39,8 @@ LOW_FREE_BYTES = 1024 * 1024
 # refuses it, as it refused the save's megabytes); the probe file is removed at once.
 PROBE_BYTES = 1024 * 1024
 PROBE_NAME = ".slurm-jit-write-probe"
+# What torch.distributed says (gloo: a RuntimeError) when a peer ended or stopped answering inside a collective
+PEER_GONE_WORDS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "imed out")
 
 
 class CheckpointWriteError(RuntimeError):
@@ -110,9 +114,27 @@ def disk_full_is_one_line(ckpt_dir: Path) -> Iterator[None]:
         yield
     except (OSError, RuntimeError) as exc:
         found = refusal(ckpt_dir, exc)
-        if found is None:
+        if found is not None:
+            raise CheckpointWriteError(one_line(ckpt_dir, *found)) from None
+        gone = peer_gone_line(ckpt_dir, exc)
+        if gone is None:
             raise
-        raise CheckpointWriteError(one_line(ckpt_dir, *found)) from None
+        raise CheckpointWriteError(gone) from None
+
+
+def peer_gone_line(ckpt_dir: Path, exc: BaseException) -> str | None:
+    """The line for a save that a collective failed because another rank ended (its own write refused on its own
+    node, which that rank says in its own line) or stopped answering; None for any other failure."""
+    first_line = (str(exc).strip().splitlines() or [""])[0][:200]
+    distributed_error = getattr(dist, "DistError", None)
+    if not ((distributed_error is not None and isinstance(exc, distributed_error))
+            or (isinstance(exc, RuntimeError) and any(w in first_line for w in PEER_GONE_WORDS))):
+        return None
+    return (f"slurm_jit: {ckpt_dir} could not be completed: another rank ended or stopped answering during the save "
+            f"({type(exc).__name__}: {first_line}). It stays incomplete ({protocol.SENTINEL_NAME} kept); earlier "
+            f"checkpoints are untouched. HINT: the other rank's own line in the job log says why (a full or "
+            f"read-only file system on its node?); then resume: ckpt-check {ckpt_dir.parent} names the checkpoint "
+            "it resumes from")
 
 
 @contextlib.contextmanager
