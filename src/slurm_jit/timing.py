@@ -63,8 +63,12 @@ class TimingLog:
         self._steps_seen = 0
         self._unflushed = 0
         path = timing_path(output_dir, rank)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: IO[str] | None = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self._file: IO[str] | None = None
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        except OSError as exc:  # no inode left, a quota of files: as a full disk later on, never the training
+            self._give_up(exc)
         self._write({"event": "start", "job_id": os.environ.get("SLURM_JOB_ID"), "time": time.time()})
         self.flush()
 

@@ -105,3 +105,27 @@ def test_a_full_disk_at_the_sentinel_is_one_line_and_keeps_the_earlier_checkpoin
     assert "checkpoint-2" in str(caught.value) and "HINT:" in str(caught.value), caught.value
     resolution = protocol.find_resumable(str(out))
     assert resolution.checkpoint is not None and resolution.checkpoint.path.name == "checkpoint-1"
+
+
+def test_a_file_system_out_of_inodes_never_makes_the_timing_log_end_training(tmp_path: Path) -> None:
+    # The first test write of train() succeeds and frees its inode; another user can take the last one before the
+    # timing log is created (an inode quota, a metadata target full): that open() raised from train()'s start.
+    from slurm_jit.timing import TIMING_DIR, TimingLog
+
+    mount = tmp_path / "few-inodes"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,nr_inodes=8", "tmpfs", str(mount)], check=True,
+                   timeout=60)
+    try:
+        (mount / TIMING_DIR).mkdir()
+        taken = 0
+        with pytest.raises(OSError):  # every inode taken
+            while True:
+                (mount / f"other-{taken}").touch()
+                taken += 1
+        log = TimingLog(mount, 0, 1, "run")  # nothing raised: no log, training goes on
+        log.step(1, 0.1)
+        log.close()
+        assert not list((mount / TIMING_DIR).iterdir())
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False, timeout=60)
