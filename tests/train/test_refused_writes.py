@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from disk_helpers import fill
 
 from slurm_jit.checkpoint import protocol
 from slurm_jit.train import save_errors, stop_record
@@ -52,18 +53,6 @@ def two_mounts(tmp_path: Path) -> Iterator[Path]:
     finally:
         subprocess.run(["umount", "-l", str(out / "slurm-jit")], check=False, timeout=MOUNT_TIMEOUT_S)
         subprocess.run(["umount", "-l", str(root)], check=False, timeout=MOUNT_TIMEOUT_S)
-
-
-def _fill(mount: Path) -> None:
-    """Write a filler file until the file system answers ENOSPC."""
-    fd = os.open(mount / "filler", os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
-        while True:
-            os.write(fd, b"\0" * 4096)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _trainer(out: Path, callback: object, max_steps: int = 3) -> object:
@@ -116,7 +105,7 @@ def test_enospc_writing_stop_json_after_a_jit_checkpoint_is_one_line_and_the_che
     class SignalThenFillTheRecordDisk(transformers.TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
             if state.global_step == 2:
-                _fill(out / "slurm-jit")  # the JIT checkpoint goes to the other mount; stop.json finds it full
+                fill(out / "slurm-jit")  # the JIT checkpoint goes to the other mount; stop.json finds it full
                 os.kill(os.getpid(), signal.SIGTERM)
 
     trainer = _trainer(out, SignalThenFillTheRecordDisk(), max_steps=50)
@@ -260,7 +249,7 @@ def test_a_failure_whose_stop_record_finds_the_disk_full_logs_that_in_one_line_w
     class FillTheRecordDiskThenFail(transformers.TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
             if state.global_step == 1:
-                _fill(out / "slurm-jit")
+                fill(out / "slurm-jit")
                 raise RuntimeError("a user's callback failed")
 
     trainer = _trainer(out, FillTheRecordDiskThenFail())

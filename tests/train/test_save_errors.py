@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from disk_helpers import fill
 
 from slurm_jit.train import save_errors
 
@@ -55,18 +56,6 @@ def test_other_failures_pass_through_unchanged(tmp_path: Path) -> None:
             raise RuntimeError("a bug")
 
 
-def _fill(mount: Path) -> None:
-    """Write a filler file until the file system answers ENOSPC."""
-    fd = os.open(mount / "filler", os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
-        while True:
-            os.write(fd, b"\0" * 4096)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def test_a_full_disk_never_makes_the_timing_log_end_training(full_disk: Path) -> None:
     # The timing log is diagnostics: its buffered step records hitting a full disk (the disk a checkpoint just
     # filled) raised from flush() mid-training, and from close() in train()'s finally, where that OSError replaced
@@ -74,7 +63,7 @@ def test_a_full_disk_never_makes_the_timing_log_end_training(full_disk: Path) ->
     from slurm_jit.timing import FLUSH_EVERY_STEPS, TimingLog
 
     log = TimingLog(full_disk, 0, 1, "run")
-    _fill(full_disk)
+    fill(full_disk)
     for step in range(1, 50 * FLUSH_EVERY_STEPS):
         log.step(step, 0.1)
     log.save(7, "periodic", 1.0, 10)
@@ -93,7 +82,7 @@ def test_a_full_disk_at_the_sentinel_is_one_line_and_keeps_the_earlier_checkpoin
     class FillAtStep2(transformers.TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
             if state.global_step == 2:
-                _fill(full_disk)
+                fill(full_disk)
 
     out = full_disk / "out"
     targs = transformers.TrainingArguments(output_dir=str(out), use_cpu=True, report_to=[], max_steps=3,
