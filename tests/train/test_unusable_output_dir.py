@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from disk_helpers import fill
 
 from slurm_jit.train import writable
 from slurm_jit.train.refusals import JitRefusal
@@ -83,14 +84,7 @@ def test_an_output_dir_to_be_created_on_a_read_only_file_system_is_one_line(tmpf
 def test_a_full_disk_at_the_first_test_write_is_one_line_with_the_free_space_hint(tmpfs: Path) -> None:
     out = tmpfs / "out"
     trainer = _trainer(out)  # the directory is made while there is room
-    filler = os.open(tmpfs / "filler", os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
-        while True:
-            os.write(filler, b"\0" * 4096)
-    except OSError:
-        pass
-    finally:
-        os.close(filler)
+    fill(tmpfs)
     with pytest.raises(JitRefusal) as caught:
         trainer.train()  # type: ignore[attr-defined]
     _one_line(str(caught.value), "No space left on device (ENOSPC)", "free space on", "df -h")
