@@ -66,3 +66,4 @@ class Run:
     save_ended_at: float | None = None
     agreement_mode: str = AGREE_BLOCKING  # how this boundary's stop rounds are read (fixed after warm-up)
     grace_checked: set[str] = field(default_factory=set)
+    frozen: Any = None  # rank 0: the frozen weights' fingerprint (frozen_weights.py), computed at the start

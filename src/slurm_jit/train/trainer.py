@@ -67,6 +67,7 @@ from slurm_jit.train import (
     elastic,
     evaluation,
     exact_resume,
+    frozen_weights,
     output_lock,
     resume_path,
     save_path,
@@ -216,6 +217,7 @@ class JitTrainer(transformers.Trainer):
         """Before upstream's train(): the checkpoint to resume (resume_path), the timing log, ``running``."""
         out_dir = str(self.args.output_dir)
         slim_save.install_load()  # before elastic's universal load, which goes on top of it
+        run.frozen = frozen_weights.at_start(self.model, self._is_rank0)  # once, before DeepSpeed casts it
         resume = resume_path.resolve(self, resume_from_checkpoint)
         run.checkpoint = run.resumed_from = resume
         compat.continue_tensorboard_run(self, resume)
