@@ -68,20 +68,22 @@ def test_only_a_save_that_leaves_the_frozen_weights_out_records_them() -> None:
 def test_resume_refusal_names_the_count_and_the_first_differing_tensor() -> None:
     manifest = _manifest(_named())
     same = frozen_weights.fingerprint(_named())
-    assert frozen_weights.resume_refusal("ck", manifest, None, same) is None
-    assert frozen_weights.resume_refusal("ck", {}, None, same) is None  # written before the field: unchecked
+    assert frozen_weights.resume_refusal("ck", manifest, None, same) == (None, True)
+    assert frozen_weights.resume_refusal("ck", {}, None, same) == (None, True)  # written before it: unchecked
     named = _named()
     other = frozen_weights.fingerprint([named[0], ("b.weight", named[1][1] + 1), named[2]])
-    why = frozen_weights.resume_refusal("ck", manifest, None, other)
+    why, now = frozen_weights.resume_refusal("ck", manifest, None, other)
+    assert now, "the same frozen names: refused before the load"
     assert why is not None and "\n" not in why and "HINT:" in why, why
     assert "1 of its 3 frozen tensors differ" in why and "first: 'b.weight' has other values" in why, why
     fewer = frozen_weights.fingerprint(named[:2])
-    why = frozen_weights.resume_refusal("ck", manifest, None, fewer)
+    why, now = frozen_weights.resume_refusal("ck", manifest, None, fewer)
+    assert not now, "other frozen names: after the load's own model checks"
     assert why is not None and "3 frozen tensors in the checkpoint, 2 in this model" in why, why
     assert "'c.bias' is not frozen in this model" in why, why
 
 
 def test_a_malformed_recorded_fingerprint_is_refused_in_one_line() -> None:
-    why = frozen_weights.resume_refusal("ck", {FROZEN_FINGERPRINT: {"tensors": [1]}}, None,
-                                        frozen_weights.fingerprint(_named()))
+    why, _ = frozen_weights.resume_refusal("ck", {FROZEN_FINGERPRINT: {"tensors": [1]}}, None,
+                                           frozen_weights.fingerprint(_named()))
     assert why is not None and "malformed" in why and "HINT:" in why, why

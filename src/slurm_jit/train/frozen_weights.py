@@ -92,21 +92,32 @@ def manifest_fields(weights: str, found: Fingerprint | None) -> dict[str, Any]:
     return {FROZEN_FINGERPRINT: found.as_manifest()}
 
 
-def resume_refusal(ckpt_dir: str, manifest: dict[str, Any], model: Any, found: Fingerprint | None) -> str | None:
+def resume_refusal(ckpt_dir: str, manifest: dict[str, Any], model: Any,
+                   found: Fingerprint | None) -> tuple[str | None, bool]:
     """Rank 0, before any load: why ``model`` (fingerprint ``found`` if computed) cannot resume the checkpoint
-    whose frozen weights it must supply (one line with a HINT), or None (also: no fingerprint recorded)."""
+    whose frozen weights it must supply (one line with a HINT), or None (also: no fingerprint recorded); and
+    whether to refuse now (the same frozen names: another base) or only after the load's model checks
+    (:func:`raise_deferred`), whose words name the adapter that differs (another LoRA rank or target modules)."""
     recorded = manifest.get(FROZEN_FINGERPRINT)
     if recorded is None:
-        return None
+        return None, True
     saved = _recorded_tensors(recorded)
     if saved is None:
         return (f"{ckpt_dir}: its manifest's {FROZEN_FINGERPRINT} is malformed, so the frozen weights this run "
                 "supplies cannot be checked. HINT: resume from another checkpoint, or start a new run in another "
-                "output_dir")
+                "output_dir"), True
     now = found if found is not None else of_model(model)
     if recorded.get("digest") == now.digest and saved == now.tensors:
-        return None
-    return f"{ckpt_dir}: {difference(saved, now.tensors)}. {HINT}"
+        return None, True
+    return f"{ckpt_dir}: {difference(saved, now.tensors)}. {HINT}", set(saved) == set(now.tensors)
+
+
+def raise_deferred(refusal: str | None) -> None:
+    """After the load, before the first step (every rank): the refusal :func:`resume_refusal` deferred."""
+    if refusal:
+        from slurm_jit.train.refusals import JitRefusal
+
+        raise JitRefusal(f"slurm_jit: {refusal}")
 
 
 def _recorded_tensors(recorded: Any) -> dict[str, str] | None:

@@ -51,6 +51,7 @@ def resolve(trainer: JitTrainer, resume_from_checkpoint: str | bool | None) -> s
         run.lineage = carried.get("run_id") or uuid.uuid4().hex[:LINEAGE_ID_CHARS]
         run.owed_eval_step = carried.get("owed_evaluation_step")
         run.load_from, run.conversion = carried.get("load_from"), carried.get("conversion")
+        run.frozen_refusal = carried.get("frozen_refusal")
         if run.load_from:
             elastic.install_universal_load()
     return path
@@ -94,9 +95,11 @@ def prepare_load(trainer: JitTrainer, path: str, manifest: dict[str, Any], carri
     ``carried`` (an elastic resume's universal copy). The ZeRO stage first, on every world size: a conversion
     keeps the stage's file layout (ZeRO-3 under ZeRO-2 would be converted and then fail in DeepSpeed's load)."""
     run = trainer._jit_run
-    refusal = frozen_weights.resume_refusal(path, manifest, trainer.model, run.frozen if run else None)
-    if refusal:  # the frozen weights it left out are this model's, or nothing is loaded (nor converted)
+    refusal, now = frozen_weights.resume_refusal(path, manifest, trainer.model, run.frozen if run else None)
+    if refusal and now:  # the frozen weights it left out are this model's, or nothing is loaded (nor converted)
         return refusal
+    if refusal:  # other frozen names: the load's model checks say which adapter differs; if not, this after it
+        carried["frozen_refusal"] = refusal
     ds_config = trainer._ds_config()
     refusal = model_match.stage_refusal(path, manifest, ds_config)
     if refusal:  # a slim save's own words where it has them (its weights are only in the shards)

@@ -293,6 +293,7 @@ class JitTrainer(transformers.Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint: str | None, *args: Any, **kwargs: Any) -> None:
         # Trainer calls this right after DeepSpeed's load_checkpoint and before the first resumed step.
         super()._load_optimizer_and_scheduler(checkpoint, *args, **kwargs)
+        frozen_weights.raise_deferred(self._jit_run.frozen_refusal if self._jit_run else None)
         if checkpoint is not None and self.is_deepspeed_enabled:
             exact_resume.restore(self.model_wrapped)
 
