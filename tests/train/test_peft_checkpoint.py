@@ -29,6 +29,7 @@ from jit_helpers import (
 )
 
 from slurm_jit.checkpoint import protocol
+from slurm_jit.checkpoint.manifest import FROZEN_FINGERPRINT
 from slurm_jit.train import stop_record
 
 MAX_STEPS = 10
@@ -203,4 +204,52 @@ def test_a_lora_checkpoint_on_another_world_size_is_refused_in_one_line(
     refusals = [line for line in ranks.log(0).splitlines() if "a PEFT checkpoint" in line]
     assert len(refusals) == 1 and "HINT: resume it on 2 ranks" in refusals[0], ranks.log(0)[-4000:]
     assert "Traceback" not in ranks.log(0)
+    assert _files_of(ckpt) == before
+
+
+# ---------------------------------------------------------------- the frozen weights' fingerprint (issue 19)
+
+MAX_STATES_OVER_TRAINABLE = 1.1  # issue 19: a LoRA JIT save writes what changes, not the frozen base
+OTHER_BASE_SEED = "43"  # --seed: the script builds the same architecture with other base weights
+
+
+@pytest.mark.deepspeed
+def test_lora_jit_checkpoint_records_the_frozen_base_fingerprint_and_holds_only_the_trainable_state(
+        stopped: Stopped) -> None:
+    """The JIT checkpoint's manifest records the fingerprint of every frozen tensor it left out (each of the base's
+    parameters, the tied output layer under its first name), and its model-states file is at most 1.1x the
+    trainable state a resume needs (the optimizer shards: the adapters' fp32 master weights and Adam moments).
+    Before: no fingerprint. (Before issue 19's PEFT layout, b60953c: the model-states file held the whole base.)"""
+    from slurm_jit.demo_train import build_model
+
+    manifest = json.loads((stopped.ckpt / protocol.MANIFEST_NAME).read_text())
+    recorded = manifest.get(FROZEN_FINGERPRINT)
+    assert isinstance(recorded, dict), sorted(manifest)
+    base = {name for name, _ in build_model("gpt2", 64, 2).named_parameters()}  # demo_train's default model
+    assert recorded["count"] == len(recorded["tensors"]) == len(base), (recorded["count"], len(base))
+    assert {n.removeprefix("base_model.model.").replace(".base_layer.", ".") for n in recorded["tensors"]} == base
+    tag = stopped.ckpt / f"global_step{stopped.step}"
+    trainable_state = sum(p.stat().st_size for p in tag.glob("*optim_states.pt"))
+    states = (tag / "mp_rank_00_model_states.pt").stat().st_size
+    assert states <= MAX_STATES_OVER_TRAINABLE * trainable_state, (states, trainable_state)
+
+
+@pytest.mark.deepspeed
+def test_resume_with_another_base_model_is_refused_in_one_line_before_any_step(
+        stopped: Stopped, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The script builds the base with another seed: the frozen weights it would supply are not those the adapters
+    were trained on. One line naming how many frozen tensors differ and the first, with a HINT, exit 2 on both
+    ranks, no step run, the checkpoint untouched. Before: the resume ran on the other base to the end."""
+    out = tmp_path_factory.mktemp("peft-other-base") / "out"
+    shutil.copytree(stopped.out, out, symlinks=True)
+    ckpt = out / stopped.ckpt.name
+    before, steps_before = _files_of(ckpt), losses(out)
+    result = run_logged(out, [*ARGS, "--resume", "--seed", OTHER_BASE_SEED])
+    assert result.codes == [2, 2], result.log[-4000:]
+    assert "Traceback" not in result.log, result.log[-4000:]
+    refusals = [line for line in result.log.splitlines() if line.startswith("demo_train: slurm_jit: ")]
+    assert len(refusals) == 2, result.log[-4000:]
+    assert all("frozen weights" in line and "frozen tensors differ from this model's" in line
+               and "first: 'base_model.model." in line and "HINT:" in line for line in refusals), refusals
+    assert losses(out) == steps_before
     assert _files_of(ckpt) == before

@@ -16,6 +16,7 @@ from slurm_jit.bench import (
     ckpt_check_speed,
     disk,
     gpu,
+    lora,
     overhead,
     report,
     resume,
@@ -55,7 +56,8 @@ FULL = Profile(flag="--full", model=runs.Model(width=768, layers=13, heads=12), 
 # Every row of every profile, in order: a row a profile does not run is reported skipped.
 ROW_NAMES = (
     "disk_write", "disk_read", "save_bw_over_disk_zero2", "bytes_over_needed_zero2", "save_vs_upstream_plus_sync",
-    "upstream_bytes_over_needed", "save_bw_over_disk_zero3", "bytes_over_needed_zero3", "zero3_gather_on_over_off",
+    "upstream_bytes_over_needed", "bytes_over_needed_lora", "lora_save_over_full", "save_bw_over_disk_zero3",
+    "bytes_over_needed_zero3", "zero3_gather_on_over_off",
     "memory_peak_over_steady", "agreement_overhead_median", "agreement_overhead_p99", "signal_exit_prediction_min",
     "signal_exit_prediction_max", "staggered_ours_completed", "staggered_upstream_completed", "ckpt_check_quick_s",
     "ckpt_check_deep_over_disk_read", "ckpt_check_deep_over_sha256sum", "resume_over_fresh_start",
@@ -104,6 +106,7 @@ def measure(profile: Profile, work: Path) -> list[Row]:
         return rows
     ours, limit = z2[0], limits[0]
     _section(rows, "upstream", lambda: save.upstream_rows(work / "upstream", profile.model, ours))
+    _section(rows, "save_lora", lambda: lora.rows(work / "lora", profile.model, ours))
     _section(rows, "ckpt_check_deep", lambda: ckpt_check_speed.deep_rows(ours.outcome.out, ours.ckpt, limit))
     _section(rows, "resume", lambda: resume.rows(ours, profile.model, limit))
     if profile.zero3:

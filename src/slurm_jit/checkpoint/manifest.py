@@ -30,6 +30,10 @@ WEIGHTS_MASTER_ONLY = "fp32-master-only"  # only the optimizer shards' fp32 mast
 # A PEFT model's save (upstream's exclude_frozen_parameters): the model-states file holds the trainable weights (the
 # adapters) and no frozen ones; those are the model as built (the base the user's script loads), as upstream resumes
 WEIGHTS_FROZEN_EXCLUDED = "frozen-excluded"
+# "frozen_fingerprint" (optional; absent in manifests written before it, which resume unchecked): a checkpoint whose
+# weights are WEIGHTS_FROZEN_EXCLUDED records what its left-out frozen tensors were (train/frozen_weights.py):
+# {"algorithm": "xxh3_128", "digest": hex, "count": n, "tensors": {name: "dtype[shape]:xxh3_64 hex"}}
+FROZEN_FINGERPRINT = "frozen_fingerprint"
 WEIGHTS_LAYOUTS = (WEIGHTS_FULL, WEIGHTS_MASTER_ONLY, WEIGHTS_FROZEN_EXCLUDED)
 ZERO3 = 3  # ZeRO stage 3: partitioned parameters, model-states files with placeholders for the weights
 HASH_NAME = "xxh3_128"

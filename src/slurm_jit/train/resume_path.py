@@ -20,7 +20,7 @@ from transformers.trainer_utils import _is_peft_model
 
 from slurm_jit.checkpoint import elastic_plan, protocol
 from slurm_jit.checkpoint import manifest as manifest_file
-from slurm_jit.train import elastic, elastic_unheld, model_match, output_lock, slim_save, writable
+from slurm_jit.train import elastic, elastic_unheld, frozen_weights, model_match, output_lock, slim_save, writable
 from slurm_jit.train.refusals import JitRefusal, resume_refusal
 from slurm_jit.train.run_state import LINEAGE_ID_CHARS
 
@@ -51,6 +51,7 @@ def resolve(trainer: JitTrainer, resume_from_checkpoint: str | bool | None) -> s
         run.lineage = carried.get("run_id") or uuid.uuid4().hex[:LINEAGE_ID_CHARS]
         run.owed_eval_step = carried.get("owed_evaluation_step")
         run.load_from, run.conversion = carried.get("load_from"), carried.get("conversion")
+        run.frozen_refusal = carried.get("frozen_refusal")
         if run.load_from:
             elastic.install_universal_load()
     return path
@@ -93,6 +94,12 @@ def prepare_load(trainer: JitTrainer, path: str, manifest: dict[str, Any], carri
     """Rank 0: why ``path`` cannot be loaded by this run's engine, or None, with what the load needs in
     ``carried`` (an elastic resume's universal copy). The ZeRO stage first, on every world size: a conversion
     keeps the stage's file layout (ZeRO-3 under ZeRO-2 would be converted and then fail in DeepSpeed's load)."""
+    run = trainer._jit_run
+    refusal, now = frozen_weights.resume_refusal(path, manifest, trainer.model, run.frozen if run else None)
+    if refusal and now:  # the frozen weights it left out are this model's, or nothing is loaded (nor converted)
+        return refusal
+    if refusal:  # other frozen names: the load's model checks say which adapter differs; if not, this after it
+        carried["frozen_refusal"] = refusal
     ds_config = trainer._ds_config()
     refusal = model_match.stage_refusal(path, manifest, ds_config)
     if refusal:  # a slim save's own words where it has them (its weights are only in the shards)

@@ -66,3 +66,5 @@ class Run:
     save_ended_at: float | None = None
     agreement_mode: str = AGREE_BLOCKING  # how this boundary's stop rounds are read (fixed after warm-up)
     grace_checked: set[str] = field(default_factory=set)
+    frozen: Any = None  # rank 0: the frozen weights' fingerprint (frozen_weights.py), computed at the start
+    frozen_refusal: str | None = None  # every rank: a frozen-weights refusal raised after the load (not before)

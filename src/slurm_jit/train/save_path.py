@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from slurm_jit.checkpoint import protocol
-from slurm_jit.train import save_errors, slim_save, stop_path
+from slurm_jit.train import frozen_weights, save_errors, slim_save, stop_path
 
 if TYPE_CHECKING:
     from slurm_jit.train.trainer import JitTrainer
@@ -160,7 +160,8 @@ def write_manifest(trainer: JitTrainer, ckpt: Path, step: int, kind: str, fields
         ckpt, step=step, kind=kind, world_size=int(trainer.args.world_size), zero_stage=zero_stage,
         deepspeed_tag=tag, files=files, contents=fields.pop("contents"), run_id=fields.pop("run_id"),
         weights=weights,
-        extra={"bytes_weights_duplicate": duplicate, "bytes_needed_for_resume": total - duplicate, **fields},
+        extra={"bytes_weights_duplicate": duplicate, "bytes_needed_for_resume": total - duplicate, **fields,
+               **frozen_weights.manifest_fields(weights, trainer._jit_run.frozen if trainer._jit_run else None)},
     )
     logger.info("slurm_jit: %s checkpoint-%d: %d bytes written, %d needed for resume, %d over (model weights "
                 "again beside the fp32 master copy in the optimizer shards); weights: %s",

@@ -67,6 +67,7 @@ from slurm_jit.train import (
     elastic,
     evaluation,
     exact_resume,
+    frozen_weights,
     output_lock,
     resume_path,
     save_path,
@@ -216,6 +217,7 @@ class JitTrainer(transformers.Trainer):
         """Before upstream's train(): the checkpoint to resume (resume_path), the timing log, ``running``."""
         out_dir = str(self.args.output_dir)
         slim_save.install_load()  # before elastic's universal load, which goes on top of it
+        run.frozen = frozen_weights.at_start(self.model, self._is_rank0)  # once, before DeepSpeed casts it
         resume = resume_path.resolve(self, resume_from_checkpoint)
         run.checkpoint = run.resumed_from = resume
         compat.continue_tensorboard_run(self, resume)
@@ -291,6 +293,7 @@ class JitTrainer(transformers.Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint: str | None, *args: Any, **kwargs: Any) -> None:
         # Trainer calls this right after DeepSpeed's load_checkpoint and before the first resumed step.
         super()._load_optimizer_and_scheduler(checkpoint, *args, **kwargs)
+        frozen_weights.raise_deferred(self._jit_run.frozen_refusal if self._jit_run else None)
         if checkpoint is not None and self.is_deepspeed_enabled:
             exact_resume.restore(self.model_wrapped)
 
