@@ -43,6 +43,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--samples", type=int, default=512)
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per training step")
+    p.add_argument("--step-sleep-requeued", type=float, default=None,
+                   help="extra seconds per training step in a requeued run (SLURM_RESTART_COUNT > 0); "
+                        "default: --step-sleep")
     p.add_argument("--eval-sleep", type=float, default=0.0, help="extra seconds per evaluation batch")
     p.add_argument("--resume", action="store_true", help="train(resume_from_checkpoint=True)")
     p.add_argument("--trainer", choices=("jit", "plain"), default="jit",
@@ -217,6 +220,15 @@ def deepspeed_config(zero_stage: int, optimizer: str | None = None, offload: boo
     return config
 
 
+def _step_sleep_s(args: argparse.Namespace) -> float:
+    """--step-sleep, or --step-sleep-requeued in a requeued run: a test that waits for a time-limit warning slows
+    the first run only, and the requeued run finishes the rest at full speed."""
+    requeued = os.environ.get("SLURM_RESTART_COUNT", "0").strip() not in ("", "0")
+    if requeued and args.step_sleep_requeued is not None:
+        return float(args.step_sleep_requeued)
+    return float(args.step_sleep)
+
+
 def _callbacks(args: argparse.Namespace, rank: int) -> list[Any]:
     import transformers
 
@@ -233,10 +245,12 @@ def _callbacks(args: argparse.Namespace, rank: int) -> list[Any]:
                 with open(os.path.join(out_dir, "evals-rank0.jsonl"), "a", encoding="utf-8") as f:
                     f.write(json.dumps({"step": state.global_step, "eval_loss": logs["eval_loss"]}) + "\n")
 
+    step_sleep_s = _step_sleep_s(args)
+
     class Sleep(transformers.TrainerCallback):
         def on_step_end(self, *a: Any, **kw: Any) -> None:
-            if args.step_sleep:
-                time.sleep(args.step_sleep)
+            if step_sleep_s:
+                time.sleep(step_sleep_s)
 
         def on_prediction_step(self, *a: Any, **kw: Any) -> None:
             if args.eval_sleep:

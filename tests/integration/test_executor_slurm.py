@@ -30,8 +30,8 @@ pytestmark = [pytest.mark.slurm, pytest.mark.deepspeed, pytest.mark.usefixtures(
 TESTS = Path(__file__).resolve().parents[1]
 JOB_DEADLINE_S = 600  # a hang detector: queued behind other jobs on 2 CPUs, a 3-minute job ends well within
 # 300 steps of >= 0.4 s cannot end before the warning (at most 60 s after the limit is moved, as TERM@60 may come
-# up to 60 s early); the requeued run finishes the rest.
-TRAIN = ("--max-steps", "300", "--step-sleep", "0.4")
+# up to 60 s early); the requeued run finishes the rest without the sleep.
+TRAIN = ("--max-steps", "300", "--step-sleep", "0.4", "--step-sleep-requeued", "0")
 LIMIT_FROM_NOW_S = 120  # TERM@60: the warning 0-60 s after the limit is moved
 
 

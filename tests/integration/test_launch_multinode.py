@@ -73,7 +73,8 @@ def test_two_nodes_through_submit_time_limit_jit_requeue_resume_finish(
     argv = [sys.executable, str(SUBMIT), "--nodes", "2", "--ntasks-per-node", "1", "--cpus-per-task", "1",
             "--time", "3", "--signal-lead", str(SIGNAL_LEAD_S), "--max-requeues", "2", "--output-dir", str(out),
             "--", "bash", "-c", SAY_RANK, "bash", sys.executable, "-m", "slurm_jit.demo_train",
-            "--output-dir", str(out), "--resume", "--step-sleep", str(STEP_SLEEP_S), *train]
+            "--output-dir", str(out), "--resume", "--step-sleep", str(STEP_SLEEP_S),
+            "--step-sleep-requeued", "0", *train]  # the requeued run only has to finish: no sleep
     proc = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=120,
                           env={**os.environ, **ONE_THREAD})  # SLURM_CONF: the two-node cluster (fixture)
     assert proc.returncode == 0, proc.stdout + proc.stderr

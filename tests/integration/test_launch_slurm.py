@@ -122,7 +122,8 @@ def test_time_limit_signal_jit_requeue_resume_finish_through_submit(tmp_path: Pa
     out = tmp_path / "out"
     # 400 steps of >= 0.4 s: the first run cannot finish before the latest warning, 120 s in (at 0.2 s a step it
     # did on an idle CI machine: finished at 90 s, no requeue, and the record was purged while the test waited).
-    train = ("--max-steps", "400", "--save-steps", "150", "--step-sleep", "0.4")
+    # The requeued run (SLURM_RESTART_COUNT 1) steps without the sleep: it only has to finish.
+    train = ("--max-steps", "400", "--save-steps", "150", "--step-sleep", "0.4", "--step-sleep-requeued", "0")
     job_id = _submit(out, jobs, "--max-requeues", "3", "--job-name", "time limit; $(x)", train=train)
     assert slurm.run(["squeue", "-h", "-j", job_id, "-o", "%j"]).strip() == "time limit; $(x)"  # as argv
     reference = _reference(tmp_path, ["--max-steps", "400", "--save-steps", "150"])
