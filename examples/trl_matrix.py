@@ -71,7 +71,7 @@ def _config(cls_name: str, args: Any, **fields: Any) -> Any:
     return getattr(trl, cls_name)(**{**args.to_dict(), "hub_token": args.hub_token, **fields})
 
 
-def build(row: str, vocab: int, *, model: Any, args: Any, train_dataset: Any, eval_dataset: Any,
+def build(row: str, vocab: int, keep_dropout: bool, *, model: Any, args: Any, train_dataset: Any, eval_dataset: Any,
           callbacks: Any, jit_config: Any) -> Any:
     """demo_train's Trainer arguments made the TRL trainer's of ``row``, with JIT added by ``with_jit``."""
     import trl
@@ -93,7 +93,8 @@ def build(row: str, vocab: int, *, model: Any, args: Any, train_dataset: Any, ev
         with torch.random.fork_rng(devices=[]):  # the policy's stream as without a reference model
             ref_model = demo_train.build_model("gpt2", model.config.n_embd, model.config.n_layer, vocab=vocab,
                                                heads=model.config.n_head)
-    config = _config("DPOConfig", args, max_length=PROMPT_WORDS + ANSWER_WORDS + 2)
+    # --keep-dropout: DPOConfig's default disables dropout, and with it every random draw of a training step
+    config = _config("DPOConfig", args, max_length=PROMPT_WORDS + ANSWER_WORDS + 2, disable_dropout=not keep_dropout)
     return with_jit(trl.DPOTrainer)(ref_model=ref_model, args=config, train_dataset=preference_pairs(
         train_dataset, vocab), eval_dataset=evals, **common)
 
@@ -102,12 +103,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--row", choices=ROWS, required=True)
     parser.add_argument("--vocab", type=int, default=demo_train.VOCAB)
+    parser.add_argument("--keep-dropout", action="store_true", help="DPO: DPOConfig(disable_dropout=False)")
     opts, rest = parser.parse_known_args(argv)
     if opts.row == "dpo-peft" and "--lora" not in rest:
         raise SystemExit("trl_matrix: --row dpo-peft trains a LoRA model. HINT: add --lora")
 
     def make(**kwargs: Any) -> Any:
-        return build(opts.row, opts.vocab, **kwargs)
+        return build(opts.row, opts.vocab, opts.keep_dropout, **kwargs)
 
     demo_train.main([*rest, "--vocab", str(opts.vocab)], trainer_cls=make)
 
