@@ -14,6 +14,7 @@ from typing import Any
 from slurm_jit.grace.calc import AGREE_BLOCKING
 from slurm_jit.timing import TimingLog
 from slurm_jit.train.signals import SignalLatch
+from slurm_jit.train.watchdog import Watchdog
 
 LINEAGE_ID_CHARS = 12  # hex digits of a training lineage id (the manifest's run_id)
 
@@ -66,3 +67,5 @@ class Run:
     save_ended_at: float | None = None
     agreement_mode: str = AGREE_BLOCKING  # how this boundary's stop rounds are read (fixed after warm-up)
     grace_checked: set[str] = field(default_factory=set)
+    watchdog: Watchdog | None = None  # this rank's hang watchdog, from the first step until train() ends
+    hung: bool = False  # the watchdog fired: the process is writing its hang record and exiting

@@ -245,6 +245,7 @@ class JitTrainer(transformers.Trainer):
         if run.timing is not None:
             stop_path.record_stop_timing(self, run)
             run.timing.close()
+        stop_path.stop_watchdog(run)  # the hang watchdog watched until here (train/watchdog.py)
         self._jit_run = None
 
     def _close_agreement(self, clean: bool) -> None:
