@@ -74,6 +74,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="each rank sends itself SIGTERM at the end of this step (a stop at a known step)")
     p.add_argument("--slow-train-end", type=float, default=0.0,
                    help="seconds an on_train_end callback sleeps after a stop (slow user cleanup)")
+    p.add_argument("--hang-timeout", default="auto", help="JitConfig(hang_timeout_s=...): seconds, auto or none")
+    p.add_argument("--stall-at-step", type=int, default=-1,
+                   help="on_step_begin sleeps --stall-s when global_step is this (0: the first step)")
+    p.add_argument("--stall-s", type=float, default=0.0)
+    p.add_argument("--stall-rank", type=int, default=-1, help="the rank that stalls (-1: every rank)")
     p.add_argument("--fail-at-step", type=int, default=0, help="the first train() raises at this step")
     p.add_argument("--train-again", action="store_true", help="after a failed train(), call train() again")
     p.add_argument("--ds-optimizer", choices=("AdamW",), default=None,
@@ -310,6 +315,10 @@ def _test_callbacks(opts: argparse.Namespace, rank: int) -> list[Any]:
                     with open(os.path.join(ckpt, "config.json"), "a", encoding="utf-8") as f:
                         f.write("\n")
 
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step == opts.stall_at_step and opts.stall_rank in (-1, rank):
+                time.sleep(opts.stall_s)  # user code that blocks (a hang when --stall-s is huge)
+
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if opts.signal_self_at_step and state.global_step == opts.signal_self_at_step:
                 os.kill(os.getpid(), signal.SIGTERM)
@@ -456,6 +465,10 @@ def _write_final_state(out_dir: str, trainer: Any) -> None:
         json.dump(state, f)
 
 
+def _hang_timeout(text: str) -> float | str | None:
+    return None if text == "none" else text if text == "auto" else float(text)
+
+
 def _train(args: argparse.Namespace, common: dict[str, Any], trainer_cls: Any = None) -> None:
     import transformers
 
@@ -466,7 +479,7 @@ def _train(args: argparse.Namespace, common: dict[str, Any], trainer_cls: Any = 
         try:
             config = JitConfig(kill_wait_s=args.kill_wait, ignore_signals_in_workers=not args.workers_take_signals,
                                signals=tuple(args.signals.split(",")), jit_save_model_weights=args.jit_save_weights,
-                               slim_jit_save=not args.full_jit_save)
+                               slim_jit_save=not args.full_jit_save, hang_timeout_s=_hang_timeout(args.hang_timeout))
         except ValueError as exc:  # one line with its HINT, as every refusal
             raise JitRefusal(f"JitConfig: {exc}") from None
         trainer: Any = (trainer_cls or JitTrainer)(**common, jit_config=config)

@@ -6,8 +6,8 @@ Pure: facts in, a decision and a one-line reason out. No Slurm calls, no files, 
 Requeue the same job id only when: the stop record of *this* job id and restart says a JIT checkpoint completed;
 ``ckpt-check`` finds a resumable checkpoint; the job is still running (never after ``scancel``); the requeue
 count is below the maximum; and the run made progress (its global step passed the previous stop's, else it is
-a crash loop). After a failure that was not a JIT stop: no requeue unless ``--retry-on-failure K``, counted
-separately (and still bounded by the maximum).
+a crash loop). After a failure that was not a JIT stop (a hang among them: stop record ``hung``): no requeue
+unless ``--retry-on-failure K``, counted separately (and still bounded by the maximum).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ CAUSE_PREEMPTION = "preemption"
 CAUSE_USER_CANCEL = "user cancel"
 CAUSE_SIGNAL = "stop signal"  # a JIT stop neither near the time limit nor preempted: scancel --signal, say
 CAUSE_CRASH = "crash"
+CAUSE_HANG = "hang"  # a rank's hang watchdog ended it (stop record ``hung``): requeued as a failure, for now
 CAUSE_FINISHED = "finished"
 
 
@@ -76,6 +77,8 @@ def stop_cause(facts: Facts) -> str:
         return CAUSE_USER_CANCEL
     if facts.record_state == "finished" or _exited_without_trainer(facts):
         return CAUSE_FINISHED
+    if facts.record_state == "hung":
+        return CAUSE_HANG
     if facts.record_state != "jit_stop":
         return CAUSE_CRASH
     if facts.preempted:
@@ -107,7 +110,7 @@ def decide(facts: Facts) -> Decision:
     if facts.restart_count >= facts.max_requeues:
         return Decision(cause=cause, requeue=False,
                         reason=f"maximum requeues reached ({facts.restart_count} of {facts.max_requeues})")
-    if cause == CAUSE_CRASH:
+    if cause in (CAUSE_CRASH, CAUSE_HANG):
         return _after_failure(facts, cause)
     if not facts.resumable:
         return Decision(cause=cause, requeue=False, reason="ckpt-check finds no resumable checkpoint")

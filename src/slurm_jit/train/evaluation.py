@@ -57,6 +57,7 @@ def _aborted(trainer: JitTrainer, run: Run) -> dict[str, float]:
 def abort_if_stopping(trainer: JitTrainer) -> None:
     """At each prediction step inside the training loop (not at its last step): raise EvalAborted once a stop is
     agreed."""
+    stop_path.feed(trainer, "evaluation")  # each batch is a boundary for the hang watchdog
     run = trainer._jit_run
     if (run is not None and run.in_loop and not stop_path.at_last_step(trainer)
             and stop_path.take(trainer, trainer._agreement.poll(*stop_path.wish(trainer)))):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from slurm_jit.grace.calc import SLURM_SIGNAL_LEAD_MAX_S
 from slurm_jit.signal_names import parse_signal
-from slurm_jit.train import elastic
+from slurm_jit.train import elastic, watchdog
 from slurm_jit.train.agreement import SIDE_GROUP_TIMEOUT_S
 
 # A JitConfig duration above Slurm's largest signal lead can never be waited out before the kill (and a huge one
@@ -44,10 +44,18 @@ class JitConfig:
     grace_check: bool = True  # under Slurm, warn when the signal lead is shorter than the grace needed
     side_group_timeout_s: float = SIDE_GROUP_TIMEOUT_S  # timeout of the gloo side group's collectives
     convert_timeout_s: float = elastic.CONVERT_TIMEOUT_S  # an elastic resume's conversion (train/elastic.py)
+    # A step (or evaluation batch) longer than this is a hang: stacks to the log, stop record ``hung``, exit 87
+    # (train/watchdog.py). "auto": max(10 x the longest step, 300 s) after warm-up; None: no watchdog.
+    hang_timeout_s: float | str | None = watchdog.AUTO
 
     def __post_init__(self) -> None:
         for name in ("kill_wait_s", "side_group_timeout_s", "convert_timeout_s"):
             _check_seconds(name, getattr(self, name), allow_zero=name == "kill_wait_s")
+        if self.hang_timeout_s is not None and self.hang_timeout_s != watchdog.AUTO:
+            if isinstance(self.hang_timeout_s, str):
+                raise ValueError(f"hang_timeout_s={self.hang_timeout_s!r}. HINT: a number of seconds, "
+                                 f"{watchdog.AUTO!r} (derived from the steps measured) or None (no watchdog)")
+            _check_seconds("hang_timeout_s", self.hang_timeout_s, allow_zero=False)
         if isinstance(self.signals, str) or not isinstance(self.signals, tuple | list):
             raise ValueError(f"signals={self.signals!r} is not a tuple of names. HINT: signals=('TERM',)")
         if not self.signals:

@@ -14,6 +14,7 @@ from typing import Any
 from slurm_jit.grace.calc import AGREE_BLOCKING
 from slurm_jit.timing import TimingLog
 from slurm_jit.train.signals import SignalLatch
+from slurm_jit.train.watchdog import Watchdog
 
 LINEAGE_ID_CHARS = 12  # hex digits of a training lineage id (the manifest's run_id)
 
@@ -68,3 +69,5 @@ class Run:
     grace_checked: set[str] = field(default_factory=set)
     frozen: Any = None  # rank 0: the frozen weights' fingerprint (frozen_weights.py), computed at the start
     frozen_refusal: str | None = None  # every rank: a frozen-weights refusal raised after the load (not before)
+    watchdog: Watchdog | None = None  # this rank's hang watchdog, from the first step until train() ends
+    hung: bool = False  # the watchdog fired: the process is writing its hang record and exiting

@@ -70,6 +70,7 @@ def save_checkpoint(trainer: JitTrainer, model: Any, trial: Any, upstream: Upstr
     run_dir = Path(trainer._get_output_dir(trial=trial))
     ckpt = run_dir / f"checkpoint-{step}"
     t0 = time.monotonic()
+    stop_path.feed(trainer, "save")  # the hang watchdog gives a save its long bound
     _begin(trainer, ckpt, step, kind)
     with save_errors.disk_full_is_one_line(ckpt):  # one clear line; the sentinel stays, nothing rotates
         contents, weights = upstream_save(trainer, model, trial, kind, upstream)

@@ -9,6 +9,7 @@ The rank agreement itself is :mod:`slurm_jit.train.agreement`; the record's form
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from slurm_jit.timing import WARMUP_STEPS
-from slurm_jit.train import runtime_grace, stop_record, subclassing
+from slurm_jit.train import runtime_grace, stop_record, subclassing, watchdog
 from slurm_jit.train.agreement import Decision
 from slurm_jit.train.run_state import Run, StopBeforeFirstStep, signal_name
 from slurm_jit.train.trackers import log_stop_to_trackers
@@ -85,6 +86,7 @@ def on_train_begin(trainer: JitTrainer) -> None:
         raise StopBeforeFirstStep
     run.in_loop = True
     run.step_t0 = time.monotonic()
+    start_watchdog(trainer, run)
 
 
 def on_step_end(trainer: JitTrainer) -> None:
@@ -93,6 +95,8 @@ def on_step_end(trainer: JitTrainer) -> None:
         return
     run.est_step_s = time.monotonic() - run.step_t0
     run.steps_done += 1
+    if run.watchdog is not None:
+        run.watchdog.step_done(run.est_step_s, trainer.state.global_step)
     if run.timing is not None:
         run.timing.step(trainer.state.global_step, run.est_step_s)
 
@@ -124,10 +128,12 @@ def log_save_evaluate(trainer: JitTrainer, run: Run, upstream: Callable[[], None
         run.stopped = True
         record_stop(trainer)
         trainer.control.should_training_stop = True
+        feed(trainer, "end of training")
     else:
         if not run.stop_now:
             run_due_grace_checks(trainer)  # never between a stop decision and the exit: it may query Slurm
         run.step_t0 = time.monotonic()
+        feed(trainer, "end of training" if last_step else "step")
 
 
 def save_jit(trainer: JitTrainer, model: Any, trial: Any) -> None:
@@ -167,6 +173,45 @@ def _stopping(run: Run, step: int, last_step: bool) -> bool:
     return stopping
 
 
+def start_watchdog(trainer: JitTrainer, run: Run) -> None:
+    """This rank's hang watchdog (train/watchdog.py), from the first step on; its old hang report removed."""
+    timeout = trainer.jit_config.hang_timeout_s
+    if timeout is None or run.watchdog is not None:
+        return
+    rank = int(trainer.args.process_index)
+    stop_record.hang_report_path(str(trainer.args.output_dir), rank).unlink(missing_ok=True)
+    run.watchdog = watchdog.Watchdog(timeout, rank, on_hang=lambda hang: record_hang(trainer, run, hang))
+    run.watchdog.start(trainer.state.global_step)
+
+
+def feed(trainer: JitTrainer, phase: str) -> None:
+    """A boundary: the watchdog's clock starts again, for ``phase``."""
+    run = trainer._jit_run
+    if run is not None and run.watchdog is not None:
+        run.watchdog.feed(phase, trainer.state.global_step)
+
+
+def stop_watchdog(run: Run) -> None:
+    if run.watchdog is not None:
+        run.watchdog.stop()
+        run.watchdog = None
+
+
+def record_hang(trainer: JitTrainer, run: Run, hang: watchdog.Hang) -> None:
+    """The watchdog's thread, before the exit: this rank's hang report; rank 0 (the output_dir's lock holder) also
+    the stop record ``hung``, with the reports the other ranks wrote meanwhile."""
+    run.hung = True
+    out_dir = str(trainer.args.output_dir)
+    stop_record.write_hang_report(out_dir, hang.rank, dataclasses.asdict(hang))
+    if not trainer._is_rank0 or trainer.__dict__.get("_jit_output_lock") is None:
+        return
+    deadline = time.monotonic() + watchdog.PEER_REPORT_WAIT_S
+    while len(stop_record.hang_reports(out_dir)) < int(trainer.args.world_size) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    stop_record.write(out_dir, "hung", step=hang.step, ranks=stop_record.hang_reports(out_dir),
+                      checkpoint=None, resumed_from=run.resumed_from)
+
+
 def record_stop(trainer: JitTrainer) -> None:
     """Rank 0 records ``jit_stop`` as soon as the stop checkpoint is complete (nothing slow in between)."""
     run = trainer._jit_run
@@ -191,6 +236,8 @@ def record_failure(trainer: JitTrainer, run: Run, exc: BaseException) -> None:
     if not trainer._is_rank0 or trainer.__dict__.get("_jit_output_lock") is None:
         return  # only the output_dir's lock holder writes its stop record (a refused launch is not it)
     error = f"{type(exc).__name__}: {exc}"[:2000]
+    if run.hung:
+        return  # the watchdog's thread is writing ``hung`` before the exit
     try:
         _write_failure(trainer, run, error)
     except OSError as write_exc:  # a full disk: the record cannot be written; the error itself must go on
@@ -207,6 +254,9 @@ def _write_failure(trainer: JitTrainer, run: Run, error: str) -> None:
         stop_record.write(str(trainer.args.output_dir), "jit_stop", step=trainer.state.global_step,
                           checkpoint=run.checkpoint, signal=signal_name(run.latch.first_signum),
                           error_after_stop=error)
+    elif stop_record.hang_reports(str(trainer.args.output_dir)):  # a peer's watchdog ended it: this error follows
+        stop_record.write(str(trainer.args.output_dir), "hung", step=getattr(trainer.state, "global_step", None),
+                          ranks=stop_record.hang_reports(str(trainer.args.output_dir)), error=error)
     else:
         stop_record.write(str(trainer.args.output_dir), "failed", step=getattr(trainer.state, "global_step", None),
                           error=error)

@@ -6,9 +6,12 @@
   its manifest), or, for a signal before the first step, the checkpoint resumed from is still the newest. Requeue.
 - ``finished``: training reached its end. Do not requeue.
 - ``failed``: ``train()`` raised; ``error`` says what.
+- ``hung``: a rank's hang watchdog (:mod:`slurm_jit.train.watchdog`) ended it; ``ranks`` holds each hung rank's
+  report (rank, node, step, phase, seconds since its last boundary, the frame its main thread waited in), the
+  stacks are in the job log. The newest complete checkpoint is the one to resume.
 
 ``python -m slurm_jit.stop_record OUT_DIR`` prints the state and exits 0 (finished), 10 (jit_stop: requeue),
-1 (running or failed: a crash) or 2 (no record, or unreadable). The launchers' requeue loop uses this.
+11 (hung), 1 (running or failed: a crash) or 2 (no record, or unreadable). The launchers' requeue loop uses this.
 """
 
 from __future__ import annotations
@@ -28,13 +31,15 @@ from slurm_jit.train import save_errors
 from slurm_jit.train.save_errors import CheckpointWriteError
 
 STOP_RECORD_NAME = "stop.json"
-STATES = ("running", "jit_stop", "finished", "failed")
+STATES = ("running", "jit_stop", "finished", "failed", "hung")
 EXIT_FINISHED = 0
 EXIT_CRASHED = 1
 EXIT_NO_RECORD = 2
 EXIT_REQUEUE = 10
+EXIT_HUNG = 11
 EXIT_BY_STATE = {"finished": EXIT_FINISHED, "jit_stop": EXIT_REQUEUE, "running": EXIT_CRASHED,
-                 "failed": EXIT_CRASHED}
+                 "failed": EXIT_CRASHED, "hung": EXIT_HUNG}
+HANG_REPORT_GLOB = "hang-rank*.json"  # one per rank whose watchdog fired, beside the stop record
 
 
 PATH_FIELDS = ("checkpoint", "resumed_from")  # written absolute: a relative output_dir is relative to one cwd
@@ -42,6 +47,30 @@ PATH_FIELDS = ("checkpoint", "resumed_from")  # written absolute: a relative out
 
 def path(output_dir: str | os.PathLike[str]) -> Path:
     return Path(output_dir) / TIMING_DIR / STOP_RECORD_NAME
+
+
+def hang_report_path(output_dir: str | os.PathLike[str], rank: int) -> Path:
+    return Path(output_dir) / TIMING_DIR / f"hang-rank{rank}.json"
+
+
+def write_hang_report(output_dir: str | os.PathLike[str], rank: int, report: dict[str, Any]) -> None:
+    """This rank's hang report (every rank writes its own file; only rank 0 writes the stop record)."""
+    target = hang_report_path(output_dir, rank)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report, default=str), encoding="utf-8")
+    os.rename(tmp, target)
+
+
+def hang_reports(output_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every rank's hang report of this run (each rank removes its own old one when its watchdog starts)."""
+    reports = []
+    for report_path in sorted((Path(output_dir) / TIMING_DIR).glob(HANG_REPORT_GLOB)):
+        with contextlib.suppress(OSError, json.JSONDecodeError, UnicodeDecodeError):
+            report = json.loads(report_path.read_text(encoding="utf-8"))
+            if isinstance(report, dict):
+                reports.append(report)
+    return sorted(reports, key=lambda r: int(r.get("rank", 0)))
 
 
 class StopRecordError(CheckpointWriteError, OSError):
@@ -111,16 +140,26 @@ def read(output_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
 def main(argv: Sequence[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1 or args[0].startswith("-"):
-        print("usage: python -m slurm_jit.stop_record OUT_DIR  (exit 0 finished, 10 requeue, 1 crashed, "
+        print("usage: python -m slurm_jit.stop_record OUT_DIR  (exit 0 finished, 10 requeue, 11 hung, 1 crashed, "
               "2 no record)", file=sys.stderr)
         sys.exit(EXIT_NO_RECORD)
     record = read(args[0])
     if record is None:
         print(f"stop_record: no readable {path(args[0])}. HINT: did the job reach train()?", file=sys.stderr)
         sys.exit(EXIT_NO_RECORD)
-    detail = record.get("checkpoint") or record.get("error") or ""
+    detail = record.get("checkpoint") or record.get("error") or _hang_detail(record)
     print(f"{record['state']} step={record.get('step')} {detail}".rstrip())
     sys.exit(EXIT_BY_STATE[record["state"]])
+
+
+def _hang_detail(record: dict[str, Any]) -> str:
+    """``hung``: each hung rank, its node and the frame it waited in (the stacks are in the job log)."""
+    ranks = record.get("ranks") if record.get("state") == "hung" else None
+    if not isinstance(ranks, list):
+        return ""
+    said = [f"rank {r.get('rank')} (node {r.get('node')}) {r.get('since_s')} s in '{r.get('phase')}' at "
+            f"{r.get('frame')}" for r in ranks if isinstance(r, dict)]
+    return "hang: " + "; ".join(said) + "; stacks in the job log"
 
 
 if __name__ == "__main__":

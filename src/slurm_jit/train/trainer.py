@@ -231,6 +231,13 @@ class JitTrainer(transformers.Trainer):
 
     def _jit_end(self, run: Run, clean: bool) -> None:
         """Every train() ends here, whatever ended it."""
+        try:
+            self._jit_close(run, clean)
+        finally:  # whatever raised above: a watchdog left running would end this process later (a notebook's)
+            stop_path.stop_watchdog(run)
+            self._jit_run = None
+
+    def _jit_close(self, run: Run, clean: bool) -> None:
         # First, as nothing below may raise before them: the load wrappers are for this train() only.
         elastic.uninstall_universal_load()
         slim_save.uninstall_load()
@@ -247,7 +254,6 @@ class JitTrainer(transformers.Trainer):
         if run.timing is not None:
             stop_path.record_stop_timing(self, run)
             run.timing.close()
-        self._jit_run = None
 
     def _close_agreement(self, clean: bool) -> None:
         agreement, self._jit_agreement = self._jit_agreement, None

@@ -1,0 +1,95 @@
+"""The hang watchdog on 2 real DeepSpeed ranks: a rank blocked in user code ends every rank as ``hung`` within
+hang_timeout + 30 s, stacks in the log; long legitimate phases (a slow first step, a slow save, a long evaluation)
+with a short hang_timeout are never called a hang."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import jit_helpers
+import pytest
+
+from slurm_jit.checkpoint import protocol
+from slurm_jit.train import stop_record, watchdog
+from slurm_jit.train.save_path import FAULT_SAVE_SLEEP_ENV
+
+pytestmark = pytest.mark.deepspeed
+
+HANG_TIMEOUT_S = 10
+EXIT_WITHIN_S = HANG_TIMEOUT_S + 30  # the issue's bound: every rank gone within hang_timeout + 30 s
+STALL_AT_STEP = 3  # rank 1 blocks in on_step_begin once step 3 is done (checkpoint-2 is the newest complete)
+FOREVER_S = 100_000
+
+
+@dataclass
+class HungRun:
+    out: Path
+    codes: list[int | None]
+    exit_s: float  # from step STALL_AT_STEP logged until every rank exited
+    logs: list[str]
+
+
+@pytest.fixture(scope="module")
+def hung_run(tmp_path_factory: pytest.TempPathFactory) -> HungRun:
+    out = tmp_path_factory.mktemp("hang") / "out"
+    ranks = jit_helpers.start_ranks(out, [
+        "--max-steps", "12", "--save-steps", "2", "--hang-timeout", str(HANG_TIMEOUT_S),
+        "--stall-at-step", str(STALL_AT_STEP), "--stall-rank", "1", "--stall-s", str(FOREVER_S)])
+    jit_helpers.wait_for_steps(ranks, out, STALL_AT_STEP)
+    t0 = time.monotonic()
+    deadline = t0 + EXIT_WITHIN_S + 60  # past the bound only to tell "late" from "never"
+    while any(p.poll() is None for p in ranks.procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    exit_s = time.monotonic() - t0
+    codes = ranks.wait(0.1)  # SIGKILLs a rank still running: a hang the watchdog missed
+    return HungRun(out=out, codes=codes, exit_s=exit_s, logs=[ranks.log(0), ranks.log(1)])
+
+
+def test_a_rank_blocked_in_user_code_ends_every_rank_within_the_bound(hung_run: HungRun) -> None:
+    assert hung_run.codes[1] == watchdog.HUNG_EXIT_CODE, (hung_run.codes, hung_run.logs[1][-3000:])
+    # rank 0 waits in the step's collective: its own watchdog ends it, or the collective fails once rank 1 is gone
+    assert hung_run.codes[0] not in (None, 0), (hung_run.codes, hung_run.logs[0][-3000:])
+    assert hung_run.exit_s < EXIT_WITHIN_S, hung_run.exit_s
+
+
+def test_the_hung_rank_s_stack_is_in_its_log(hung_run: HungRun) -> None:
+    log = hung_run.logs[1]
+    assert "slurm_jit: hang on rank 1" in log and "HINT:" in log, log[-3000:]
+    assert "most recent call first" in log and "in on_step_begin" in log, log[-3000:]  # faulthandler's dump
+
+
+def test_the_stop_record_says_hung_and_names_the_stuck_frame(hung_run: HungRun) -> None:
+    record = stop_record.read(hung_run.out)
+    assert record is not None and record["state"] == "hung", record
+    stuck = {r["rank"]: r for r in record["ranks"]}
+    assert "on_step_begin" in stuck[1]["frame"] and stuck[1]["step"] == STALL_AT_STEP, record
+    assert stuck[1]["since_s"] >= HANG_TIMEOUT_S and stuck[1]["node"], record
+    cli = subprocess.run([sys.executable, "-m", "slurm_jit.stop_record", str(hung_run.out)], capture_output=True,
+                         text=True, check=False)
+    assert cli.returncode == stop_record.EXIT_HUNG, (cli.returncode, cli.stdout, cli.stderr)
+    assert cli.stdout.startswith("hung ") and "rank 1" in cli.stdout and "on_step_begin" in cli.stdout, cli.stdout
+
+
+def test_the_newest_complete_checkpoint_before_the_hang_resumes(hung_run: HungRun) -> None:
+    found = protocol.find_resumable(hung_run.out).checkpoint
+    assert found is not None and found.path.name == "checkpoint-2", found
+
+
+def test_a_slow_first_step_a_slow_save_and_a_long_evaluation_are_not_a_hang(tmp_path: Path) -> None:
+    slow_s = 12  # each phase alone outlasts hang_timeout_s
+    timeout_s = 8
+    result = jit_helpers.run_logged(tmp_path / "out", [
+        "--max-steps", "6", "--save-steps", "3", "--eval-steps", "5", "--eval-samples", "48", "--eval-sleep", "1",
+        "--hang-timeout", str(timeout_s), "--stall-at-step", "0", "--stall-s", str(slow_s)],
+        env={FAULT_SAVE_SLEEP_ENV: str(slow_s)})
+    assert result.codes == [0, 0], (result.codes, result.log[-4000:])
+    assert f"hang watchdog on rank 0: hang_timeout_s={float(timeout_s)}" in result.log, result.log[-3000:]
+    assert "slurm_jit: hang on rank" not in result.log
+    record = stop_record.read(tmp_path / "out")
+    assert record is not None and record["state"] == "finished", record
+    evals = (tmp_path / "out" / "evals-rank0.jsonl").read_text()
+    assert '"step": 5' in evals, evals  # the long evaluation ran to its end
