@@ -23,7 +23,7 @@ from typing import Any
 
 import xxhash
 
-from slurm_jit.checkpoint.manifest import FROZEN_FINGERPRINT, WEIGHTS_FROZEN_EXCLUDED
+from slurm_jit.checkpoint.manifest import FROZEN_FINGERPRINT, WEIGHTS_FROZEN_EXCLUDED, frozen_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ def resume_refusal(ckpt_dir: str, manifest: dict[str, Any], model: Any,
     recorded = manifest.get(FROZEN_FINGERPRINT)
     if recorded is None:
         return None, True
-    saved = _recorded_tensors(recorded)
+    saved = frozen_tensors(manifest)  # manifest.read refuses a malformed one; this, any other caller
     if saved is None:
         return (f"{ckpt_dir}: its manifest's {FROZEN_FINGERPRINT} is malformed, so the frozen weights this run "
                 "supplies cannot be checked. HINT: resume from another checkpoint, or start a new run in another "
@@ -133,14 +133,6 @@ def raise_deferred(refusal: str | None) -> None:
         from slurm_jit.train.refusals import JitRefusal
 
         raise JitRefusal(f"slurm_jit: {refusal}")
-
-
-def _recorded_tensors(recorded: Any) -> dict[str, str] | None:
-    tensors = recorded.get("tensors") if isinstance(recorded, dict) else None
-    if not isinstance(tensors, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                                for k, v in tensors.items()):
-        return None
-    return tensors
 
 
 def difference(saved: dict[str, str], now: dict[str, str]) -> str:
