@@ -182,3 +182,22 @@ def test_a_whole_deepspeed_checkpoint_is_complete(tmp_path: Path) -> None:
     ckpt = ckpt_factory.checkpoint(tmp_path, 6, world=2, deepspeed=True)
     info = protocol.inspect(ckpt, 6, deep=True)
     assert (info.status, info.reason, info.world_size) == (Status.COMPLETE, "", 2)
+
+
+@pytest.mark.parametrize("recorded", [None, "abc", [1], {"digest": "x"}, {"tensors": {"a.weight": 1}},
+                                      {"tensors": ["a.weight"]}])
+def test_malformed_frozen_fingerprint_is_corrupt_and_an_older_checkpoint_is_picked(
+        tmp_path: Path, recorded: object) -> None:
+    """A PEFT checkpoint's frozen_fingerprint (issue 19) that is not an object of name -> entry strings: ckpt-check
+    says so and picks the older checkpoint, as the resume does. Before: ckpt-check called it resumable (exit 0)
+    and the resume then refused it ("malformed")."""
+    older = older_full_and(tmp_path)
+    good = {"algorithm": "xxh3_128", "digest": "d", "count": 1, "tensors": {"a.weight": "float32[2]:ab"}}
+    ckpt = ckpt_factory.checkpoint(tmp_path, 6, frozen_fingerprint=good)
+    assert protocol.inspect(ckpt, 6).status is Status.COMPLETE
+    ckpt_factory.edit_manifest(ckpt, frozen_fingerprint=recorded)
+    info = protocol.inspect(ckpt, 6)
+    assert info.status is Status.CORRUPT and "frozen_fingerprint malformed" in info.reason, info
+    run = run_ckpt_check(tmp_path)
+    assert run.code == ckpt_check.EXIT_RESUMABLE and run.last_line == bytes(older), run
+    assert "Traceback" not in run.stderr

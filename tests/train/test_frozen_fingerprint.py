@@ -5,6 +5,9 @@ Fast: real torch tensors, no DeepSpeed. The 2-rank resume that uses it is in tes
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -87,3 +90,52 @@ def test_a_malformed_recorded_fingerprint_is_refused_in_one_line() -> None:
     why, _ = frozen_weights.resume_refusal("ck", {FROZEN_FINGERPRINT: {"tensors": [1]}}, None,
                                            frozen_weights.fingerprint(_named()))
     assert why is not None and "malformed" in why and "HINT:" in why, why
+
+
+def test_frozen_weights_on_the_meta_device_are_refused_in_one_line_at_the_start() -> None:
+    """A PEFT base whose frozen weights have no data (built on the meta device, or offloaded by a device_map) cannot
+    be fingerprinted nor supplied to a resume: one line with a HINT, on every rank. Before: NotImplementedError
+    ("Cannot copy out of meta tensor") from the fingerprint, a traceback at the start of train()."""
+    import peft
+    import transformers
+
+    from slurm_jit.train.refusals import JitRefusal
+
+    with torch.device("meta"):
+        base = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=32, n_embd=8, n_layer=1, n_head=2))
+    model = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["c_attn"]))
+    for is_rank0 in (True, False):
+        with pytest.raises(JitRefusal) as refused:
+            frozen_weights.at_start(model, is_rank0)
+        why = str(refused.value)
+        assert "\n" not in why and "no data (on the meta device)" in why and "HINT:" in why, why
+
+
+_ZERO_INIT_BASES = """
+import os, socket
+sock = socket.socket(); sock.bind(("127.0.0.1", 0)); port = sock.getsockname()[1]; sock.close()
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+import deepspeed, torch
+from slurm_jit.train import frozen_weights
+deepspeed.init_distributed("gloo")
+for seed in (0, 1):
+    torch.manual_seed(seed)
+    with deepspeed.zero.Init(config_dict_or_path={"zero_optimization": {"stage": 3}, "train_batch_size": 1}):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    model.requires_grad_(False)
+    found = frozen_weights.of_model(model)
+    print("FOUND", found.digest, found.tensors["0.weight"])
+"""
+
+
+@pytest.mark.deepspeed
+def test_bases_built_partitioned_by_zero3_init_get_their_own_fingerprints() -> None:
+    """from_pretrained under a ZeRO-3 config builds the base inside deepspeed.zero.Init: each parameter's own data
+    is empty and its values are in its partition. Two bases (other seeds) must still differ, and the shape be the
+    whole tensor's. Before: every tensor was 'float32[0]' with the hash of no bytes, so any base passed."""
+    done = subprocess.run([sys.executable, "-c", _ZERO_INIT_BASES], capture_output=True, text=True, timeout=300)
+    found = [line.split(" ", 2)[1:] for line in done.stdout.splitlines() if line.startswith("FOUND ")]
+    assert done.returncode == 0 and len(found) == 2, done.stderr[-3000:]
+    (digest0, entry0), (digest1, entry1) = found
+    assert digest0 != digest1, found
+    assert entry0.startswith("float32[8, 8]:zero3:") and entry0 != entry1, found

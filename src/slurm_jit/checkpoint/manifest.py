@@ -92,7 +92,20 @@ def read(ckpt_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
         return None, f"manifest contents {manifest.get('contents')!r} unknown (want one of {CONTENTS})"
     if manifest.get("weights", WEIGHTS_FULL) not in WEIGHTS_LAYOUTS:
         return None, f"manifest weights {manifest.get('weights')!r} unknown (want one of {WEIGHTS_LAYOUTS})"
+    if FROZEN_FINGERPRINT in manifest and frozen_tensors(manifest) is None:
+        return None, (f"manifest {FROZEN_FINGERPRINT} malformed (want an object whose 'tensors' maps each frozen "
+                      "tensor's name to its entry)")
     return manifest, None
+
+
+def frozen_tensors(manifest: dict[str, Any]) -> dict[str, str] | None:
+    """The recorded ``frozen_fingerprint``'s tensors (name -> entry), or None where absent or malformed."""
+    recorded = manifest.get(FROZEN_FINGERPRINT)
+    tensors = recorded.get("tensors") if isinstance(recorded, dict) else None
+    if not isinstance(tensors, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                for k, v in tensors.items()):
+        return None
+    return tensors
 
 
 def weights_layout(manifest: dict[str, Any]) -> str:

@@ -23,11 +23,12 @@ from typing import Any
 
 import xxhash
 
-from slurm_jit.checkpoint.manifest import FROZEN_FINGERPRINT, WEIGHTS_FROZEN_EXCLUDED
+from slurm_jit.checkpoint.manifest import FROZEN_FINGERPRINT, WEIGHTS_FROZEN_EXCLUDED, frozen_tensors
 
 logger = logging.getLogger(__name__)
 
 ALGORITHM = "xxh3_128"  # the overall digest; each tensor's own: xxh3_64 (a name to point at, not a checksum)
+ZERO3_PART = "zero3:"  # an entry over a ZeRO-3 partition (this rank's bytes), not over the whole tensor
 FIRST_SHOWN = 1  # differing names a refusal shows (the count says how many)
 HINT = ("HINT: resume with the base model the checkpoint was trained on (the same model, revision, dtype and "
         "quantisation, built the same way), or start a new run in another output_dir")
@@ -45,10 +46,15 @@ class Fingerprint:
 
 
 def tensor_entry(tensor: Any) -> str:
-    """``dtype[shape]:xxh3_64`` of one tensor's bytes (a CPU copy of a device tensor; no numpy dtype needed)."""
-    flat = tensor.detach().contiguous().reshape(-1)
+    """``dtype[shape]:xxh3_64`` of one tensor's bytes (a CPU copy of a device tensor; no numpy dtype needed). A
+    parameter that ZeRO-3 partitioned as it was built (``zero.Init``, as ``from_pretrained`` under a ZeRO-3
+    config does) holds no data of its own: its full shape, and the bytes of this rank's partition (``zero3:``)."""
+    partition = getattr(tensor, "ds_tensor", None)
+    shape = list(getattr(tensor, "ds_shape", tensor.shape))
+    flat = (tensor if partition is None else partition).detach().contiguous().reshape(-1)
     data = flat.view(_byte_dtype()).cpu().numpy() if flat.numel() else b""
-    return f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}:{xxhash.xxh3_64_hexdigest(data)}"
+    kind = "" if partition is None else ZERO3_PART
+    return f"{str(tensor.dtype).removeprefix('torch.')}{shape}:{kind}{xxhash.xxh3_64_hexdigest(data)}"
 
 
 def _byte_dtype() -> Any:
@@ -76,13 +82,22 @@ def of_model(model: Any) -> Fingerprint:
 
 
 def at_start(model: Any, is_rank0: bool) -> Fingerprint | None:
-    """Rank 0, at the start of ``train()``: the fingerprint of a PEFT model's frozen weights (the ones its saves
-    leave out), before DeepSpeed casts them; None for any other model or rank."""
+    """At the start of ``train()``: the fingerprint of a PEFT model's frozen weights (the ones its saves leave out),
+    before DeepSpeed casts them, on rank 0; None for any other model or rank. Every rank refuses (one line) frozen
+    weights without data (the meta device: offloaded, or not loaded), which no checkpoint could be checked against."""
     from slurm_jit.train.slim_save import excludes_frozen
 
-    if not is_rank0 or model is None or not excludes_frozen(model, None):
+    if model is None or not excludes_frozen(model, None):
         return None
-    return of_model(model)
+    no_data = [name for name, p in model.named_parameters() if not p.requires_grad and p.is_meta]
+    if no_data:
+        from slurm_jit.train.refusals import JitRefusal
+
+        raise JitRefusal(f"slurm_jit: {len(no_data)} frozen parameters have no data (on the meta device), first "
+                         f"'{no_data[0]}': a checkpoint leaves the frozen weights out and takes them from the model "
+                         "as built, so they must be loaded. HINT: load the base model fully (no device_map with disk "
+                         "offload, no init on the meta device) before the Trainer")
+    return of_model(model) if is_rank0 else None
 
 
 def manifest_fields(weights: str, found: Fingerprint | None) -> dict[str, Any]:
@@ -101,7 +116,7 @@ def resume_refusal(ckpt_dir: str, manifest: dict[str, Any], model: Any,
     recorded = manifest.get(FROZEN_FINGERPRINT)
     if recorded is None:
         return None, True
-    saved = _recorded_tensors(recorded)
+    saved = frozen_tensors(manifest)  # manifest.read refuses a malformed one; this, any other caller
     if saved is None:
         return (f"{ckpt_dir}: its manifest's {FROZEN_FINGERPRINT} is malformed, so the frozen weights this run "
                 "supplies cannot be checked. HINT: resume from another checkpoint, or start a new run in another "
@@ -120,14 +135,6 @@ def raise_deferred(refusal: str | None) -> None:
         raise JitRefusal(f"slurm_jit: {refusal}")
 
 
-def _recorded_tensors(recorded: Any) -> dict[str, str] | None:
-    tensors = recorded.get("tensors") if isinstance(recorded, dict) else None
-    if not isinstance(tensors, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                                for k, v in tensors.items()):
-        return None
-    return tensors
-
-
 def difference(saved: dict[str, str], now: dict[str, str]) -> str:
     """How the frozen tensors of the checkpoint (``saved``) and of this model (``now``) differ, in words."""
     differing = sorted(name for name in set(saved) | set(now) if saved.get(name) != now.get(name))
@@ -142,6 +149,8 @@ def difference(saved: dict[str, str], now: dict[str, str]) -> str:
         first = f"'{name}' was not frozen in the checkpoint"
     elif saved[name].split(":")[0] != now[name].split(":")[0]:
         first = f"'{name}' was {saved[name].split(':')[0]}, is {now[name].split(':')[0]} now"
+    elif (ZERO3_PART in saved[name]) != (ZERO3_PART in now[name]):
+        first = f"'{name}' was built partitioned by ZeRO-3 (zero.Init) in one of the two runs only"
     else:
         first = f"'{name}' has other values"
     return (f"its frozen weights (left out of it: weights {WEIGHTS_FROZEN_EXCLUDED}) are not this model's: "
