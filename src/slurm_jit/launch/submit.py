@@ -29,7 +29,7 @@ from slurm_jit.checkpoint import elastic_plan
 from slurm_jit.grace import cli as grace_cli
 from slurm_jit.grace.calc import GraceError, GraceResult
 from slurm_jit.grace.sbatch_script import ScriptError, parse_time_limit
-from slurm_jit.launch import entry, gate, output_claim, sbatch_options, submitit_hooks, task
+from slurm_jit.launch import entry, gate, ops, output_claim, sbatch_options, submitit_hooks, task
 from slurm_jit.launch.command import Command
 from slurm_jit.launch.executor import FailedSubmission, JitExecutor
 from slurm_jit.launch.status import status_main
@@ -334,6 +334,7 @@ def plan_lines(launch: Launch, checked: gate.GateResult) -> list[str]:
         f"--time={launch.time}",
         f"  training: {what}",
         f"  python:   {launch.python} (the batch script's and every task's interpreter; --python to change)",
+        f"  ops:      {ops.plan_line(ops.job_env(), gpus=bool(ex.parameters.get('gpus_per_node')))}",
         f"  grace:    {terms} = {result.needed_s:g} s",
         f"  signal:   #SBATCH --signal=TERM@{result.lead_s} (no B:, so it reaches the ranks); "
         f"export SLURM_JIT_SIGNAL_LEAD_S={result.lead_s}",
