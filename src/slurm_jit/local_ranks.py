@@ -86,3 +86,101 @@ def start(argv: Sequence[str], world_size: int, log_dir: str | os.PathLike[str],
                                           stderr=subprocess.STDOUT, start_new_session=True))
         logs.append(log)
     return Ranks(procs=procs, logs=logs)
+
+
+# --- the command: python -m slurm_jit.local_ranks -n 2 -- train.py ARGS ------------------------------------
+
+PROG = "python -m slurm_jit.local_ranks"
+USAGE = f"""usage: {PROG} [-n N] [--log-dir DIR] -- SCRIPT.py [ARGS...]
+
+Start N ranks of SCRIPT.py on this host (this interpreter; RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT set), as
+srun starts one task per rank, without Slurm. Each rank writes DIR/rank<R>.log (default ./rank-logs). SIGTERM or
+Ctrl-C to this command reaches every rank, as Slurm's warning does: a JitTrainer stops with a JIT checkpoint.
+Exit status: the first non-zero rank's, else 0.
+
+  -n, --nranks N   how many ranks (default 2)
+  --log-dir DIR    where the per-rank logs go (default ./rank-logs)
+
+example: {PROG} -n 2 -- examples/train.py out"""
+DEFAULT_NRANKS = 2
+POLL_S = 0.2  # how often the waiting loop looks at the ranks and the signal flag
+
+
+class UsageError(ValueError):
+    """A misused command line: one line with a HINT."""
+
+
+def parse_cli(argv: Sequence[str]) -> tuple[int, Path, list[str]]:
+    """(ranks, log dir, the script and its arguments) from ``-n N [--log-dir DIR] -- SCRIPT.py ARGS``."""
+    nranks, log_dir, args = DEFAULT_NRANKS, Path("rank-logs"), list(argv)
+    while args and args[0] != "--":
+        option = args.pop(0)
+        if option not in ("-n", "--nranks", "--log-dir") or not args:
+            raise UsageError(f"{option!r}: not an option here, or missing its value. HINT: {PROG} -n 2 -- "
+                             "train.py ARGS (see --help)")
+        value = args.pop(0)
+        if option == "--log-dir":
+            log_dir = Path(value)
+        elif not value.isdigit() or int(value) < 1:
+            raise UsageError(f"{option} {value}: not a number of ranks. HINT: e.g. -n 2")
+        else:
+            nranks = int(value)
+    command = args[1:]
+    if command and os.path.basename(command[0]).startswith("python"):
+        command = command[1:]  # "-- python train.py": the ranks run this interpreter in any case
+    if not command:
+        raise UsageError(f"no script to run. HINT: put it after --, e.g. {PROG} -n 2 -- examples/train.py out")
+    if command[0].endswith(".py") and not os.path.isfile(command[0]):
+        raise UsageError(f"{command[0]}: no such file. HINT: the path of your training script, from here")
+    return nranks, log_dir, command
+
+
+class _Latch:
+    """The signal handler only records the signal; the waiting loop forwards it to the ranks."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def __call__(self, signum: int, _frame: object) -> None:
+        self.signum = self.signum or signum
+
+
+def run(nranks: int, log_dir: Path, command: list[str]) -> int:
+    """Start the ranks, forward SIGTERM/SIGINT to every rank's process group, wait; the exit status."""
+    latch = _Latch()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, latch)
+    ranks = start(command, nranks, log_dir)
+    print(f"{PROG}: {nranks} rank(s) of {' '.join(command)}; logs {log_dir}/rank<R>.log; pid {os.getpid()} "
+          "(kill -TERM it to stop every rank as Slurm's warning does)", flush=True)
+    forwarded = False
+    try:
+        while any(p.poll() is None for p in ranks.procs):
+            if latch.signum is not None and not forwarded:
+                for rank in range(nranks):
+                    ranks.signal(rank, signal.SIGTERM)
+                forwarded = True
+                print(f"{PROG}: signal {latch.signum} forwarded to every rank as SIGTERM", flush=True)
+            time.sleep(POLL_S)
+    finally:
+        ranks.kill()
+    codes = [p.returncode for p in ranks.procs]
+    print(f"{PROG}: exit codes {codes}", flush=True)
+    return next((c for c in codes if c), 0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if args else 2
+    try:
+        nranks, log_dir, command = parse_cli(args)
+    except UsageError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    return run(nranks, log_dir, command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -164,7 +164,7 @@ class StepStats:
 class TimingSummary:
     """What the grace-period calculator needs from a timing log."""
 
-    n_steps: int  # step samples used (all ranks, warm-up left out)
+    n_steps: int  # steps measured (each (run, step) once, whichever ranks recorded it; warm-up left out)
     n_runs: int  # how many starts (restarts included) the log covers
     world_sizes: frozenset[int]  # the world sizes the records were written with
     step_max_s: float | None
@@ -247,26 +247,31 @@ def summarize(records: Iterable[dict[str, Any]]) -> TimingSummary:
     evals: list[float] = []
     runs: set[str] = set()
     world_sizes: set[int] = set()
-    run_steps: dict[str, list[float]] = {}
+    # Every rank writes its own record of a step: a step counts once per (run, step), its duration the slowest
+    # rank's (a 400-step run on 2 ranks is 400 steps, not 800).
+    step_keys: set[tuple[str, Any]] = set()
+    eval_keys: set[tuple[str, Any]] = set()
     for record in records:
-        runs.add(str(record.get("run_id")))
+        run_id = str(record.get("run_id"))
+        runs.add(run_id)
         if isinstance(record.get("world_size"), int):
             world_sizes.add(record["world_size"])
         event = record["event"]
         if event == "step" and not record.get("warmup"):
             steps.append(float(record["dur_s"]))
-            run_steps.setdefault(str(record.get("run_id")), []).append(float(record["dur_s"]))
+            step_keys.add(_sample_key(record))
         elif event == "save":
             saves.setdefault(str(record.get("kind", "unknown")), []).append(record)
         elif event == "eval":
             evals.append(float(record["dur_s"]))
+            eval_keys.add(_sample_key(record))
     steps.sort()
     stops = [r for r in records if r["event"] == "stop"]
     teardowns = [float(r["teardown_s"]) for r in stops if _seconds(r.get("teardown_s")) is not None]
     kill_waits = [float(r["kill_wait_s"]) for r in records
                   if r["event"] in ("agreement", "stop") and _seconds(r.get("kill_wait_s")) is not None]
     return TimingSummary(
-        n_steps=len(steps),
+        n_steps=len(step_keys),
         n_runs=len(runs),
         world_sizes=frozenset(world_sizes),
         step_max_s=steps[-1] if steps else None,
@@ -280,25 +285,37 @@ def summarize(records: Iterable[dict[str, Any]]) -> TimingSummary:
             )
             for kind, recs in saves.items()
         },
-        n_evals=len(evals),
+        n_evals=len(eval_keys),
         eval_max_s=max(evals) if evals else None,
-        steps_by_mode=_steps_by_mode(records, run_steps),
+        steps_by_mode=_steps_by_mode(records),
         kill_wait_s=max(kill_waits) if kill_waits else None,
         n_stops=len(stops),
         teardown_max_s=max(teardowns) if teardowns else None,
     )
 
 
+def _sample_key(record: dict[str, Any]) -> tuple[str, Any]:
+    """What one step (or evaluation) is, whichever rank recorded it: its run and step; a record without a step
+    (an old log) counts on its own."""
+    step = record.get("step")
+    return str(record.get("run_id")), (step if step is not None else ("record", id(record)))
+
+
 def _seconds(value: Any) -> float | None:
     return float(value) if isinstance(value, int | float) and math.isfinite(value) and value >= 0 else None
 
 
-def _steps_by_mode(records: list[dict[str, Any]], run_steps: dict[str, list[float]]) -> dict[str, StepStats]:
+def _steps_by_mode(records: list[dict[str, Any]]) -> dict[str, StepStats]:
     """Step statistics grouped by the agreement mode each run recorded (a run keeps one mode)."""
     modes = {str(r.get("run_id")): str(r.get("mode")) for r in records if r["event"] == "agreement"}
+    slowest: dict[tuple[str, Any], float] = {}  # each step's slowest rank: the step the stop waits for
+    for record in records:
+        if record["event"] == "step" and not record.get("warmup"):
+            key = _sample_key(record)
+            slowest[key] = max(slowest.get(key, 0.0), float(record["dur_s"]))
     grouped: dict[str, list[float]] = {}
-    for run_id, durations in run_steps.items():
-        grouped.setdefault(modes.get(run_id, "unknown"), []).extend(durations)
+    for (run_id, _), dur_s in slowest.items():
+        grouped.setdefault(modes.get(run_id, "unknown"), []).append(dur_s)
     return {mode: StepStats(n=len(d), max_s=max(d), p99_s=_percentile(sorted(d), 99)) for mode, d in grouped.items()}
 
 

@@ -110,10 +110,10 @@ def test_from_a_timing_log(tmp_path: Path) -> None:
     terms = {t["name"]: t for t in out["terms"]}
     # The longest step (2 s), the slowest rank's save (4 + 1 s), the evaluation (1.5 s).
     assert (terms["step"]["seconds"], terms["save"]["seconds"], terms["eval"]["seconds"]) == (2.0, 5.0, 1.5)
-    # 2 ranks x (30 steps - 2 warm-up)
-    assert terms["step"]["source"].startswith("1 x 2 s (max of 56 steps over 1 run in the timing log): the stop "
+    # 30 steps - 2 warm-up, each counted once whichever of the 2 ranks recorded it
+    assert terms["step"]["source"].startswith("1 x 2 s (max of 28 steps over 1 run in the timing log): the stop "
                                               "comes after the step the signal lands in")
-    assert out["samples"]["world_sizes"] == [2] and out["samples"]["evals"] == 2
+    assert out["samples"]["world_sizes"] == [2] and out["samples"]["evals"] == 1
     assert out["signal_lead_s"] == 22  # 2 + 1.5 + 5 + 3 + 10 = 21.5, rounded up
     given = json.loads(grace_calc("--from", str(tmp_path), "--no-slurm", "--json", "--save-time", "1m",
                                   "--no-eval").stdout)

@@ -141,7 +141,7 @@ def test_zero2_jit_resume_is_bitwise_the_uninterrupted_run(tmp_path: Path, refer
     assert result.entries > 100  # the dump holds the whole state: weights, partitions, moments, kernel probe
     replayed = "FusedAdam(cpu, AdamW) replayed" if "llama" in name else "DeepSpeedCPUAdam#0 replayed"
     expected = "no optimizer kernel with hidden state" if "trainer" in name else replayed
-    assert log.count("slurm_jit: exact resume: " + expected) == 2, log[-3000:]
+    assert log.count("slurm_jit: exact resume: " + expected) == 1, log[-3000:]  # rank 0 says it for both
 
 
 @pytest.mark.deepspeed

@@ -156,6 +156,7 @@ def _estimated_save(args: argparse.Namespace, world_size: int | None) -> tuple[f
     return save_s, f"estimate: {nbytes_text} ({what}) / {rate_text}/s ({how})"
 
 
+NO_SAVE_HINT = "give --save-time, --from a run that saved a checkpoint, or --ckpt-bytes / --params with --probe DIR"
 _Term = tuple[float, str]  # seconds, and where the number came from
 
 
@@ -207,7 +208,7 @@ def gather_inputs(
     if args.eval_time is not None:
         evaluation = (grace.parse_duration(args.eval_time, what="--eval-time"), "--eval-time")
     elif args.no_eval:
-        evaluation = (0.0, "--no-eval")
+        evaluation = (0.0, getattr(args, "no_eval_source", "--no-eval"))
     if step is None:
         raise GraceError("no step time. HINT: give --step-time, or --from OUT_DIR of a run with a timing log")
     if save is None:
@@ -215,8 +216,7 @@ def gather_inputs(
     elif args.probe is not None:
         warnings.append(f"--probe not used: the save time comes from {save[1]}")
     if save is None:
-        raise GraceError("no save time. HINT: give --save-time, --from a run that saved a checkpoint, or "
-                         "--ckpt-bytes / --params with --probe DIR")
+        raise GraceError("no save time. HINT: " + getattr(args, "no_save_hint", NO_SAVE_HINT))
     kill_wait = kill_wait_measured or (grace.DEFAULT_KILL_WAIT_S, "default (transformers docs)")
     if args.kill_wait is not None:
         kill_wait = (grace.parse_duration(args.kill_wait, what="--kill-wait", allow_zero=True), "--kill-wait")

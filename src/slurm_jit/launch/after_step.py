@@ -186,6 +186,11 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         signal.signal(signal.SIGTERM, previous)
 
 
+# The causes where Slurm signalled the step (its --signal warning, a preemption, scancel --signal): slurmstepd
+# then writes "*** STEP <job>.0 ON <node> CANCELLED AT <time> ***" into the job log, which reads like a cancel.
+STEP_SIGNALLED = (policy.CAUSE_TIME_LIMIT, policy.CAUSE_PREEMPTION, policy.CAUSE_SIGNAL)
+
+
 def _decide_and_act(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     if not env.get("SLURM_JOB_ID"):
         print("slurm-jit after_step: SLURM_JOB_ID is not set. HINT: run it inside the batch script, after srun",
@@ -202,6 +207,10 @@ def _decide_and_act(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     outcome = withdrawn or (OUTCOME_REQUEUED if decision.requeue else OUTCOME_NOT_REQUEUED)
     _remember(args.out_dir, job_id, saved, facts, decision, outcome)  # before the requeue ends this shell
     print(decision.line(facts), flush=True)
+    if decision.cause in STEP_SIGNALLED:
+        print(f"slurm-jit: the 'slurmstepd: ... *** STEP {job_id}.0 ... CANCELLED AT ... ***' line above (if any) is "
+              "how Slurm logs its signal reaching the step, not a cancel: the ranks answered it with this JIT stop",
+              flush=True)
     if decision.requeue:
         return _act(args.out_dir, job_id, saved, facts, decision, withdrawn)
     if decision.cause == policy.CAUSE_FINISHED:

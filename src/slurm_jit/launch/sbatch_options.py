@@ -170,23 +170,34 @@ def _timing_log_world_size(output_dir: str) -> int | None:
     return sizes[-1] if sizes else None
 
 
+# Why the launcher counts no evaluation unless --eval-time says so (train/evaluation.py aborts one at a stop).
+NO_EVAL_SOURCE = "the JitTrainer aborts an evaluation a stop lands in; --eval-time to count one"
+NO_SAVE_HINT = "give --save-time, or --from the OUT_DIR of a run that saved a checkpoint"  # submit.py's options
+
+
 def signal_lead(output_dir: str, *, world_size: int | None = None, nodes: int | None = None,
                 step_time: str | None = None, save_time: str | None = None, eval_time: str | None = None,
                 kill_wait: str | None = None, margin: str | None = None,
-                given_lead_s: int | None = None) -> tuple[GraceResult, list[str]]:
+                given_lead_s: int | None = None, from_dir: str | None = None) -> tuple[GraceResult, list[str]]:
     """N of ``--signal=TERM@N`` and its terms, with warnings: ``given_lead_s`` itself, or the grace calculator
-    over the given times and the output dir's timing log (``world_size`` None: its newest run's). Raises
-    GraceError (one line with a HINT) when neither is enough."""
+    over the given times and the timing log of ``from_dir`` (an earlier run's OUT_DIR; default ``output_dir``;
+    ``world_size`` None: its newest run's). Raises GraceError (one line with a HINT) when neither is enough."""
     if given_lead_s is not None:
         if given_lead_s < 1:
             raise GraceError(f"--signal-lead {given_lead_s}: must be 1 or more. HINT: e.g. --signal-lead 300")
         return GraceResult(terms=(Term(name="given", seconds=given_lead_s, source="--signal-lead"),),
                            needed_s=given_lead_s, lead_s=given_lead_s), []
-    world_size = world_size or _timing_log_world_size(output_dir)
-    has_log = _has_timing_log(output_dir)
+    if from_dir is not None and not _has_timing_log(from_dir):
+        raise GraceError(f"--from {from_dir}: no timing log with records there ({timing.timing_dir(from_dir)}). "
+                         "HINT: the --output-dir of a run the JitTrainer trained in, or give --step-time and "
+                         "--save-time")
+    log_dir = from_dir or output_dir
+    world_size = world_size or _timing_log_world_size(log_dir)
+    has_log = _has_timing_log(log_dir)
     sizing = argparse.Namespace(
-        from_dir=output_dir if has_log else None, step_time=step_time, save_time=save_time, eval_time=eval_time,
-        no_eval=eval_time is None, kill_wait=kill_wait, margin=margin, step_stat="max", world_size=world_size,
+        from_dir=log_dir if has_log else None, step_time=step_time, save_time=save_time, eval_time=eval_time,
+        no_eval=eval_time is None, no_eval_source=NO_EVAL_SOURCE,
+        no_save_hint=NO_SAVE_HINT, kill_wait=kill_wait, margin=margin, step_stat="max", world_size=world_size,
         ckpt_bytes=None, ckpt_dir=None, params=None, dtype="bf16", optimizer="adamw", zero_stage=0,
         nodes=nodes or 1, probe=None, probe_size="0", write_bandwidth=None,
     )

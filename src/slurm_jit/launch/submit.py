@@ -29,7 +29,7 @@ from slurm_jit.checkpoint import elastic_plan
 from slurm_jit.grace import cli as grace_cli
 from slurm_jit.grace.calc import GraceError, GraceResult
 from slurm_jit.grace.sbatch_script import ScriptError, parse_time_limit
-from slurm_jit.launch import entry, gate, output_claim, sbatch_options, submitit_hooks, task
+from slurm_jit.launch import entry, gate, ops, output_claim, sbatch_options, submitit_hooks, task
 from slurm_jit.launch.command import Command
 from slurm_jit.launch.executor import FailedSubmission, JitExecutor
 from slurm_jit.launch.status import status_main
@@ -42,7 +42,7 @@ DEFAULT_MAX_REQUEUES = 5  # judgement: enough for a week-long job on 1-day limit
 CONFIG_KEYS = ("output-dir", "nodes", "ntasks-per-node", "cpus-per-task", "mem", "gpus-per-node", "partition",
                "account", "qos", "time", "job-name", "max-requeues", "retry-on-failure", "sbatch-arg",
                "signal-lead", "step-time", "save-time", "eval-time", "kill-wait", "margin", "quarantine",
-               "python", "function", "command", "setup")
+               "python", "function", "command", "setup", "from")
 
 
 # The TOML type of each config key (a wrong type is refused: TOML "no" is a string, and bool("no") is True).
@@ -54,7 +54,7 @@ CONFIG_TYPES = {"output-dir": _STR, "nodes": _INT, "ntasks-per-node": _INT, "cpu
                 "sbatch-arg": _STR_LIST, "signal-lead": _INT, "step-time": _STR_OR_NUMBER,
                 "save-time": _STR_OR_NUMBER, "eval-time": _STR_OR_NUMBER, "kill-wait": _STR_OR_NUMBER,
                 "margin": _STR_OR_NUMBER, "quarantine": _BOOL, "python": _STR, "function": _STR,
-                "command": _STR_LIST, "setup": _STR_LIST}
+                "command": _STR_LIST, "setup": _STR_LIST, "from": _STR}
 
 
 def _type_ok(value: object, kind: str) -> bool:
@@ -102,6 +102,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-time")
     g.add_argument("--kill-wait")
     g.add_argument("--margin")
+    g.add_argument("--from", dest="from_dir", metavar="OUT_DIR",
+                   help="the step, save and eval times an earlier run measured in OUT_DIR's timing log (as "
+                        "grace-calc --from; default: --output-dir's own)")
     p.add_argument("--setup", action="append", metavar="LINE",
                    help="a shell line the batch script runs before srun (submitit's setup), e.g. "
                         "--setup 'module load cuda'; repeatable, in order")
@@ -146,7 +149,7 @@ def _merged(args: argparse.Namespace) -> argparse.Namespace:
     args.sbatch_arg = [a if isinstance(a, str) else "--" for a in args.sbatch_arg or []] or None
     config = _load_config(args.config) if args.config else {}
     for key, value in config.items():
-        attr = key.replace("-", "_")
+        attr = "from_dir" if key == "from" else key.replace("-", "_")
         if key == "command":
             if not args.command:
                 args.command = list(value)
@@ -162,7 +165,7 @@ def _grace(args: argparse.Namespace, world_size: int) -> GraceResult:
     result, warnings = sbatch_options.signal_lead(
         args.output_dir, world_size=world_size, nodes=args.nodes, step_time=args.step_time,
         save_time=args.save_time, eval_time=args.eval_time, kill_wait=args.kill_wait, margin=args.margin,
-        given_lead_s=None if args.signal_lead is None else int(args.signal_lead))
+        given_lead_s=None if args.signal_lead is None else int(args.signal_lead), from_dir=args.from_dir)
     sbatch_options.warn(PROG, warnings)
     return result
 
@@ -192,6 +195,7 @@ class Launch:
     grace: GraceResult
     training: dict[str, Any]  # {"argv": [...]} or {"function": ..., "args": [...]}, for the plan
     time: str
+    python: str  # the job's interpreter, as given (the executor holds it quoted for the shell)
 
     @property
     def output_dir(self) -> str:
@@ -215,11 +219,28 @@ def _check_values(args: argparse.Namespace) -> None:
     for option, value in (("--job-name", args.job_name), ("--python", args.python)):
         if value is not None and not str(value).strip():
             raise ValueError(f"{option} is empty. HINT: leave it out for the default")
+    args.python = job_python(args.python)
     if args.job_name is not None:
         sbatch_options.check_job_name(args.job_name)
     if re.search(r"%[jtAa]", args.output_dir):
         raise ValueError(f"--output-dir {args.output_dir!r} holds %j, %t, %A or %a, which submitit's log folder "
                          "reads as the job's id or task. HINT: a directory name without them")
+
+
+def job_python(python: str | None) -> str:
+    """The job's interpreter: ``--python`` (a path, or a name found on PATH here), default the one running this;
+    ValueError for one that does not exist or cannot be run (every rank would fail to start)."""
+    if python is None:
+        return sys.executable
+    if os.sep in python:
+        python = os.path.expanduser(python)  # quoted in the script, where no shell would expand ~
+    found = shutil.which(python) if os.sep not in python else python
+    if found is None or not os.path.isfile(found) or not os.access(found, os.X_OK):
+        what = "not found on PATH" if os.sep not in python else "not an executable file"
+        raise ValueError(f"--python {python}: {what}, so no rank could start. HINT: the interpreter of the venv "
+                         f"the job should use, e.g. --python ~/venvs/train/bin/python, or leave it out for this one "
+                         f"({sys.executable})")
+    return python
 
 
 def build_job(args: argparse.Namespace) -> Launch:
@@ -247,11 +268,12 @@ def build_job(args: argparse.Namespace) -> Launch:
     executor = JitExecutor(
         folder=log_folder(args.output_dir), output_dir=args.output_dir, max_requeues=args.max_requeues,
         retry_on_failure=args.retry_on_failure, signal_lead_s=result.lead_s, quarantine=bool(args.quarantine),
-        python=shlex.quote(args.python or sys.executable), sbatch_args=tuple(args.sbatch_arg or ()))
+        python=shlex.quote(args.python), sbatch_args=tuple(args.sbatch_arg or ()))
     executor.update_parameters(**_parameters(args))
     what: tuple[Any, ...] = ((Command(spec["argv"]),) if "argv" in spec
                              else (task.call_function, spec["function"], list(spec["args"])))
-    return Launch(executor=executor, entry=what, grace=result, training=spec, time=str(args.time))
+    return Launch(executor=executor, entry=what, grace=result, training=spec, time=str(args.time),
+                  python=args.python)
 
 
 def _parameters(args: argparse.Namespace) -> dict[str, Any]:
@@ -311,6 +333,8 @@ def plan_lines(launch: Launch, checked: gate.GateResult) -> list[str]:
         f"plan: {nodes} node(s) x {per_node} task(s) = {launch.world_size} ranks, one srun task each; "
         f"--time={launch.time}",
         f"  training: {what}",
+        f"  python:   {launch.python} (the batch script's and every task's interpreter; --python to change)",
+        f"  ops:      {ops.plan_line(ops.job_env(), gpus=bool(ex.parameters.get('gpus_per_node')))}",
         f"  grace:    {terms} = {result.needed_s:g} s",
         f"  signal:   #SBATCH --signal=TERM@{result.lead_s} (no B:, so it reaches the ranks); "
         f"export SLURM_JIT_SIGNAL_LEAD_S={result.lead_s}",

@@ -22,6 +22,7 @@ Kernels in the installed DeepSpeed (0.19.8) and what they need:
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -174,8 +175,18 @@ def restore(engine: Any) -> str:
     line = "slurm_jit: exact resume: " + ("; ".join(done) if done else "no optimizer kernel with hidden state")
     if inexact:
         line += "; NOT exact: " + "; ".join(inexact) + " (its beta products restart from pow(beta, step))"
-    logger.warning(line)  # at warning level, like the trainer's other resume lines, so that it shows by default
+    # At warning level, like the trainer's other resume lines, so that it shows by default; once (rank 0) unless
+    # it says the resume is not exact, which every rank says for itself.
+    logger.log(logging.WARNING if inexact or _is_rank0() else logging.DEBUG, line)
     return line
+
+
+def _is_rank0() -> bool:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return os.environ.get("RANK", "0") == "0"
 
 
 @contextmanager

@@ -114,7 +114,8 @@ def _done(trainer: JitTrainer, step: int, kind: str, ckpt: Path, dur_s: float, n
         if run.timing is not None:
             run.timing.save(step, kind, dur_s, nbytes)
         run.grace_due.append("first save")
-    logger.info("slurm_jit: %s checkpoint %s complete in %.2f s", kind, ckpt, dur_s)
+    logger.log(logging.INFO if trainer._is_rank0 else logging.DEBUG,  # one line per save, not one per rank
+               "slurm_jit: %s checkpoint %s complete in %.2f s", kind, ckpt, dur_s)
 
 
 def upstream_save(trainer: JitTrainer, model: Any, trial: Any, kind: str, upstream: Upstream) -> tuple[str, str]:

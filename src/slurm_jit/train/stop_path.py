@@ -125,8 +125,11 @@ def log_save_evaluate(trainer: JitTrainer, run: Run, upstream: Callable[[], None
         if run.saved_step != step:
             save_jit(trainer, model, trial)
         run.checkpoint = str(Path(trainer._get_output_dir(trial=None)) / f"checkpoint-{step}")
+        first = not run.stopped  # an epoch end calls this again at the same step: one line per stop
         run.stopped = True
         record_stop(trainer)
+        if first:
+            announce_stop(trainer, run)
         trainer.control.should_training_stop = True
         feed(trainer, "end of training")
     else:
@@ -220,6 +223,21 @@ def record_stop(trainer: JitTrainer) -> None:
     stop_record.write(str(trainer.args.output_dir), "jit_stop", step=trainer.state.global_step,
                       checkpoint=run.checkpoint, signal=signal_name(run.latch.first_signum))
     run.stop_recorded = True
+
+
+def announce_stop(trainer: JitTrainer, run: Run) -> None:
+    """The JIT stop's one line in the job log, rank 0 only, at warning level so that it shows without any logging
+    set up: the signal, the step, the checkpoint and the seconds (the save's, and since the signal)."""
+    if not trainer._is_rank0:
+        return
+    now = time.monotonic()
+    save = ""
+    if run.save_started_at is not None and run.save_ended_at is not None:
+        save = f"saved in {run.save_ended_at - run.save_started_at:.2f} s, "
+    since = f"{now - run.latch.first_at:.2f} s after the signal" if run.latch.first_at is not None else "now"
+    logger.warning("slurm_jit: JIT stop: %s at step %d, checkpoint %s complete (%s%s); the next run resumes from "
+                   "it", signal_name(run.latch.first_signum) or "stop", trainer.state.global_step, run.checkpoint,
+                   save, since)
 
 
 def record_end(trainer: JitTrainer, run: Run) -> None:

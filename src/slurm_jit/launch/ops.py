@@ -1,0 +1,51 @@
+"""Whether the DeepSpeed ops a CPU job JIT-builds are built already, for the plan's ``ops:`` line.
+
+DeepSpeed installed with ``DS_BUILD_OPS=0`` builds an op the first time a run needs it (torch's extension
+builder, ``ninja``) into ``TORCH_EXTENSIONS_DIR``: on CPU ranks the communication op ``deepspeed_shm_comm``,
+about 80 s on 2 idle cores, inside the first job, where the job's own time limit can cut the build off (and its
+``lock`` file then makes every later start wait). The plan says so before the job is submitted.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+# The op every CPU DeepSpeed rank loads (tools/setup-env prebuilds it with the Adam kernels).
+CPU_COMM_OP = "deepspeed_shm_comm"
+BUILD_S_MEASURED = 80  # tools/setup-env: ~80 s on 2 idle cores; a loaded machine takes several times that
+DOCS = "docs/install.md#build-deepspeeds-ops-before-the-first-job"
+
+
+def extensions_dir(env: Mapping[str, str]) -> Path:
+    """Where torch's extension builder puts ops: TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions/<py_cpu>."""
+    given = env.get("TORCH_EXTENSIONS_DIR")
+    return Path(given) if given else Path(env.get("HOME", "~")).expanduser() / ".cache" / "torch_extensions"
+
+
+def built(op: str, root: Path) -> Path | None:
+    """The op's shared library under ``root`` (directly, or in torch's per-Python subfolder), None if unbuilt."""
+    for candidate in (root / op / f"{op}.so", *root.glob(f"*/{op}/{op}.so")):
+        if candidate.is_file():  # a "lock" beside it is normal while a rank loads it (torch checks it is current)
+            return candidate
+    return None
+
+
+def plan_line(env: Mapping[str, str], gpus: bool) -> str:
+    """The plan's ``ops:`` line: built (the job loads it), or built inside the first job and how long that takes."""
+    if gpus:
+        return "DeepSpeed's CUDA ops are built on first use on the GPU node unless installed prebuilt " \
+               f"(see {DOCS})"
+    root = extensions_dir(env)
+    found = built(CPU_COMM_OP, root)
+    if found is not None:
+        return f"{CPU_COMM_OP} built in {found.parent.parent} (the ranks load it; no build in the job)"
+    return (f"{CPU_COMM_OP} not built in {root}: the first job builds it before its first step (~"
+            f"{BUILD_S_MEASURED} s on 2 idle cores, inside the time limit). HINT: build it once before submitting "
+            f"({DOCS}), with TORCH_EXTENSIONS_DIR as the job will have it")
+
+
+def job_env() -> Mapping[str, str]:
+    """The environment the job starts with: sbatch passes the submitting shell's on."""
+    return os.environ

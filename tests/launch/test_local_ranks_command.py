@@ -1,0 +1,74 @@
+"""``python -m slurm_jit.local_ranks -n 2 -- SCRIPT.py``: the documented way to run ranks outside Slurm. Real
+ranks (torch.distributed over gloo), a real SIGTERM forwarded to every rank, and one-line refusals."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DEADLINE_S = 120
+ALL_REDUCE = """
+import os, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.tensor([float(os.environ["RANK"]) + 1])
+dist.all_reduce(t)
+print(f"rank {dist.get_rank()} of {dist.get_world_size()}: sum {t.item():g}", flush=True)
+dist.destroy_process_group()
+"""
+WAIT_FOR_TERM = """
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: (print(f"rank {os.environ['RANK']} got SIGTERM", flush=True), sys.exit(0)))
+print("ready", flush=True)
+time.sleep(60)
+sys.exit(3)
+"""
+
+
+def local_ranks(*args: str, cwd: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "slurm_jit.local_ranks", *args], cwd=cwd, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_two_ranks_of_a_script_run_as_documented(tmp_path: Path) -> None:
+    (tmp_path / "script.py").write_text(ALL_REDUCE)
+    proc = local_ranks("-n", "2", "--", "python", "script.py", cwd=tmp_path)
+    out, err = proc.communicate(timeout=DEADLINE_S)
+    assert proc.returncode == 0, out + err
+    logs = [(tmp_path / "rank-logs" / f"rank{r}.log").read_text() for r in (0, 1)]
+    assert "rank 0 of 2: sum 3" in logs[0] and "rank 1 of 2: sum 3" in logs[1], logs
+    assert "exit codes [0, 0]" in out
+
+
+def test_sigterm_reaches_every_rank(tmp_path: Path) -> None:
+    (tmp_path / "wait.py").write_text(WAIT_FOR_TERM)
+    proc = local_ranks("-n", "2", "--log-dir", "logs", "--", "wait.py", cwd=tmp_path)
+    try:
+        logs = [tmp_path / "logs" / f"rank{r}.log" for r in (0, 1)]
+        deadline = time.monotonic() + DEADLINE_S
+        while not all(p.exists() and "ready" in p.read_text() for p in logs):
+            assert time.monotonic() < deadline and proc.poll() is None, "ranks never became ready"
+            time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=DEADLINE_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out + err
+    assert [f"rank {r} got SIGTERM" in logs[r].read_text() for r in (0, 1)] == [True, True]
+
+
+def test_misuse_is_one_line_with_a_hint(tmp_path: Path) -> None:
+    for argv in (["-n", "two", "--", "x.py"], ["-n", "2"], ["-n", "2", "--", "missing.py"], ["--ranks", "2"]):
+        proc = local_ranks(*argv, cwd=tmp_path)
+        out, err = proc.communicate(timeout=DEADLINE_S)
+        assert proc.returncode == 2 and out == "", (argv, out)
+        (line,) = err.splitlines()
+        assert "HINT:" in line, line
+    usage = local_ranks("--help", cwd=tmp_path)
+    out, _ = usage.communicate(timeout=DEADLINE_S)
+    assert usage.returncode == 0 and "-- SCRIPT.py" in out
