@@ -118,6 +118,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--loss-func", action="store_true", help="Trainer(compute_loss_func=...): token cross-entropy")
     p.add_argument("--metrics", action="store_true",
                    help="Trainer(compute_metrics=..., preprocess_logits_for_metrics=...): eval token accuracy")
+    p.add_argument("--metrics-sleep", type=float, default=0.0, help="extra seconds in compute_metrics (--metrics)")
     return p.parse_args(argv)
 
 
@@ -361,6 +362,7 @@ def _loss_and_metric_functions(args: argparse.Namespace) -> dict[str, Any]:
             return logits.argmax(-1)
 
         def accuracy(pred: Any) -> dict[str, float]:
+            time.sleep(args.metrics_sleep)  # a metric over the whole evaluation set (decoding, scoring)
             return {"accuracy": float((pred.predictions[:, :-1] == pred.label_ids[:, 1:]).mean())}
 
         functions.update(preprocess_logits_for_metrics=argmax, compute_metrics=accuracy)

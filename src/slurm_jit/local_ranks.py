@@ -6,7 +6,9 @@ nodes; torchrun would forward one SIGTERM to all ranks at once and SIGKILL them 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -95,8 +97,9 @@ USAGE = f"""usage: {PROG} [-n N] [--log-dir DIR] -- SCRIPT.py [ARGS...]
 
 Start N ranks of SCRIPT.py on this host (this interpreter; RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT set), as
 srun starts one task per rank, without Slurm. Each rank writes DIR/rank<R>.log (default ./rank-logs). SIGTERM or
-Ctrl-C to this command reaches every rank, as Slurm's warning does: a JitTrainer stops with a JIT checkpoint.
-Exit status: the first non-zero rank's, else 0.
+Ctrl-C to this command reaches every rank, as Slurm's warning does: a JitTrainer stops with a JIT checkpoint; a
+second one kills every rank. A rank that fails ends the others (SIGTERM, SIGKILL 30 s later), as srun does.
+Exit status: the failed rank's (128+N for signal N), else 0.
 
   -n, --nranks N   how many ranks (default 2)
   --log-dir DIR    where the per-rank logs go (default ./rank-logs)
@@ -104,6 +107,9 @@ Exit status: the first non-zero rank's, else 0.
 example: {PROG} -n 2 -- examples/train.py out"""
 DEFAULT_NRANKS = 2
 POLL_S = 0.2  # how often the waiting loop looks at the ranks and the signal flag
+# After one rank failed, the others (stuck in a collective with it, most likely) get SIGTERM, then SIGKILL this
+# much later: Slurm's KillWait default between a step's SIGTERM and its SIGKILL (srun --kill-on-bad-exit).
+KILL_WAIT_S = 30.0
 
 
 class UsageError(ValueError):
@@ -126,7 +132,7 @@ def parse_cli(argv: Sequence[str]) -> tuple[int, Path, list[str]]:
         else:
             nranks = int(value)
     command = args[1:]
-    if command and os.path.basename(command[0]).startswith("python"):
+    if command and re.fullmatch(r"python[\d.]*", os.path.basename(command[0])):
         command = command[1:]  # "-- python train.py": the ranks run this interpreter in any case
     if not command:
         raise UsageError(f"no script to run. HINT: put it after --, e.g. {PROG} -n 2 -- examples/train.py out")
@@ -136,37 +142,64 @@ def parse_cli(argv: Sequence[str]) -> tuple[int, Path, list[str]]:
 
 
 class _Latch:
-    """The signal handler only records the signal; the waiting loop forwards it to the ranks."""
+    """The signal handler only records the signal (and how many came); the waiting loop acts on it."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self.count = 0
 
     def __call__(self, signum: int, _frame: object) -> None:
         self.signum = self.signum or signum
+        self.count += 1
 
 
 def run(nranks: int, log_dir: Path, command: list[str]) -> int:
-    """Start the ranks, forward SIGTERM/SIGINT to every rank's process group, wait; the exit status."""
+    """Start the ranks, forward SIGTERM/SIGINT to every rank's process group (a second one: SIGKILL), end the
+    others when one fails, wait; the exit status."""
     latch = _Latch()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, latch)
     ranks = start(command, nranks, log_dir)
     print(f"{PROG}: {nranks} rank(s) of {' '.join(command)}; logs {log_dir}/rank<R>.log; pid {os.getpid()} "
-          "(kill -TERM it to stop every rank as Slurm's warning does)", flush=True)
-    forwarded = False
+          "(kill -TERM it to stop every rank as Slurm's warning does; a second time kills them)", flush=True)
     try:
-        while any(p.poll() is None for p in ranks.procs):
-            if latch.signum is not None and not forwarded:
-                for rank in range(nranks):
-                    ranks.signal(rank, signal.SIGTERM)
-                forwarded = True
-                print(f"{PROG}: signal {latch.signum} forwarded to every rank as SIGTERM", flush=True)
-            time.sleep(POLL_S)
+        first_failed = _watch(ranks, latch)
     finally:
         ranks.kill()
     codes = [p.returncode for p in ranks.procs]
     print(f"{PROG}: exit codes {codes}", flush=True)
-    return next((c for c in codes if c), 0)
+    code = codes[first_failed] if first_failed is not None else next((c for c in codes if c), 0)
+    return 128 - code if code < 0 else code  # killed by signal N: 128+N, as a shell (and srun) says
+
+
+def _watch(ranks: Ranks, latch: _Latch) -> int | None:
+    """Wait for every rank; the first rank that failed by itself, if any."""
+    forwarded, first_failed, kill_at = 0, None, None
+    while any(p.poll() is None for p in ranks.procs):
+        if latch.count > forwarded:
+            forwarded = latch.count
+            if forwarded == 1:
+                _end_all(ranks, signal.SIGTERM, f"signal {latch.signum} forwarded to every rank as SIGTERM (again: "
+                                                "SIGKILL)")
+            else:
+                _end_all(ranks, signal.SIGKILL, "a second signal: every rank SIGKILLed")
+        failed = next((r for r, p in enumerate(ranks.procs) if p.poll() not in (None, 0)), None)
+        if first_failed is None and failed is not None and not forwarded:
+            first_failed, kill_at = failed, time.monotonic() + KILL_WAIT_S
+            _end_all(ranks, signal.SIGTERM, f"rank {failed} exited with {ranks.procs[failed].returncode}: the "
+                                            f"other ranks get SIGTERM, SIGKILL {KILL_WAIT_S:.0f} s later")
+        if kill_at is not None and time.monotonic() >= kill_at:
+            kill_at = None
+            _end_all(ranks, signal.SIGKILL, f"ranks still running {KILL_WAIT_S:.0f} s after SIGTERM: SIGKILLed")
+        time.sleep(POLL_S)
+    return first_failed
+
+
+def _end_all(ranks: Ranks, signum: int, said: str) -> None:
+    for rank in range(len(ranks.procs)):
+        with contextlib.suppress(ProcessLookupError):  # exited since the poll
+            ranks.signal(rank, signum)
+    print(f"{PROG}: {said}", flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

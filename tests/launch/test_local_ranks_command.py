@@ -27,6 +27,21 @@ time.sleep(60)
 sys.exit(3)
 """
 
+ONE_RANK_FAILS = """
+import os, signal, sys, time
+if os.environ["RANK"] == "1":
+    sys.exit(3)  # rank 0 would wait for it forever, in a collective
+print("ready", flush=True)
+time.sleep(120)  # bounded: a failed test leaves no rank behind for long
+"""
+IGNORES_TERM = """
+import signal, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # stuck where no stop is taken (a collective, a C call)
+print("ready", flush=True)
+time.sleep(120)  # bounded: a failed test leaves no rank behind for long
+"""
+QUICK_S = 60  # far under the scripts' 120 s sleep: the command did not just wait them out
+
 
 def local_ranks(*args: str, cwd: Path) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "slurm_jit.local_ranks", *args], cwd=cwd, text=True,
@@ -72,3 +87,49 @@ def test_misuse_is_one_line_with_a_hint(tmp_path: Path) -> None:
     usage = local_ranks("--help", cwd=tmp_path)
     out, _ = usage.communicate(timeout=DEADLINE_S)
     assert usage.returncode == 0 and "-- SCRIPT.py" in out
+
+
+def _wait_ready(proc: subprocess.Popen[str], logs: list[Path]) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not all(p.exists() and "ready" in p.read_text() for p in logs):
+        assert time.monotonic() < deadline and proc.poll() is None, "ranks never became ready"
+        time.sleep(0.2)
+
+
+def test_a_rank_that_fails_ends_the_others_with_its_exit_status(tmp_path: Path) -> None:
+    (tmp_path / "fails.py").write_text(ONE_RANK_FAILS)
+    proc = local_ranks("-n", "2", "--", "fails.py", cwd=tmp_path)
+    try:
+        out, err = proc.communicate(timeout=QUICK_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 3, out + err
+    assert "rank 1 exited with 3: the other ranks get SIGTERM" in out and "exit codes [-15, 3]" in out, out
+
+
+def test_a_second_signal_kills_ranks_that_take_no_sigterm(tmp_path: Path) -> None:
+    (tmp_path / "stuck.py").write_text(IGNORES_TERM)
+    proc = local_ranks("-n", "2", "--", "stuck.py", cwd=tmp_path)
+    try:
+        _wait_ready(proc, [tmp_path / "rank-logs" / f"rank{r}.log" for r in (0, 1)])
+        os.kill(proc.pid, signal.SIGTERM)
+        time.sleep(1.0)
+        assert proc.poll() is None, "one SIGTERM is forwarded, not a kill"
+        os.kill(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=QUICK_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "every rank SIGKILLed" in out and "exit codes [-9, -9]" in out, out + err
+    assert proc.returncode == 128 + signal.SIGKILL, out
+
+
+def test_a_script_whose_name_starts_with_python_is_run(tmp_path: Path) -> None:
+    (tmp_path / "python_train.py").write_text("import os; print('rank', os.environ['RANK'], 'ran')")
+    proc = local_ranks("-n", "1", "--", "python_train.py", cwd=tmp_path)
+    out, err = proc.communicate(timeout=DEADLINE_S)
+    assert proc.returncode == 0, out + err
+    assert "rank 0 ran" in (tmp_path / "rank-logs" / "rank0.log").read_text()

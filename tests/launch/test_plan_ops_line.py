@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,3 +40,16 @@ def test_a_built_op_is_said_to_be_loaded(tmp_path: Path) -> None:
 
 def test_a_gpu_job_is_pointed_to_the_cuda_ops(tmp_path: Path) -> None:
     assert "CUDA ops" in ops_line(tmp_path, tmp_path / "ext", "--gpus-per-node", "4")
+
+
+def test_a_lock_left_by_a_build_cut_off_is_named_with_the_command_that_removes_it(tmp_path: Path) -> None:
+    op = tmp_path / "ext" / "py311_cpu" / "deepspeed_shm_comm"
+    op.mkdir(parents=True)
+    (op / "deepspeed_shm_comm.so").write_bytes(b"\x7fELF")
+    lock = op / "lock"
+    lock.touch()
+    assert "no build in the job" in ops_line(tmp_path, tmp_path / "ext")  # a rank loading it now holds a new one
+    old = time.time() - 2 * 86400  # left by a job two days ago
+    os.utime(lock, (old, old))
+    line = ops_line(tmp_path, tmp_path / "ext")
+    assert "wait on it forever" in line and f"rm {lock}" in line and "HINT:" in line, line

@@ -1,13 +1,15 @@
 """``python launch/submit.py --from OUT_DIR`` sizes the grace from an earlier run's timing log (as grace-calc
 --from), and ``--python``: the job's interpreter, default the one running submit.py, shown in the plan, a missing
-one refused in one line. Real dry runs of the CLI (they need no Slurm)."""
+one, or one that cannot import slurm_jit, refused in one line. Real dry runs of the CLI (they need no Slurm)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import slurm_jit
 from slurm_jit import timing
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,3 +68,18 @@ def test_a_missing_or_not_executable_python_is_refused_in_one_line(tmp_path: Pat
         assert proc.returncode == 2 and proc.stdout == "", (python, proc.stdout)
         (line,) = proc.stderr.splitlines()
         assert f"--python {python}" in line and "HINT:" in line, line
+
+
+def test_a_python_that_cannot_import_slurm_jit_is_refused_in_one_line(tmp_path: Path) -> None:
+    venv = tmp_path / "other venv"  # another project's venv, a space in its path
+    subprocess.run([sys._base_executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    src = str(Path(slurm_jit.__file__).parents[1])
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the job's env: slurm_jit not on a path
+    submit = f"import sys; sys.path.insert(0, {src!r}); from slurm_jit.launch.submit import main; main()"
+    for python in (str(venv / "bin" / "python"), "/bin/ls"):
+        proc = subprocess.run([sys.executable, "-c", submit, "--dry-run", "--output-dir", str(tmp_path / "out"),
+                               "--time", "30", "--signal-lead", "60", "--python", python, *CMD],
+                              capture_output=True, text=True, check=False, timeout=120, env=env)
+        assert proc.returncode == 2 and proc.stdout == "", (python, proc.stdout, proc.stderr)
+        (line,) = proc.stderr.splitlines()
+        assert f"--python {python}: cannot import slurm_jit" in line and "HINT: pip install" in line, line

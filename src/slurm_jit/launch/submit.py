@@ -16,6 +16,7 @@ import os
 import re
 import shlex
 import shutil
+import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -240,7 +241,26 @@ def job_python(python: str | None) -> str:
         raise ValueError(f"--python {python}: {what}, so no rank could start. HINT: the interpreter of the venv "
                          f"the job should use, e.g. --python ~/venvs/train/bin/python, or leave it out for this one "
                          f"({sys.executable})")
+    refused = _import_refusal(found)
+    if refused:
+        raise ValueError(f"--python {python}: cannot import slurm_jit ({refused}), so the job's gate and every "
+                         f"rank would fail at start. HINT: pip install slurm-jit into that venv (docs/install.md), "
+                         f"or leave --python out for this one ({sys.executable})")
     return python
+
+
+IMPORT_CHECK_S = 60  # `import slurm_jit` takes 0.04 s; a venv on a cold network filesystem, a lot longer
+
+
+def _import_refusal(python: str) -> str | None:
+    """Why ``python`` (with the environment the job inherits) cannot import slurm_jit, or None if it can."""
+    try:
+        proc = subprocess.run([python, "-c", "import slurm_jit"], capture_output=True, text=True, check=False,
+                              timeout=IMPORT_CHECK_S, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    last = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+    return None if proc.returncode == 0 else last
 
 
 def build_job(args: argparse.Namespace) -> Launch:

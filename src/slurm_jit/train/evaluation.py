@@ -9,11 +9,12 @@ evaluation is :mod:`.exact_resume`'s.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from slurm_jit.train import stop_path
 from slurm_jit.train.run_state import EvalAborted, Run, StopBeforeFirstStep
@@ -28,15 +29,31 @@ def evaluate_in_loop(trainer: JitTrainer, run: Run, upstream: Callable[[], dict[
     """Upstream's ``_evaluate`` inside the training loop: aborted when a stop is agreed during it (empty metrics,
     the evaluation owed), else a stop round read at its end; timed in the timing log either way."""
     t0 = time.monotonic()
+    compute = trainer.compute_metrics
+    if compute is not None:  # after the last batch, over the whole set: no batch feeds the watchdog meanwhile
+        trainer.compute_metrics = _fed_first(trainer, compute)
     try:
         metrics = upstream()
     except EvalAborted:
         metrics = _aborted(trainer, run)
     else:
         stop_path.agree_now(trainer)
+    finally:
+        trainer.compute_metrics = compute
     if run.timing is not None:
         run.timing.evaluation(trainer.state.global_step, time.monotonic() - t0, run.eval_aborted)
     return metrics
+
+
+def _fed_first(trainer: JitTrainer, compute: Callable[..., dict[str, float]]) -> Callable[..., dict[str, float]]:
+    """``compute_metrics`` that first feeds the hang watchdog the long phase ``metrics``."""
+
+    @functools.wraps(compute)  # its signature too: batch_eval_metrics passes compute_result
+    def compute_metrics(*args: Any, **kwargs: Any) -> dict[str, float]:
+        stop_path.feed(trainer, "metrics")
+        return compute(*args, **kwargs)
+
+    return compute_metrics
 
 
 def _aborted(trainer: JitTrainer, run: Run) -> dict[str, float]:

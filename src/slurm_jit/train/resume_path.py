@@ -20,7 +20,16 @@ from transformers.trainer_utils import _is_peft_model
 
 from slurm_jit.checkpoint import elastic_plan, protocol
 from slurm_jit.checkpoint import manifest as manifest_file
-from slurm_jit.train import elastic, elastic_unheld, frozen_weights, model_match, output_lock, slim_save, writable
+from slurm_jit.train import (
+    elastic,
+    elastic_unheld,
+    frozen_weights,
+    model_match,
+    output_lock,
+    slim_save,
+    stop_record,
+    writable,
+)
 from slurm_jit.train.refusals import JitRefusal, resume_refusal
 from slurm_jit.train.run_state import LINEAGE_ID_CHARS
 
@@ -42,6 +51,8 @@ def resolve(trainer: JitTrainer, resume_from_checkpoint: str | bool | None) -> s
         raise JitRefusal(f"slurm_jit: {not_writable}")
     if trainer._is_rank0:  # one training per output_dir, and a writable one (output_lock), before any step
         trainer._jit_output_lock, locked_out = output_lock.acquire(str(trainer.args.output_dir))
+        if not locked_out:  # before any rank's watchdog starts (a collective follows) and any failure is recorded
+            stop_record.clear_hang_reports(str(trainer.args.output_dir))
         decision = (None, locked_out, {}) if locked_out else pick(trainer, resume_from_checkpoint)
     path, refusal, carried = trainer._agreement.broadcast_after(decision, elastic.HEARTBEAT)
     if refusal:

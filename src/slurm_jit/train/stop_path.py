@@ -211,8 +211,16 @@ def record_hang(trainer: JitTrainer, run: Run, hang: watchdog.Hang) -> None:
     deadline = time.monotonic() + watchdog.PEER_REPORT_WAIT_S
     while len(stop_record.hang_reports(out_dir)) < int(trainer.args.world_size) and time.monotonic() < deadline:
         time.sleep(0.1)
-    stop_record.write(out_dir, "hung", step=hang.step, ranks=stop_record.hang_reports(out_dir),
-                      checkpoint=None, resumed_from=run.resumed_from)
+    ranks = stop_record.hang_reports(out_dir)
+    with stop_record.WRITE_LOCK:  # the main thread's jit_stop is written whole, and then said, before this reads
+        if run.stop_recorded:  # the stop checkpoint is complete: still a JIT stop (requeue), the hang after it
+            stop_record.write(out_dir, "jit_stop", step=trainer.state.global_step, checkpoint=run.checkpoint,
+                              signal=signal_name(run.latch.first_signum), ranks=ranks,
+                              error_after_stop=f"hung in '{hang.phase}' at {hang.frame} (exit "
+                                               f"{watchdog.HUNG_EXIT_CODE})")
+        else:
+            stop_record.write(out_dir, "hung", step=hang.step, ranks=ranks, checkpoint=None,
+                              resumed_from=run.resumed_from)
 
 
 def record_stop(trainer: JitTrainer) -> None:
@@ -220,9 +228,10 @@ def record_stop(trainer: JitTrainer) -> None:
     run = trainer._jit_run
     if run is None or run.stop_recorded or not trainer._is_rank0:
         return
-    stop_record.write(str(trainer.args.output_dir), "jit_stop", step=trainer.state.global_step,
-                      checkpoint=run.checkpoint, signal=signal_name(run.latch.first_signum))
-    run.stop_recorded = True
+    with stop_record.WRITE_LOCK:  # the watchdog's thread reads stop_recorded under it (record_hang)
+        stop_record.write(str(trainer.args.output_dir), "jit_stop", step=trainer.state.global_step,
+                          checkpoint=run.checkpoint, signal=signal_name(run.latch.first_signum))
+        run.stop_recorded = True
 
 
 def announce_stop(trainer: JitTrainer, run: Run) -> None:
@@ -245,9 +254,12 @@ def record_end(trainer: JitTrainer, run: Run) -> None:
     state = "jit_stop" if run.stopped else "finished"
     run.trackers_told = True
     log_stop_to_trackers(trainer, state, trainer.state.global_step, signal_name(run.latch.first_signum))
-    if trainer._is_rank0 and not run.stop_recorded:
-        stop_record.write(str(trainer.args.output_dir), state, step=trainer.state.global_step,
-                          checkpoint=run.checkpoint, signal=signal_name(run.latch.first_signum))
+    if not trainer._is_rank0:
+        return
+    with stop_record.WRITE_LOCK:
+        if not run.stop_recorded and not run.hung:  # a watchdog that fired meanwhile writes its own record
+            stop_record.write(str(trainer.args.output_dir), state, step=trainer.state.global_step,
+                              checkpoint=run.checkpoint, signal=signal_name(run.latch.first_signum))
 
 
 def record_failure(trainer: JitTrainer, run: Run, exc: BaseException) -> None:

@@ -21,6 +21,7 @@ import errno
 import json
 import os
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,6 +41,9 @@ EXIT_HUNG = 11
 EXIT_BY_STATE = {"finished": EXIT_FINISHED, "jit_stop": EXIT_REQUEUE, "running": EXIT_CRASHED,
                  "failed": EXIT_CRASHED, "hung": EXIT_HUNG}
 HANG_REPORT_GLOB = "hang-rank*.json"  # one per rank whose watchdog fired, beside the stop record
+# The watchdog's thread writes ``hung`` while the main thread may be writing ``jit_stop``: both use one temporary
+# file, so one write at a time (re-entrant: a caller holds it across its decision and its write)
+WRITE_LOCK = threading.RLock()
 
 
 PATH_FIELDS = ("checkpoint", "resumed_from")  # written absolute: a relative output_dir is relative to one cwd
@@ -62,8 +66,15 @@ def write_hang_report(output_dir: str | os.PathLike[str], rank: int, report: dic
     os.rename(tmp, target)
 
 
+def clear_hang_reports(output_dir: str | os.PathLike[str]) -> None:
+    """Rank 0, once it holds the output_dir's lock: an earlier run's hang reports are not this run's."""
+    for report_path in (Path(output_dir) / TIMING_DIR).glob(HANG_REPORT_GLOB):
+        with contextlib.suppress(OSError):  # one left behind is still read as this run's: never worse than before
+            report_path.unlink(missing_ok=True)
+
+
 def hang_reports(output_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Every rank's hang report of this run (each rank removes its own old one when its watchdog starts)."""
+    """Every rank's hang report of this run (rank 0 removes the earlier runs' ones when it takes the lock)."""
     reports = []
     for report_path in sorted((Path(output_dir) / TIMING_DIR).glob(HANG_REPORT_GLOB)):
         with contextlib.suppress(OSError, json.JSONDecodeError, UnicodeDecodeError):
@@ -86,7 +97,8 @@ def write(output_dir: str | os.PathLike[str], state: str, **fields: Any) -> None
         raise ValueError(f"unknown stop state {state!r}")
     target = path(output_dir)
     try:
-        _write(target, state, fields)
+        with WRITE_LOCK:
+            _write(target, state, fields)
     except OSError as exc:
         with contextlib.suppress(OSError):
             target.with_suffix(".tmp").unlink(missing_ok=True)

@@ -10,7 +10,8 @@ stop record) and ends the process with :data:`HUNG_EXIT_CODE`.
 Bounds (:func:`bound_s`): a step or an evaluation batch gets ``hang_timeout_s``; with ``"auto"`` that is
 ``max(AUTO_STEP_FACTOR x the longest step so far, AUTO_MIN_S)`` after warm-up and :data:`AUTO_WARMUP_S` before.
 Phases that are legitimately long and not cut into batches here (the first step's compilation and op builds, a
-save, the end of training) get :func:`long_bound_s`, never less than :data:`LONG_PHASE_MIN_S`.
+save, ``compute_metrics`` over the whole evaluation set, the end of training) get :func:`long_bound_s`, never less
+than :data:`LONG_PHASE_MIN_S`.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ AUTO_WARMUP_S = 1800.0  # before warm-up nothing is measured: torch.distributed'
 # Phases not fed from inside (a save's writes, the first step's compilation, upstream's end of training):
 LONG_PHASE_FACTOR = 10  # ... get ten times a step's bound
 LONG_PHASE_MIN_S = 600.0  # ... and never under ten minutes (a slow writer's save of a large model)
-LONG_PHASES = frozenset({"first step", "save", "end of training"})
+LONG_PHASES = frozenset({"first step", "save", "end of training", "metrics"})  # metrics: compute_metrics
 POLL_MAX_S = 5.0  # the thread wakes at most this far apart: a hang is seen within bound + 5 s
 POLL_FRACTION = 4  # ... and four times per bound for short test bounds
 HUNG_EXIT_CODE = 87  # the process exit code of a rank the watchdog ended (not a signal's 128+N, not 1 or 2)

@@ -1,0 +1,14 @@
+"""demo_train with the hang watchdog's long-phase floor (a save, the first step, the end of training) cut to
+``LONG_PHASE_MIN_S`` seconds, so that a test sees a hang after a JIT stop within seconds, not ten minutes. Run as a
+script with demo_train's arguments (tests/train/test_hang_records.py)."""
+
+from __future__ import annotations
+
+from slurm_jit import demo_train
+from slurm_jit.train import watchdog
+
+LONG_PHASE_MIN_S = 2.0
+
+if __name__ == "__main__":
+    watchdog.LONG_PHASE_MIN_S = LONG_PHASE_MIN_S
+    demo_train.main()
