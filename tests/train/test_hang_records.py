@@ -21,8 +21,9 @@ RUN_TIMEOUT_S = 90  # a tiny GPT-2 on one CPU process: ~8 s idle, several times 
 ONE_PROCESS = ["--zero-stage", "0", "--max-steps", "20", "--kill-wait", "0"]
 
 
-def _demo(program: list[str], out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def _demo(program: list[str], out: Path, *args: str, **extra_env: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK"))}
+    env.update(extra_env)
     return subprocess.run([sys.executable, *program, "--output-dir", str(out), *ONE_PROCESS, *args], env=env,
                           capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False)
 
@@ -48,7 +49,8 @@ def test_an_earlier_runs_hang_report_does_not_make_this_runs_failure_a_hang(tmp_
 def test_a_hang_after_the_jit_stop_checkpoint_keeps_the_record_a_jit_stop(tmp_path: Path) -> None:
     out = tmp_path / "out"
     ran = _demo([str(HELPERS / "demo_short_long_phases.py")], out, "--signal-self-at-step", "3",
-                "--hang-timeout", "0.1", "--slow-train-end", "60")  # hangs in on_train_end after the stop
+                "--hang-timeout", "30", "--slow-train-end", "60",  # hangs in on_train_end after the stop
+                LONG_PHASE_FACTOR="0")  # the end of training's bound: 2 s; a step's stays 30 s (a loaded host)
     assert ran.returncode == 87, ran.stderr[-3000:]
     assert "slurm_jit: JIT stop: SIGTERM at step 3" in ran.stderr and "hang on rank 0" in ran.stderr, ran.stderr
     record = stop_record.read(out)

@@ -20,7 +20,7 @@ def test_a_compute_metrics_longer_than_the_step_bound_is_no_hang(tmp_path: Path)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK"))}
     ran = subprocess.run([sys.executable, str(HELPERS / "demo_short_long_phases.py"), "--output-dir", str(out),
                           "--zero-stage", "0", "--max-steps", "8", "--eval-steps", "4", "--metrics",
-                          "--metrics-sleep", "2", "--hang-timeout", "1", "--kill-wait", "0"],
+                          "--metrics-sleep", "5", "--hang-timeout", "2", "--kill-wait", "0"],
                          env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False)
     assert ran.returncode == 0, ran.stderr[-3000:]
     assert "hang on rank" not in ran.stderr and ran.stdout.count("'eval_accuracy'") == 2, ran.stdout[-2000:]
