@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from jit_helpers import ckpt_check, losses, run_to_end
+from submit_jobs import SUBMIT, job_log, submit_training
 
 from slurm_jit import slurm
 from slurm_jit.launch import progress
@@ -25,7 +26,6 @@ from slurm_jit.train import stop_record
 pytestmark = [pytest.mark.slurm, pytest.mark.deepspeed, pytest.mark.usefixtures("slurm_cluster")]
 
 ROOT = Path(__file__).resolve().parents[2]
-SUBMIT = ROOT / "launch" / "submit.py"
 JOB_DEADLINE_S = 600  # a hang detector: queued behind other jobs on 2 CPUs, a 3-minute job ends well within
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL"}
 DEMO = ["-m", "slurm_jit.demo_train"]
@@ -33,20 +33,7 @@ DEMO = ["-m", "slurm_jit.demo_train"]
 
 def _submit(out: Path, jobs: list[str], *options: str, train: tuple[str, ...] = (),
             env: dict[str, str] | None = None) -> str:
-    argv = [sys.executable, str(SUBMIT), "--output-dir", str(out), "--ntasks-per-node", "2", "--cpus-per-task",
-            "1", "--time", "3", "--signal-lead", "60", *options, "--", sys.executable, *DEMO,
-            "--output-dir", str(out), "--resume", *train]
-    proc = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=120,
-                          env={**os.environ, **(env or {})})
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    job_id = proc.stdout.split("submitted job ")[1].split(";")[0]
-    jobs.append(job_id)
-    return job_id
-
-
-def _log(out: Path, job_id: str) -> str:
-    path = out / f"slurm-{job_id}.out"
-    return path.read_text(errors="replace") if path.exists() else ""
+    return submit_training(out, jobs, DEMO, *options, train=train, env=env)
 
 
 def _until(what: str, check, out: Path, job_id: str, timeout_s: float = JOB_DEADLINE_S):  # type: ignore[no-untyped-def]
@@ -59,10 +46,10 @@ def _until(what: str, check, out: Path, job_id: str, timeout_s: float = JOB_DEAD
             return value
         state = _state(job_id)
         ended = state in ENDED or state.startswith("PURGED")
-        assert not ended, f"job {job_id} ended {state} before {what}\n{_log(out, job_id)[-3000:]}"
+        assert not ended, f"job {job_id} ended {state} before {what}\n{job_log(out, job_id)[-3000:]}"
         time.sleep(1)
     raise AssertionError(f"job {job_id}: {what} not within {timeout_s} s; "
-                         f"{_state(job_id)}\n{_log(out, job_id)[-3000:]}")
+                         f"{_state(job_id)}\n{job_log(out, job_id)[-3000:]}")
 
 
 def _state(job_id: str) -> str:
@@ -131,7 +118,7 @@ def test_time_limit_signal_jit_requeue_resume_finish_through_submit(tmp_path: Pa
     # The requeued run gets the time to finish (the loop itself is what is under test, not a second warning).
     slurm.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=8"])
     job = _until("the end", lambda: _ended(job_id), out, job_id)
-    log = _log(out, job_id)
+    log = job_log(out, job_id)
     assert job["JobState"] == "COMPLETED" and job["Restarts"] == "1", log[-3000:]
     decisions = _decisions(log)
     assert len(decisions) == 2, log[-3000:]
@@ -158,9 +145,9 @@ def test_user_scancel_is_never_requeued(tmp_path: Path, jobs: list[str]) -> None
     job = _until("the end", lambda: _ended(job_id), out, job_id, timeout_s=120)
     time.sleep(15)  # longer than a requeued job's wait for eligibility here (cred_expire=10 s)
     job = slurm.show_job(job_id)
-    assert job["JobState"] == "CANCELLED" and job["Restarts"] == "0", _log(out, job_id)[-3000:]
-    assert "restart 1" not in _log(out, job_id)
-    assert all("policy: requeue" not in d for d in _decisions(_log(out, job_id)))
+    assert job["JobState"] == "CANCELLED" and job["Restarts"] == "0", job_log(out, job_id)[-3000:]
+    assert "restart 1" not in job_log(out, job_id)
+    assert all("policy: requeue" not in d for d in _decisions(job_log(out, job_id)))
 
 
 def test_maximum_requeues_reached(tmp_path: Path, jobs: list[str]) -> None:
@@ -169,7 +156,7 @@ def test_maximum_requeues_reached(tmp_path: Path, jobs: list[str]) -> None:
     _until("training steps", lambda: _steps_at_least(out, 3), out, job_id)
     slurm.cancel(job_id, signal_name="TERM")  # to the ranks, as --signal does: a JIT stop
     job = _until("the end", lambda: _ended(job_id), out, job_id, timeout_s=180)
-    log = _log(out, job_id)
+    log = job_log(out, job_id)
     record = stop_record.read(out)
     assert record is not None and record["state"] == "jit_stop", log[-3000:]
     assert job["Restarts"] == "0" and job["JobState"] in {"FAILED", "COMPLETED"}
@@ -193,7 +180,7 @@ def test_no_progress_since_the_last_restart_stops_the_loop(tmp_path: Path, jobs:
     _until("restart 1 in train()", run1_in_train, out, job_id)
     slurm.cancel(job_id, signal_name="TERM")  # before its first step: DeepSpeed is still initialising
     job = _until("the end", lambda: _ended(job_id), out, job_id, timeout_s=180)
-    log = _log(out, job_id)
+    log = job_log(out, job_id)
     decisions = _decisions(log)
     assert len(decisions) == 2 and "policy: requeue" in decisions[0], log[-3000:]
     step = int(decisions[0].split(" at step ")[1].split()[0])
@@ -214,7 +201,7 @@ def test_sigkill_during_a_save_resumes_from_the_previous_complete_checkpoint(tmp
     killed = _kill_ranks(out)
     assert len(killed) == 2, killed
     job = _until("the end", lambda: _ended(job_id), out, job_id)
-    log = _log(out, job_id)
+    log = job_log(out, job_id)
     decisions = _decisions(log)
     assert "stopped by crash" in decisions[0] and "failure retry 1 of 1" in decisions[0], log[-3000:]
     assert f"resume from {out}/checkpoint-10" in log  # the gate of run 1: the complete one, not checkpoint-20
@@ -240,7 +227,7 @@ def test_raw_sbatch_preempted_through_urgent_is_requeued_and_finishes(tmp_path: 
     jobs.append(urgent)
     _until("the requeue", lambda: _requeued(job_id), out, job_id)
     job = _until("the end", lambda: _ended(job_id), out, job_id)
-    log = _log(out, job_id)
+    log = job_log(out, job_id)
     decisions = _decisions(log)
     assert "stopped by preemption" in decisions[0] and "policy: requeue" in decisions[0], log[-3000:]
     assert job["JobState"] == "COMPLETED" and job["Restarts"] == "1"

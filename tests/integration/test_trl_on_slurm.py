@@ -7,13 +7,12 @@ About 5 minutes (the warning comes 60-120 s in; the cluster's 2 CPUs are shared)
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from jit_helpers import ckpt_check, run_logged
+from submit_jobs import job_log, submit_training
 from trl_rows import EXAMPLES, final_state, losses
 
 from slurm_jit import slurm
@@ -23,7 +22,6 @@ pytest.importorskip("trl")
 
 pytestmark = [pytest.mark.slurm, pytest.mark.deepspeed, pytest.mark.usefixtures("slurm_cluster")]
 
-SUBMIT = Path(__file__).resolve().parents[2] / "launch" / "submit.py"
 PROGRAM = [str(EXAMPLES / "trl_matrix.py"), "--row", "dpo"]
 # 300 steps of >= 0.4 s: the first run cannot finish before the latest warning (120 s in); no evaluation.
 TRAIN = ["--max-steps", "300", "--zero-stage", "2", "--kill-wait", "1", "--samples", "64"]
@@ -33,19 +31,7 @@ ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED"
 
 
 def _submit(out: Path, jobs: list[str]) -> str:
-    argv = [sys.executable, str(SUBMIT), "--output-dir", str(out), "--ntasks-per-node", "2", "--cpus-per-task",
-            "1", "--time", "3", "--signal-lead", "60", "--max-requeues", "2", "--", sys.executable, *PROGRAM,
-            "--output-dir", str(out), "--resume", *TRAIN, *STEP_SLEEP]
-    proc = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    job_id = proc.stdout.split("submitted job ")[1].split(";")[0]
-    jobs.append(job_id)
-    return job_id
-
-
-def _log(out: Path, job_id: str) -> str:
-    path = out / f"slurm-{job_id}.out"
-    return path.read_text(errors="replace") if path.exists() else ""
+    return submit_training(out, jobs, PROGRAM, "--max-requeues", "2", train=[*TRAIN, *STEP_SLEEP])
 
 
 def _until(what: str, check, out: Path, job_id: str) -> dict[str, str]:  # type: ignore[no-untyped-def]
@@ -55,9 +41,9 @@ def _until(what: str, check, out: Path, job_id: str) -> dict[str, str]:  # type:
         job = slurm.show_job(job_id)
         if check(job):
             return job
-        assert slurm.job_state(job) not in ENDED, f"job {job_id} ended before {what}\n{_log(out, job_id)[-3000:]}"
+        assert slurm.job_state(job) not in ENDED, f"job {job_id} ended before {what}\n{job_log(out, job_id)[-3000:]}"
         time.sleep(1)
-    raise AssertionError(f"job {job_id}: {what} not within {JOB_DEADLINE_S} s\n{_log(out, job_id)[-3000:]}")
+    raise AssertionError(f"job {job_id}: {what} not within {JOB_DEADLINE_S} s\n{job_log(out, job_id)[-3000:]}")
 
 
 def test_a_dpo_run_stopped_by_the_time_limit_is_requeued_and_finishes_bitwise(tmp_path: Path,
@@ -70,7 +56,7 @@ def test_a_dpo_run_stopped_by_the_time_limit_is_requeued_and_finishes_bitwise(tm
     _until("the requeue", lambda job: job.get("Restarts", "0") != "0", out, job_id)
     slurm.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=10"])  # the resumed run finishes
     job = _until("the end", lambda job: slurm.job_state(job) in ENDED, out, job_id)
-    log = _log(out, job_id)
+    log = job_log(out, job_id)
     assert job["JobState"] == "COMPLETED" and job["Restarts"] == "1", log[-3000:]
     decisions = [line for line in log.splitlines() if line.startswith("slurm-jit: ") and "; policy: " in line]
     assert len(decisions) == 2 and "stopped by time limit" in decisions[0], log[-3000:]

@@ -1,0 +1,33 @@
+"""Submitting a 2-rank training through ``launch/submit.py`` to the local Slurm, as the integration tests do
+(``--time 3``, the warning 60 s before), and reading the job's log across its requeues."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+SUBMIT = Path(__file__).resolve().parents[2] / "launch" / "submit.py"
+
+
+def submit_training(out: Path, jobs: list[str], program: Sequence[str], *options: str, train: Sequence[str] = (),
+                    env: dict[str, str] | None = None) -> str:
+    """``python launch/submit.py ... -- python PROGRAM --output-dir OUT --resume TRAIN``; the job id, also appended
+    to ``jobs`` (the fixture that cancels what a test leaves)."""
+    argv = [sys.executable, str(SUBMIT), "--output-dir", str(out), "--ntasks-per-node", "2", "--cpus-per-task",
+            "1", "--time", "3", "--signal-lead", "60", *options, "--", sys.executable, *program,
+            "--output-dir", str(out), "--resume", *train]
+    proc = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=120,
+                          env={**os.environ, **(env or {})})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job_id = proc.stdout.split("submitted job ")[1].split(";")[0]
+    jobs.append(job_id)
+    return job_id
+
+
+def job_log(out: Path, job_id: str) -> str:
+    """Task 0's log (``OUT/slurm-<id>.out``), all runs of the job; empty before it exists."""
+    path = out / f"slurm-{job_id}.out"
+    return path.read_text(errors="replace") if path.exists() else ""
