@@ -181,8 +181,8 @@ def assert_byte_report_matches_disk(ckpt: Path, jit_weights: str = protocol.WEIG
     the duplicate is exactly the DeepSpeed model-states file(s) that hold the whole model (ZeRO-0/1/2 periodic and
     final saves), and nothing for a slim JIT save under ZeRO-1/2 (its model-states file leaves the weights out)
     nor under ZeRO-3, whose per-rank model-states files hold no weights (they are in the optimizer shards).
-    ``jit_weights``: the layout of a JIT save under ZeRO-1/2 (a PEFT model's: frozen-excluded, whose model-states
-    file holds the adapters again)."""
+    ``jit_weights``: the layout of a JIT save under ZeRO-1/2 (a PEFT model's: frozen-excluded-master-only, whose
+    model-states file holds placeholders for the adapters)."""
     manifest = json.loads((ckpt / protocol.MANIFEST_NAME).read_text())
     sizes = _sizes_on_disk(ckpt)
     assert protocol.SENTINEL_NAME not in sizes
@@ -192,9 +192,9 @@ def assert_byte_report_matches_disk(ckpt: Path, jit_weights: str = protocol.WEIG
     partitioned = sorted(ckpt.glob(ZERO3_MODEL_STATES_GLOB))
     assert bool(whole_model) != bool(partitioned), f"model-states files in {ckpt}: {whole_model + partitioned}"
     # a JIT save under ZeRO-1/2 (slim: weights "fp32-master-only") leaves the weights out of the model states
-    slim = manifest.get("weights") == protocol.WEIGHTS_MASTER_ONLY
+    slim = manifest.get("weights") in protocol.MASTER_ONLY
     jit_zero12 = manifest["kind"] == "jit" and manifest["zero_stage"] in (1, 2)
-    expect_slim = bool(partitioned) or (jit_zero12 and jit_weights == protocol.WEIGHTS_MASTER_ONLY)
+    expect_slim = bool(partitioned) or (jit_zero12 and jit_weights in protocol.MASTER_ONLY)
     assert slim == expect_slim, (manifest.get("weights"), manifest["kind"], manifest["zero_stage"])
     if jit_zero12:
         assert manifest["weights"] == jit_weights, manifest["weights"]

@@ -27,7 +27,7 @@ class Row:
     args: list[str]  # demo_train's flags, the same for every run of the row
     max_steps: int
     stop_after: tuple[int, int]  # SIGTERM once a step in this range (seeded) is logged
-    weights: str = protocol.WEIGHTS_MASTER_ONLY  # the JIT checkpoint's weights layout (PEFT: frozen-excluded)
+    weights: str = protocol.WEIGHTS_MASTER_ONLY  # the JIT checkpoint's weights layout (a PEFT model's: its own)
 
 
 @dataclass

@@ -36,12 +36,12 @@ DPO_DROPOUT = ["--keep-dropout"]
 ROWS = {
     "sft-lora": Row(name="sft-lora", program=[str(EXAMPLES / "trl_sft.py"), "--jit-as", "with_jit"],
                     args=[*COMMON, *EVALUATED, "--dropout", "0.1", *LORA], max_steps=MAX_STEPS,
-                    stop_after=STOP_AFTER, weights=protocol.WEIGHTS_FROZEN_EXCLUDED),
+                    stop_after=STOP_AFTER, weights=protocol.WEIGHTS_FROZEN_EXCLUDED_MASTER_ONLY),
     "dpo-ref": Row(name="dpo-ref", program=[str(EXAMPLES / "trl_matrix.py"), "--row", "dpo", *DPO_DROPOUT],
                    args=[*COMMON, *EVALUATED], max_steps=MAX_STEPS, stop_after=STOP_AFTER),
     "dpo-peft": Row(name="dpo-peft", program=[str(EXAMPLES / "trl_matrix.py"), "--row", "dpo-peft", *DPO_DROPOUT],
                     args=[*COMMON, *EVALUATED, *LORA], max_steps=MAX_STEPS, stop_after=STOP_AFTER,
-                    weights=protocol.WEIGHTS_FROZEN_EXCLUDED),
+                    weights=protocol.WEIGHTS_FROZEN_EXCLUDED_MASTER_ONLY),
     # GRPO evaluates by generating: no evaluation here; its sampling draws from the RNG the resume restores
     "grpo": Row(name="grpo", program=[str(EXAMPLES / "trl_matrix.py"), "--row", "grpo"], args=COMMON,
                 max_steps=MAX_STEPS, stop_after=STOP_AFTER),

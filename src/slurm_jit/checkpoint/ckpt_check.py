@@ -30,7 +30,7 @@ MAX_WORLD_SIZE = structure.MAX_WORLD_SIZE
 RUN_ID_SHOWN_CHARS = 8  # enough to tell runs apart in the table; --json has the whole id
 # The weights layout in the table's narrow column; --json has the manifest's words
 WEIGHTS_SHOWN = {protocol.WEIGHTS_FULL: "full", protocol.WEIGHTS_MASTER_ONLY: "master",
-                 protocol.WEIGHTS_FROZEN_EXCLUDED: "adapter"}
+                 protocol.WEIGHTS_FROZEN_EXCLUDED: "adapter", protocol.WEIGHTS_FROZEN_EXCLUDED_MASTER_ONLY: "adapt-m"}
 
 EPILOG = f"""\
 exit status:
@@ -46,6 +46,9 @@ weights (where the module weights are; from the manifest, '-' without one):
               every ZeRO-3 save): every rank's shard is needed, and a ZeRO-1/2 one is resumed by JitTrainer only
   adapter     a PEFT model's ZeRO-1/2 save (transformers' layout, frozen-excluded): the trainable weights (the
               adapters) only; the frozen base is the model as built. Both trainers resume it
+  adapt-m     a PEFT model's ZeRO-1/2 JIT save (frozen-excluded-master-only): the frozen base left out, and the
+              adapters only in the fp32 master partitions of the optimizer shards (zero-element placeholders in
+              the model-states file): JitTrainer resumes it, a plain Trainer refuses it (size mismatch)
 
 statuses (newest written first; only complete and unverified are resumable):
   complete    manifest verified (sizes; checksums too with --deep) and everything a resume needs is there

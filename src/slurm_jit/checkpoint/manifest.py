@@ -30,11 +30,18 @@ WEIGHTS_MASTER_ONLY = "fp32-master-only"  # only the optimizer shards' fp32 mast
 # A PEFT model's save (upstream's exclude_frozen_parameters): the model-states file holds the trainable weights (the
 # adapters) and no frozen ones; those are the model as built (the base the user's script loads), as upstream resumes
 WEIGHTS_FROZEN_EXCLUDED = "frozen-excluded"
-# "frozen_fingerprint" (optional; absent in manifests written before it, which resume unchecked): a checkpoint whose
-# weights are WEIGHTS_FROZEN_EXCLUDED records what its left-out frozen tensors were (train/frozen_weights.py):
+# A PEFT model's JIT save under ZeRO-1/2 (train/slim_save.py): the frozen base left out as above, and the trainable
+# weights only in the optimizer shards' fp32 master partitions; each of their module keys holds a zero-element
+# placeholder (shape [0]), so that a plain Trainer's non-strict load fails on the size mismatch instead of
+# resuming the adapters as built. Only JitTrainer resumes it.
+WEIGHTS_FROZEN_EXCLUDED_MASTER_ONLY = "frozen-excluded-master-only"
+# "frozen_fingerprint" (optional; absent in manifests written before it, which resume unchecked): a checkpoint
+# whose weights leave the frozen base out (FROZEN_LEFT_OUT) records what those tensors were (train/frozen_weights.py):
 # {"algorithm": "xxh3_128", "digest": hex, "count": n, "tensors": {name: "dtype[shape]:xxh3_64 hex"}}
 FROZEN_FINGERPRINT = "frozen_fingerprint"
-WEIGHTS_LAYOUTS = (WEIGHTS_FULL, WEIGHTS_MASTER_ONLY, WEIGHTS_FROZEN_EXCLUDED)
+WEIGHTS_LAYOUTS = (WEIGHTS_FULL, WEIGHTS_MASTER_ONLY, WEIGHTS_FROZEN_EXCLUDED, WEIGHTS_FROZEN_EXCLUDED_MASTER_ONLY)
+FROZEN_LEFT_OUT = (WEIGHTS_FROZEN_EXCLUDED, WEIGHTS_FROZEN_EXCLUDED_MASTER_ONLY)  # the frozen base is the model built
+MASTER_ONLY = (WEIGHTS_MASTER_ONLY, WEIGHTS_FROZEN_EXCLUDED_MASTER_ONLY)  # the trainable weights: the shards' only
 ZERO3 = 3  # ZeRO stage 3: partitioned parameters, model-states files with placeholders for the weights
 HASH_NAME = "xxh3_128"
 HASH_CHUNK_BYTES = 8 * 1024 * 1024

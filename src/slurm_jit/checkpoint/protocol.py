@@ -57,11 +57,14 @@ from slurm_jit.checkpoint.manifest import (  # noqa: F401
     CONTENTS_FULL,
     CONTENTS_MODEL_ONLY,
     FORMAT_VERSION,
+    FROZEN_LEFT_OUT,
     HASH_NAME,
     MANIFEST_FORMAT,
     MANIFEST_NAME,
+    MASTER_ONLY,
     TRAINER_STATE_NAME,
     WEIGHTS_FROZEN_EXCLUDED,
+    WEIGHTS_FROZEN_EXCLUDED_MASTER_ONLY,
     WEIGHTS_FULL,
     WEIGHTS_LAYOUTS,
     WEIGHTS_MASTER_ONLY,
@@ -257,7 +260,7 @@ def _structural(path: Path, step: int, manifest: dict[str, Any] | None,
     if structure.model_only(path):
         declared = manifest is not None and manifest.get("contents") == CONTENTS_MODEL_ONLY
         why = "save_only_model checkpoint" if declared else f"weights only ({missing})"
-        adapters = manifest is not None and manifest_mod.weights_layout(manifest) == WEIGHTS_FROZEN_EXCLUDED
+        adapters = manifest is not None and manifest_mod.weights_layout(manifest) in FROZEN_LEFT_OUT
         what = "adapter weights (PEFT)" if adapters else "model weights whole"
         return info(Status.MODEL_ONLY, f"{why}: {what}, no optimizer/RNG state to resume", manifest)
     if manifest is None:

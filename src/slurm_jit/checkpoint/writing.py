@@ -131,7 +131,8 @@ def write_manifest(
     ``contents``: "full" (everything an exact resume needs) or "model_only" (a save_only_model save: never
     resumed); ``run_id``: the training run's lineage id, shown by ckpt-check; ``weights``: where the module
     weights are ("full"; "fp32-master-only": only in the optimizer shards' fp32 master partitions;
-    "frozen-excluded": a PEFT model's, the trainable ones only, the frozen base is the model as built).
+    "frozen-excluded": a PEFT model's, the trainable ones only, the frozen base is the model as built;
+    "frozen-excluded-master-only": both, a PEFT model's JIT save under ZeRO-1/2).
     """
     if kind not in SAVE_KINDS:
         raise ProtocolError(f"unknown save kind {kind!r}; expected one of {SAVE_KINDS}")

@@ -23,7 +23,7 @@ from typing import Any
 
 import xxhash
 
-from slurm_jit.checkpoint.manifest import FROZEN_FINGERPRINT, WEIGHTS_FROZEN_EXCLUDED, frozen_tensors
+from slurm_jit.checkpoint.manifest import FROZEN_FINGERPRINT, FROZEN_LEFT_OUT, frozen_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def at_start(model: Any, is_rank0: bool) -> Fingerprint | None:
 
 def manifest_fields(weights: str, found: Fingerprint | None) -> dict[str, Any]:
     """The manifest's ``frozen_fingerprint`` of a save that leaves the frozen weights out, else nothing."""
-    if weights != WEIGHTS_FROZEN_EXCLUDED or found is None:
+    if weights not in FROZEN_LEFT_OUT or found is None:
         return {}
     return {FROZEN_FINGERPRINT: found.as_manifest()}
 
@@ -153,5 +153,5 @@ def difference(saved: dict[str, str], now: dict[str, str]) -> str:
         first = f"'{name}' was built partitioned by ZeRO-3 (zero.Init) in one of the two runs only"
     else:
         first = f"'{name}' has other values"
-    return (f"its frozen weights (left out of it: weights {WEIGHTS_FROZEN_EXCLUDED}) are not this model's: "
+    return (f"its frozen weights (left out of it) are not this model's: "
             f"{counts}; first: {first}")

@@ -272,13 +272,22 @@ def record_of_states(saved: Any, default_stage: int | None = None) -> ModelRecor
     shared = saved.get("shared_params")
     module = saved.get("module") if isinstance(saved.get("module"), dict) else {}
     params = {n for g in groups or [] for n, _ in g} | set(frozen or {}) | set(shared or {})
+    # A PEFT JIT save's placeholders (ZeRO-1/2) are left-out weights, as a slim save's absent keys; ZeRO-3's
+    # module entries are all empty, recorded with the shape None
+    left_out = {n for n, t in module.items() if stage != ZERO3 and n in params and _left_out(t)}
     tensors = {str(n): (None if stage == ZERO3 and n in params else tuple(t.shape), str(t.dtype))
-               for n, t in module.items() if hasattr(t, "shape") and hasattr(t, "dtype")}
+               for n, t in module.items() if hasattr(t, "shape") and hasattr(t, "dtype") and n not in left_out}
     return ModelRecord(
         zero_stage=stage, groups=groups,
         frozen={str(n): tuple(int(d) for d in s) for n, s in frozen.items()} if isinstance(frozen, dict) else None,
         buffers={str(b) for b in buffers} if isinstance(buffers, list) else None,
         shared={str(a): str(o) for a, o in shared.items()} if isinstance(shared, dict) else None, tensors=tensors)
+
+
+def _left_out(tensor: Any) -> bool:
+    from slurm_jit.train.slim_save import is_placeholder  # slim_save imports this module
+
+    return is_placeholder(tensor)
 
 
 def live_record(engine: Any) -> ModelRecord:

@@ -117,8 +117,8 @@ def prepare_load(trainer: JitTrainer, path: str, manifest: dict[str, Any], carri
         return slim_save.resume_refusal(path, manifest, ds_config) or refusal
     decided = elastic_plan.plan(path, int(trainer.args.world_size), manifest)
     converting = decided.action in CONVERSIONS
-    if converting and manifest.get("weights") == manifest_file.WEIGHTS_FROZEN_EXCLUDED:
-        return (f"slurm_jit: {path}: a PEFT checkpoint (frozen base left out, weights: frozen-excluded) on "
+    if converting and manifest.get("weights") in manifest_file.FROZEN_LEFT_OUT:
+        return (f"slurm_jit: {path}: a PEFT checkpoint (frozen base left out, weights: {manifest['weights']}) on "
                 f"another world size ({decided.written_by} -> {trainer.args.world_size} ranks) is not supported: "
                 f"its conversion is untested. HINT: resume it on {decided.written_by} ranks")
     refusal = model_match.pick_refusal(path, trainer.model) if converting else None

@@ -39,7 +39,7 @@ Upstream = Callable[[Any, Any], None]  # the Trainer's own _save_checkpoint(mode
 def _duplicate_weights(rel: str, weights: str) -> bool:
     """Whether a checkpoint file holds the model weights again (a slim model-states file holds no such copy)."""
     name = rel.rsplit("/", 1)[-1]
-    if weights == protocol.WEIGHTS_MASTER_ONLY and MODEL_STATES_RE.match(name):
+    if weights in protocol.MASTER_ONLY and MODEL_STATES_RE.match(name):
         return False
     return DUPLICATE_WEIGHT_RE.match(name) is not None
 
@@ -128,11 +128,11 @@ def upstream_save(trainer: JitTrainer, model: Any, trial: Any, kind: str, upstre
     if kind == "jit":
         args.save_only_model = False
     engine = trainer.model_wrapped if trainer.is_deepspeed_enabled else None
-    # A PEFT model's saves are upstream's (frozen base left out, adapters kept): both trainers resume them
+    # A PEFT model's saves leave its frozen base out (upstream's layout); its JIT save, the adapters too (placeholders)
     peft = slim_save.excludes_frozen(trainer.model, engine)
-    slim_engine = engine if kind == "jit" and trainer.jit_config.slim_jit_save and not peft else None
+    slim_engine = engine if kind == "jit" and trainer.jit_config.slim_jit_save else None
     try:
-        with (slim_save.slim_model_states(slim_engine) as slim,
+        with (slim_save.slim_model_states(slim_engine, placeholders=peft) as slim,
               slim_save.frozen_left_out(engine if peft else None)):
             upstream(model, trial)
         if args.save_only_model:  # model.safetensors (a PEFT model's: its adapters), no DeepSpeed files

@@ -18,14 +18,20 @@ at the stop. A plain ``transformers.Trainer`` cannot resume such a checkpoint of
 (DeepSpeed's strict module load refuses it: README). ZeRO-3's model-states files hold placeholders only: its
 every save is master-only already, and DeepSpeed's own load restores it.
 
-A PEFT model is saved as transformers saves it (:func:`excludes_frozen`: ``exclude_frozen_parameters``), JIT saves
-too: the model-states file holds the trainable weights (the adapters: small) and no frozen ones, which are the model
-as built (the base the user's script loads); both trainers load it back non-strict, and the load above finds
-nothing left out (``weights: frozen-excluded``). Slim, its adapters would be the built ones in a plain Trainer.
+A PEFT model's periodic and final saves are transformers' (:func:`excludes_frozen`: ``exclude_frozen_parameters``):
+the model-states file holds the trainable weights (the adapters) and no frozen ones, which are the model as built
+(the base the user's script loads); both trainers load it back non-strict (``weights: frozen-excluded``). Its JIT
+save leaves the frozen base out too, and the adapters (their fp32 master is in the shards): each held key stays in
+the module as a zero-element placeholder (:func:`placeholder`, shape [0]), a few bytes, because a plain Trainer
+loads a PEFT module non-strict and would silently keep the adapters as built where a key were simply missing;
+torch's ``load_state_dict`` raises on the size mismatch whatever ``strict`` says. :func:`load_slim` drops the
+placeholders of held names and rebuilds those weights as above; one of a name not held is refused
+(``weights: frozen-excluded-master-only``).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from collections.abc import Callable, Iterator
@@ -34,7 +40,14 @@ from pathlib import Path
 from typing import Any
 
 from slurm_jit.checkpoint import manifest as manifest_file
-from slurm_jit.checkpoint.manifest import WEIGHTS_FROZEN_EXCLUDED, WEIGHTS_FULL, WEIGHTS_MASTER_ONLY, ZERO3
+from slurm_jit.checkpoint.manifest import (
+    MASTER_ONLY,
+    WEIGHTS_FROZEN_EXCLUDED,
+    WEIGHTS_FROZEN_EXCLUDED_MASTER_ONLY,
+    WEIGHTS_FULL,
+    WEIGHTS_MASTER_ONLY,
+    ZERO3,
+)
 from slurm_jit.train import model_match
 from slurm_jit.train.refusals import JitRefusal
 
@@ -42,6 +55,7 @@ logger = logging.getLogger(__name__)
 
 SLIM_STAGES = (1, 2)  # the stages whose model-states file holds the weights again (stage_1_and_2's optimizer)
 SHOWN_KEYS = 3  # of the keys a refusal names
+PLACEHOLDER_SHAPE = (0,)  # a left-out weight's module entry in a PEFT JIT save: torch refuses it for any other shape
 
 
 def slim_capable(engine: Any) -> bool:
@@ -83,7 +97,7 @@ def layout(engine: Any, slim: bool, frozen_excluded: bool = False) -> str:
     if engine is not None and engine.zero_optimization_stage() == ZERO3:
         return WEIGHTS_MASTER_ONLY
     if slim:
-        return WEIGHTS_MASTER_ONLY
+        return WEIGHTS_FROZEN_EXCLUDED_MASTER_ONLY if frozen_excluded else WEIGHTS_MASTER_ONLY
     return WEIGHTS_FROZEN_EXCLUDED if frozen_excluded else WEIGHTS_FULL
 
 
@@ -93,16 +107,30 @@ def held_names(engine: Any) -> set[str]:
     return {name for name, p in engine.module.named_parameters(remove_duplicate=False) if id(p) in held}
 
 
+def placeholder(tensor: Any) -> Any:
+    """The module entry of a left-out weight in a PEFT JIT save: no elements, the weight's dtype, on the CPU."""
+    import torch
+
+    return torch.empty(PLACEHOLDER_SHAPE, dtype=tensor.dtype)
+
+
+def is_placeholder(tensor: Any) -> bool:
+    return tuple(getattr(tensor, "shape", ())) == PLACEHOLDER_SHAPE
+
+
 @contextmanager
-def slim_model_states(engine: Any) -> Iterator[bool]:
+def slim_model_states(engine: Any, placeholders: bool = False) -> Iterator[bool]:
     """While inside, the engine's ``save_checkpoint`` writes a model-states file whose ``module`` leaves out the
-    weights the optimizer holds; yields whether it does (False: not a ZeRO-1/2 engine, the save is DeepSpeed's)."""
+    weights the optimizer holds (``placeholders``: keeps each key, a :func:`placeholder` for a PEFT model); yields
+    whether it does (False: not a ZeRO-1/2 engine, the save is DeepSpeed's)."""
     if engine is None or not slim_capable(engine):
         yield False
         return
     names = held_names(engine)
     save = engine.save_checkpoint
 
+    # save's signature: transformers passes exclude_frozen_parameters only where the signature has it (PEFT)
+    @functools.wraps(save)
     def slim_save(*args: Any, **kwargs: Any) -> Any:
         full = engine.module_state_dict
 
@@ -110,7 +138,9 @@ def slim_model_states(engine: Any) -> Iterator[bool]:
             state = full(*sd_args, **sd_kwargs)
             prefix = sd_kwargs.get("prefix", "")
             for name in names:
-                state.pop(prefix + name, None)
+                left_out = state.pop(prefix + name, None)
+                if placeholders and left_out is not None:
+                    state[prefix + name] = placeholder(left_out)
             return state
 
         with _swapped(engine, "module_state_dict", module_state_dict):
@@ -178,7 +208,7 @@ def resume_refusal(ckpt_dir: str, manifest: dict[str, Any], ds_config: dict[str,
 
 def _slim_zero12(manifest: dict[str, Any] | None) -> bool:
     return (manifest is not None and manifest.get("zero_stage") in SLIM_STAGES
-            and manifest_file.weights_layout(manifest) == WEIGHTS_MASTER_ONLY)
+            and manifest_file.weights_layout(manifest) in MASTER_ONLY)
 
 
 def _is_slim(checkpoint_path: str) -> bool:
@@ -205,7 +235,9 @@ def load_slim(engine: Any, checkpoint_path: str, load_module_strict: bool = True
             raise JitRefusal(f"slurm_jit: {checkpoint_path}: the saved module does not fit this model ({misfit}). "
                              "HINT: resume with the model the checkpoint was written with (a PEFT model: the same "
                              "adapter config, its rank and target modules)")
-        result = dst.load_state_dict(src, strict=False)
+        # a placeholder of a held weight (a PEFT JIT save) is a left-out one: rebuilt from the fp32 master below
+        result = dst.load_state_dict({k: t for k, t in src.items() if not (k in names and is_placeholder(t))},
+                                     strict=False)
         left_out[:] = sorted(set(result.missing_keys) & names)
         if left_out and not engine.zero_load_from_fp32_weights():  # before the shards: nothing loaded from them
             raise JitRefusal(_unrebuildable(checkpoint_path))
@@ -221,12 +253,19 @@ def load_slim(engine: Any, checkpoint_path: str, load_module_strict: bool = True
 
 
 def _module_misfit(saved: dict[str, Any], built: dict[str, Any], held: set[str], strict: bool) -> str | None:
-    """What in the saved module does not fit the built one (its state dict), or None: a key of another shape (a
+    """What in the saved module does not fit the built one (its state dict), or None: a placeholder of a weight the
+    optimizer does not hold (another model or adapter config: nothing would rebuild it), a key of another shape (a
     LoRA of another rank: torch's load would raise a traceback), a key the model lacks (another adapter set: the
     non-strict load of a PEFT model would ignore it), some held weights saved and others not (a slim save leaves
     all of them out, any other save none); strict, or a slim save (a PEFT model's frozen base missing from a
     checkpoint of another model: DeepSpeed's KeyError), also a missing key the optimizer does not hold."""
+    unheld = sorted(n for n, t in saved.items() if n not in held and is_placeholder(t)
+                    and tuple(getattr(built.get(n), "shape", ())) != PLACEHOLDER_SHAPE)
+    if unheld:
+        return f"left out in it, not held by this run's optimizer: {unheld[:SHOWN_KEYS]}"
     for name, tensor in saved.items():
+        if name in held and is_placeholder(tensor):
+            continue
         if name in built and tuple(getattr(tensor, "shape", ())) != tuple(built[name].shape):
             return f"{name}: shape {list(tensor.shape)} saved, {list(built[name].shape)} now"
     unexpected = sorted(set(saved) - set(built))
