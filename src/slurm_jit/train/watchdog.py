@@ -16,8 +16,10 @@ than :data:`LONG_PHASE_MIN_S`.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import logging
+import multiprocessing
 import os
 import socket
 import sys
@@ -158,4 +160,14 @@ class Watchdog:
             print(f"slurm_jit: hang record not written: {exc}", file=sys.stderr, flush=True)
         finally:
             sys.stderr.flush()
+            end_children()
             self._exit(HUNG_EXIT_CODE)
+
+
+def end_children() -> None:
+    """SIGKILL this process's multiprocessing children (DataLoader workers) before ``os._exit``: a worker stuck in
+    its fetch never runs its own parent check, and ``os._exit`` skips multiprocessing's exit handler that would end
+    the others; left behind, they hold the node (and, outside a Slurm cgroup, run forever)."""
+    for child in multiprocessing.active_children():
+        with contextlib.suppress(Exception):  # one already gone, or not ours to end: the exit goes on
+            child.kill()
