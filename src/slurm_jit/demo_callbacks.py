@@ -112,6 +112,9 @@ def _test_callbacks(opts: argparse.Namespace, rank: int) -> list[Any]:
                 time.sleep(opts.stall_s)  # user code that blocks (a hang when --stall-s is huge)
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            stall_here = opts.stall_in == "step_end" and state.global_step == opts.stall_at_step
+            if stall_here and opts.stall_rank in (-1, rank):
+                time.sleep(opts.stall_s)  # this rank's side-group stop round comes late
             if opts.signal_self_at_step and state.global_step == opts.signal_self_at_step:
                 os.kill(os.getpid(), signal.SIGTERM)
             if opts.fail_at_step and state.global_step == opts.fail_at_step and not TestHooks.failed:

@@ -25,7 +25,7 @@ from slurm_jit.train import dist_env
 
 VOCAB = 128
 SEQ_LEN = 32
-STALL_PLACES = ("step", "save", "worker")  # --stall-in
+STALL_PLACES = ("step", "step_end", "save", "worker")  # --stall-in
 VARIANTS = ("transposed", "renamed")  # --variant: what a library upgrade may change in a model's layout
 
 
@@ -77,12 +77,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="each rank sends itself SIGTERM at the end of this step (a stop at a known step)")
     p.add_argument("--slow-train-end", type=float, default=0.0,
                    help="seconds an on_train_end callback sleeps after a stop (slow user cleanup)")
+    p.add_argument("--side-group-timeout", type=float, default=None, help="JitConfig(side_group_timeout_s=...)")
     p.add_argument("--hang-timeout", default="auto", help="JitConfig(hang_timeout_s=...): seconds, auto or none")
     p.add_argument("--stall-at-step", type=int, default=-1,
                    help="on_step_begin sleeps --stall-s when global_step is this (0: the first step)")
     p.add_argument("--stall-s", type=float, default=0.0)
     p.add_argument("--stall-in", choices=STALL_PLACES, default="step",
-                   help="where the stall is: 'step' (on_step_begin), 'save' (on_save, inside the first save at or "
+                   help="where the stall is: 'step' (on_step_begin), 'step_end' (on_step_end: just before the stop "
+                        "round in the side group), 'save' (on_save, inside the first save at or "
                         "after --stall-at-step: a stuck writer), 'worker' (the DataLoader worker's item fetch for "
                         "that step, with --workers 1)")
     p.add_argument("--stall-rank", type=int, default=-1, help="the rank that stalls (-1: every rank)")
@@ -395,7 +397,9 @@ def _train(args: argparse.Namespace, common: dict[str, Any], trainer_cls: Any = 
         try:
             config = JitConfig(kill_wait_s=args.kill_wait, ignore_signals_in_workers=not args.workers_take_signals,
                                signals=tuple(args.signals.split(",")), jit_save_model_weights=args.jit_save_weights,
-                               slim_jit_save=not args.full_jit_save, hang_timeout_s=_hang_timeout(args.hang_timeout))
+                               slim_jit_save=not args.full_jit_save, hang_timeout_s=_hang_timeout(args.hang_timeout),
+                               **({"side_group_timeout_s": args.side_group_timeout}
+                                  if args.side_group_timeout is not None else {}))
         except ValueError as exc:  # one line with its HINT, as every refusal
             raise JitRefusal(f"JitConfig: {exc}") from None
         trainer: Any = (trainer_cls or JitTrainer)(**common, jit_config=config)

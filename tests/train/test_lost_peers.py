@@ -1,7 +1,8 @@
 """Lost peers on 2 real DeepSpeed ranks (ZeRO-2, gloo): rank 1 SIGKILLed, then SIGTERM to rank 0 a second later
-(what Slurm >= 23 sends a crashed task's siblings), and rank 1 SIGKILLed inside the JIT save. Rank 0 ends within
-side_group_timeout_s + 30 s with the stop record ``failed`` naming the lost rank; no ``jit_stop``, no checkpoint
-lacking rank 1's shard called complete, ckpt-check still picks the newest complete one."""
+(what Slurm >= 23 sends a crashed task's siblings), rank 1 SIGKILLed inside the JIT save, and rank 1 late to the
+stop round by more than side_group_timeout_s. Rank 0 ends within side_group_timeout_s + 30 s with the stop record
+``failed`` naming the lost rank; no ``jit_stop``, no checkpoint lacking rank 1's shard called complete, ckpt-check
+still picks the newest complete one."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ SIDE_GROUP_TIMEOUT_S = 1800  # JitConfig's default, which demo_train uses
 EXIT_WITHIN_S = 30  # the issue's bound is side_group_timeout_s + 30 s; gloo sees a killed peer at once
 KILL_AFTER_STEP = 5  # the newest periodic checkpoint before it: checkpoint-4 (--save-steps 2)
 SAVE_SLEEP_S = 4  # run B: every save stalls this long, so that rank 1 dies inside the JIT save
+STALLED_TIMEOUT_S = 5  # run C: the side group's timeout ...
+STALLED_S = 15  # ... and how long rank 1 is late to the stop round
 
 
 @dataclass
@@ -38,7 +41,7 @@ class LostRun:
 
 
 def _wait_rank0(ranks: local_ranks.Ranks, t0: float) -> float:
-    deadline = t0 + EXIT_WITHIN_S + 60  # past the bound only to tell "late" from "never"
+    deadline = t0 + STALLED_S + EXIT_WITHIN_S + 60  # past the bound only to tell "late" from "never"
     while ranks.procs[0].poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     return time.monotonic() - t0
@@ -75,6 +78,21 @@ def killed_in_jit_save(tmp_path_factory: pytest.TempPathFactory) -> LostRun:
     ranks.signal(1, signal.SIGKILL)
     exit_s = _wait_rank0(ranks, t0)
     codes = ranks.wait(0.1)
+    return LostRun(out=out, codes=codes, exit_s=exit_s, log=ranks.log(0))
+
+
+@pytest.fixture(scope="module")
+def stalled_past_side_group_timeout(tmp_path_factory: pytest.TempPathFactory) -> LostRun:
+    """Rank 1 alive but late to the stop round by more than side_group_timeout_s: rank 0's round times out, rank 0
+    names rank 1; rank 1, back later, finds rank 0 gone."""
+    out = tmp_path_factory.mktemp("stalled") / "out"
+    ranks = jit_helpers.start_ranks(out, ["--max-steps", "400", "--save-steps", "2", "--side-group-timeout",
+                                          str(STALLED_TIMEOUT_S), "--stall-in", "step_end", "--stall-at-step", "5",
+                                          "--stall-rank", "1", "--stall-s", str(STALLED_S)])
+    jit_helpers.wait_for_steps(ranks, out, 4)
+    t0 = time.monotonic()  # step 5 (where rank 1 stalls) is milliseconds from here
+    exit_s = _wait_rank0(ranks, t0)
+    codes = ranks.wait(STALLED_S + EXIT_WITHIN_S)
     return LostRun(out=out, codes=codes, exit_s=exit_s, log=ranks.log(0))
 
 
@@ -121,3 +139,14 @@ def test_rank1_killed_inside_the_jit_save_leaves_it_incomplete_and_the_record_fa
         killed_in_jit_save: LostRun) -> None:
     _assert_failed_naming_rank1(killed_in_jit_save)
     _assert_newest_complete_is_picked(killed_in_jit_save.out, "checkpoint-3")
+
+
+def test_a_peer_late_past_the_side_group_timeout_is_named_by_the_first_survivor(
+        stalled_past_side_group_timeout: LostRun) -> None:
+    run = stalled_past_side_group_timeout
+    assert None not in run.codes and run.codes[0] != 0 and run.codes[1] != 0, (run.codes, run.log[-3000:])
+    assert run.exit_s < STALLED_TIMEOUT_S + 30, run.exit_s  # rank 0: gone within side_group_timeout_s + 30 s
+    record = stop_record.read(run.out)
+    assert record is not None and record["state"] == "failed", record
+    # rank 1, back from its stall, found rank 0 gone: it must not rename the loss rank 0 recorded first
+    assert record["lost_peer"]["rank"] == 1 and "imed out" in record["lost_peer"]["how"], record

@@ -93,7 +93,9 @@ def record(trainer: JitTrainer, run: Run, how: str) -> bool:
     error = f"peer rank {lost} lost at step {step}: {said}"
     with stop_record.WRITE_LOCK:
         earlier = stop_record.read(out)  # this run's: rank 0 wrote ``running`` at its start
-        if earlier is not None and earlier["state"] in KEPT_STATES:  # rank 0 recorded them before it was lost
+        if earlier is not None and (earlier["state"] in KEPT_STATES or earlier.get("lost_peer")):
+            # recorded before: rank 0's final record, or the first survivor's loss (a peer that only stalled past
+            # the side group's timeout and then found that survivor gone must not rename the loss)
             logger.error("slurm_jit: peer rank %s lost after the stop record said %s; kept", lost, earlier["state"])
             return False
         stop_record.write(out, "failed", step=step, error=error, lost_peer=lost_peer,
