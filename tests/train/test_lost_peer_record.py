@@ -59,10 +59,14 @@ def _survivor(out: Path, rank: int, world: int = 2, step: int = 6) -> SimpleName
                            _jit_agreement=SimpleNamespace(nodes=[f"node{r}" for r in range(world)]))
 
 
+def _started_run() -> SimpleNamespace:
+    """The run fields ``lost_peers.record`` reads, past the output_dir's lock (its timing log exists)."""
+    return SimpleNamespace(resumed_from=None, timing=object())
+
+
 def test_rank0_lost_makes_the_lowest_survivor_write_the_record(tmp_path: Path) -> None:
     stop_record.write(tmp_path, "running", step=None)
-    wrote = lost_peers.record(_survivor(tmp_path, 1), SimpleNamespace(resumed_from=None), "barrier: Connection "
-                              "reset by peer")
+    wrote = lost_peers.record(_survivor(tmp_path, 1), _started_run(), "barrier: Connection reset by peer")
     record = stop_record.read(tmp_path)
     assert wrote and record is not None and record["state"] == "failed", record
     assert record["lost_peer"] == {"rank": 0, "step": 6, "node": "node0", "how": "barrier: Connection reset by peer"}
@@ -71,7 +75,7 @@ def test_rank0_lost_makes_the_lowest_survivor_write_the_record(tmp_path: Path) -
 @pytest.mark.parametrize("state", ["jit_stop", "finished", "hung"])
 def test_a_peer_lost_after_the_record_was_final_keeps_it(tmp_path: Path, state: str) -> None:
     stop_record.write(tmp_path, state, step=6, checkpoint=str(tmp_path / "checkpoint-6"))
-    wrote = lost_peers.record(_survivor(tmp_path, 1), SimpleNamespace(resumed_from=None), "Connection reset by peer")
+    wrote = lost_peers.record(_survivor(tmp_path, 1), _started_run(), "Connection reset by peer")
     record = stop_record.read(tmp_path)
     assert not wrote and record is not None and record["state"] == state, record
 
@@ -90,3 +94,11 @@ def test_an_earlier_run_s_peer_lost_reports_are_cleared_with_its_hang_reports(tm
     stop_record.write_report(stop_record.peer_lost_report_path(tmp_path, 0), {"rank": 0})
     stop_record.clear_hang_reports(tmp_path)
     assert stop_record.reports(tmp_path, stop_record.PEER_LOST_GLOB) == []
+
+
+def test_a_survivor_before_the_output_dir_s_lock_was_passed_writes_no_record(tmp_path: Path) -> None:
+    stop_record.write(tmp_path, "running", step=3)  # another training's, on this output_dir
+    wrote = lost_peers.record(_survivor(tmp_path, 1), SimpleNamespace(resumed_from=None, timing=None),
+                              "broadcast: Connection reset by peer")
+    record = stop_record.read(tmp_path)
+    assert not wrote and record is not None and record["state"] == "running", record

@@ -86,6 +86,8 @@ def record(trainer: JitTrainer, run: Run, how: str) -> bool:
     reporters = _wait_for_reports(out, world)
     if rank != min(reporters | {rank}):
         return False
+    if rank != 0 and run.timing is None:  # before every rank passed rank 0's lock: the output_dir may be another
+        return False  # training's (a rank 0 locked out of it), whose record is not this run's to write
     missing = lost_ranks(world, reporters) or [r for r in range(world) if r != rank][:1]
     lost = missing[0]
     said = how if len(missing) == 1 else f"{how}; no report from ranks {missing}"
