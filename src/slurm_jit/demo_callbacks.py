@@ -92,7 +92,13 @@ def _test_callbacks(opts: argparse.Namespace, rank: int) -> list[Any]:
     class TestHooks(transformers.TrainerCallback):
         failed = False
 
+        stalled_in_save = False
+
         def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if (opts.stall_in == "save" and 0 <= opts.stall_at_step <= state.global_step
+                    and opts.stall_rank in (-1, rank) and not TestHooks.stalled_in_save):
+                TestHooks.stalled_in_save = True
+                time.sleep(opts.stall_s)  # a stuck writer inside the save, before its manifest
             if opts.on_save_file and rank == 0:
                 ckpt = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
                 with open(os.path.join(ckpt, opts.on_save_file), "w", encoding="utf-8") as f:
@@ -102,10 +108,13 @@ def _test_callbacks(opts: argparse.Namespace, rank: int) -> list[Any]:
                         f.write("\n")
 
         def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            if state.global_step == opts.stall_at_step and opts.stall_rank in (-1, rank):
+            if opts.stall_in == "step" and state.global_step == opts.stall_at_step and opts.stall_rank in (-1, rank):
                 time.sleep(opts.stall_s)  # user code that blocks (a hang when --stall-s is huge)
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            stall_here = opts.stall_in == "step_end" and state.global_step == opts.stall_at_step
+            if stall_here and opts.stall_rank in (-1, rank):
+                time.sleep(opts.stall_s)  # this rank's side-group stop round comes late
             if opts.signal_self_at_step and state.global_step == opts.signal_self_at_step:
                 os.kill(os.getpid(), signal.SIGTERM)
             if opts.fail_at_step and state.global_step == opts.fail_at_step and not TestHooks.failed:

@@ -25,6 +25,7 @@ from slurm_jit.train import dist_env
 
 VOCAB = 128
 SEQ_LEN = 32
+STALL_PLACES = ("step", "step_end", "save", "worker")  # --stall-in
 VARIANTS = ("transposed", "renamed")  # --variant: what a library upgrade may change in a model's layout
 
 
@@ -76,10 +77,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="each rank sends itself SIGTERM at the end of this step (a stop at a known step)")
     p.add_argument("--slow-train-end", type=float, default=0.0,
                    help="seconds an on_train_end callback sleeps after a stop (slow user cleanup)")
+    p.add_argument("--side-group-timeout", type=float, default=None, help="JitConfig(side_group_timeout_s=...)")
     p.add_argument("--hang-timeout", default="auto", help="JitConfig(hang_timeout_s=...): seconds, auto or none")
     p.add_argument("--stall-at-step", type=int, default=-1,
                    help="on_step_begin sleeps --stall-s when global_step is this (0: the first step)")
     p.add_argument("--stall-s", type=float, default=0.0)
+    p.add_argument("--stall-in", choices=STALL_PLACES, default="step",
+                   help="where the stall is: 'step' (on_step_begin), 'step_end' (on_step_end: just before the stop "
+                        "round in the side group), 'save' (on_save, inside the first save at or "
+                        "after --stall-at-step: a stuck writer), 'worker' (the DataLoader worker's item fetch for "
+                        "that step, with --workers 1)")
     p.add_argument("--stall-rank", type=int, default=-1, help="the rank that stalls (-1: every rank)")
     p.add_argument("--fail-at-step", type=int, default=0, help="the first train() raises at this step")
     p.add_argument("--train-again", action="store_true", help="after a failed train(), call train() again")
@@ -136,18 +143,26 @@ def _extra_training_args(pairs: list[str]) -> dict[str, Any]:
 
 
 class _Tokens:
-    """Deterministic random token sequences (a torch Dataset without importing torch at module level)."""
+    """Deterministic random token sequences (a torch Dataset without importing torch at module level).
+    ``stall_after_items``: a DataLoader worker's fetch sleeps ``stall_s`` once it has fetched that many items."""
 
-    def __init__(self, n: int, seed: int, vocab: int = VOCAB) -> None:
+    def __init__(self, n: int, seed: int, vocab: int = VOCAB, stall_after_items: int = -1,
+                 stall_s: float = 0.0) -> None:
         import torch
 
         gen = torch.Generator().manual_seed(seed)
         self.data = torch.randint(0, vocab, (n, SEQ_LEN), generator=gen)
+        self.stall_after_items, self.stall_s, self.fetched = stall_after_items, stall_s, 0
 
     def __len__(self) -> int:
         return len(self.data)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
+        import torch.utils.data
+
+        self.fetched += 1
+        if 0 <= self.stall_after_items < self.fetched and torch.utils.data.get_worker_info() is not None:
+            time.sleep(self.stall_s)  # a worker stuck in I/O (a hung network file system, a blocked read)
         return {"input_ids": self.data[i], "labels": self.data[i]}
 
 
@@ -263,6 +278,13 @@ def _loss_and_metric_functions(args: argparse.Namespace) -> dict[str, Any]:
     return functions
 
 
+def _worker_stall(args: argparse.Namespace, rank: int) -> tuple[int, float]:
+    """(items a worker fetches before it stalls, seconds) for ``--stall-in worker`` on this rank; (-1, 0) else."""
+    if args.stall_in != "worker" or args.stall_at_step < 0 or args.stall_rank not in (-1, rank):
+        return -1, 0.0
+    return args.stall_at_step * args.batch_size * args.grad_accum, args.stall_s
+
+
 def _show_info_lines() -> None:
     """slurm_jit's INFO lines (each save, with its sizes) in the job log, as a user enables them."""
     handler = logging.StreamHandler()
@@ -322,7 +344,7 @@ def main(argv: Sequence[str] | None = None, trainer_cls: Any = None) -> None:
         model = _with_lora(model, args.model, [m for m in args.lora_modules_to_save.split(",") if m], args.lora_rank,
                            [m for m in args.lora_targets.split(",") if m])
     common: dict[str, Any] = dict(
-        model=model, args=targs, train_dataset=_Tokens(args.samples, args.seed, args.vocab),
+        model=model, args=targs, train_dataset=_Tokens(args.samples, args.seed, args.vocab, *_worker_stall(args, rank)),
         eval_dataset=_Tokens(args.eval_samples, args.seed + 1, args.vocab) if args.eval_steps else None,
         callbacks=_callbacks(args, rank), **_loss_and_metric_functions(args),
     )
@@ -375,7 +397,9 @@ def _train(args: argparse.Namespace, common: dict[str, Any], trainer_cls: Any = 
         try:
             config = JitConfig(kill_wait_s=args.kill_wait, ignore_signals_in_workers=not args.workers_take_signals,
                                signals=tuple(args.signals.split(",")), jit_save_model_weights=args.jit_save_weights,
-                               slim_jit_save=not args.full_jit_save, hang_timeout_s=_hang_timeout(args.hang_timeout))
+                               slim_jit_save=not args.full_jit_save, hang_timeout_s=_hang_timeout(args.hang_timeout),
+                               **({"side_group_timeout_s": args.side_group_timeout}
+                                  if args.side_group_timeout is not None else {}))
         except ValueError as exc:  # one line with its HINT, as every refusal
             raise JitRefusal(f"JitConfig: {exc}") from None
         trainer: Any = (trainer_cls or JitTrainer)(**common, jit_config=config)

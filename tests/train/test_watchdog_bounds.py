@@ -93,3 +93,31 @@ def test_the_hung_record_has_its_own_exit_code_and_names_the_stuck_rank(tmp_path
     assert cli.returncode == stop_record.EXIT_HUNG == 11
     assert cli.stdout.startswith("hung step=7 hang: rank 1 (node n2)") and "on_step_begin" in cli.stdout
     assert len(set(stop_record.EXIT_BY_STATE.values())) == 4  # hung is told apart from a crash and a requeue
+
+
+def test_a_bound_shorter_than_a_step_says_so_in_its_hint(capfd: pytest.CaptureFixture[str]) -> None:
+    codes: list[int] = []
+    dog = watchdog.Watchdog(0.3, rank=0, on_hang=lambda hang: None, exit_fn=codes.append)
+    dog.start(step=0)
+    dog.step_done(5.0, step=1)  # the first step (compilation): not what the bound is to fit
+    dog.step_done(0.5, step=2)  # a step longer than hang_timeout_s=0.3: the next one is called a hang
+    try:
+        assert _fired(dog, codes, within_s=3.0)
+    finally:
+        dog.stop()
+    err = capfd.readouterr().err
+    assert "HINT: hang_timeout_s=0.3 is shorter than a step this run took (0.5 s)" in err, err
+
+
+def test_a_hang_after_steps_within_the_bound_points_at_the_frame(capfd: pytest.CaptureFixture[str]) -> None:
+    codes: list[int] = []
+    dog = watchdog.Watchdog(0.3, rank=0, on_hang=lambda hang: None, exit_fn=codes.append)
+    dog.start(step=0)
+    dog.step_done(5.0, step=1)  # a slow first step says nothing about the bound
+    dog.step_done(0.01, step=2)
+    try:
+        assert _fired(dog, codes, within_s=3.0)
+    finally:
+        dog.stop()
+    err = capfd.readouterr().err
+    assert "HINT: the frame that waits is where it hangs" in err and "shorter than a step" not in err, err

@@ -21,6 +21,7 @@ A gloo side group keeps GPU runs free of an extra device synchronisation.
 from __future__ import annotations
 
 import datetime
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -65,11 +66,13 @@ class ModeChoice:
 
 
 def _side_group(rank: int, timeout_s: float) -> Any:
-    """The gloo side group; a rank that ended before it was made (a refusal at construction on the saving rank,
-    whose process hosted the rendezvous store) is one line here, not a DistNetworkError traceback."""
+    """The gloo side group; a rank that ended before it was made is one line here, not a traceback: the rank 0
+    that hosted the rendezvous store (a refusal at construction on the saving rank: DistNetworkError at once), or
+    any other rank (its address never comes: gloo's connect waits ``timeout_s``, the side group's timeout, then
+    DistStoreError), never torch's 1800 s default."""
     try:
         return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
-    except dist.DistNetworkError as exc:
+    except dist.DistError as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         raise JitRefusal(
             f"slurm_jit: rank {rank} could not reach the other ranks before the first step ({first}): another rank "
@@ -83,8 +86,11 @@ class StopAgreement:
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
         self.group: Any = None
+        self.nodes: list[str | None] = [socket.gethostname()]  # each rank's host: names a lost peer's node
         if self.distributed:
             self.group = _side_group(self.rank, timeout_s)
+            self.nodes = [None] * self.world_size
+            dist.all_gather_object(self.nodes, socket.gethostname(), group=self.group)
         self._pending: _Round | None = None
         self.mode = calc.AGREE_BLOCKING  # until fixed after warm-up
         self.choice: ModeChoice | None = None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -41,6 +42,13 @@ PROBE_BYTES = 1024 * 1024
 PROBE_NAME = ".slurm-jit-write-probe"
 # What torch.distributed says (gloo: a RuntimeError) when a peer ended or stopped answering inside a collective
 PEER_GONE_WORDS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "imed out")
+_GLOO_PREFIX = re.compile(r"^\[[^\]]*\]\s*")  # "[/__w/pytorch/.../gloo/transport/tcp/pair.cc:537] "
+_GLOO_TAIL = ". This is typically caused"  # gloo's advice that follows the error itself
+
+
+def gloo_words(line: str) -> str:
+    """A gloo error line without its source path and its advice: ``Read error [addr]: Connection reset by peer``."""
+    return _GLOO_PREFIX.sub("", line.strip()).split(_GLOO_TAIL)[0].strip()
 
 
 class CheckpointWriteError(RuntimeError):
@@ -125,7 +133,7 @@ def disk_full_is_one_line(ckpt_dir: Path) -> Iterator[None]:
 def peer_gone_line(ckpt_dir: Path, exc: BaseException) -> str | None:
     """The line for a save that a collective failed because another rank ended (its own write refused on its own
     node, which that rank says in its own line) or stopped answering; None for any other failure."""
-    first_line = (str(exc).strip().splitlines() or [""])[0][:200]
+    first_line = gloo_words((str(exc).strip().splitlines() or [""])[0])[:200]
     distributed_error = getattr(dist, "DistError", None)
     if not ((distributed_error is not None and isinstance(exc, distributed_error))
             or (isinstance(exc, RuntimeError) and any(w in first_line for w in PEER_GONE_WORDS))):

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from slurm_jit.timing import WARMUP_STEPS
-from slurm_jit.train import runtime_grace, stop_record, subclassing, watchdog
+from slurm_jit.train import lost_peers, runtime_grace, stop_record, subclassing, watchdog
 from slurm_jit.train.agreement import Decision
 from slurm_jit.train.run_state import Run, StopBeforeFirstStep, signal_name
 from slurm_jit.train.trackers import log_stop_to_trackers
@@ -263,6 +263,8 @@ def record_end(trainer: JitTrainer, run: Run) -> None:
 
 
 def record_failure(trainer: JitTrainer, run: Run, exc: BaseException) -> None:
+    if _lost_peer(trainer, run, exc):
+        return
     if not trainer._is_rank0 or trainer.__dict__.get("_jit_output_lock") is None:
         return  # only the output_dir's lock holder writes its stop record (a refused launch is not it)
     error = f"{type(exc).__name__}: {exc}"[:2000]
@@ -277,6 +279,20 @@ def record_failure(trainer: JitTrainer, run: Run, exc: BaseException) -> None:
         run.trackers_told = True
         log_stop_to_trackers(trainer, "jit_stop", trainer.state.global_step, signal_name(run.latch.first_signum),
                              error_after_stop=error)
+
+
+def _lost_peer(trainer: JitTrainer, run: Run, exc: BaseException) -> bool:
+    """A collective failed because a peer ended (train/lost_peers.py): every survivor reports, the lowest one
+    writes ``failed`` with ``lost_peer``. Not when a peer's watchdog ended it (``hung``) or after the stop's
+    checkpoint is complete (still ``jit_stop``)."""
+    how = lost_peers.how_lost(exc)
+    if how is None or run.hung or run.stop_recorded or stop_record.hang_reports(str(trainer.args.output_dir)):
+        return False
+    try:
+        lost_peers.record(trainer, run, how)
+    except OSError as write_exc:  # a full disk: the record cannot be written; the error itself must go on
+        logger.error("slurm_jit: lost-peer record not written: %s", write_exc)
+    return True
 
 
 def _write_failure(trainer: JitTrainer, run: Run, error: str) -> None:

@@ -5,7 +5,8 @@
 - ``jit_stop``: a stop signal arrived; the JIT checkpoint (``checkpoint``) is complete (the record is written after
   its manifest), or, for a signal before the first step, the checkpoint resumed from is still the newest. Requeue.
 - ``finished``: training reached its end. Do not requeue.
-- ``failed``: ``train()`` raised; ``error`` says what.
+- ``failed``: ``train()`` raised; ``error`` says what. When a peer rank was lost (its process ended mid-collective),
+  ``lost_peer`` names it: ``{"rank", "step", "node", "how"}`` (:mod:`slurm_jit.train.lost_peers`).
 - ``hung``: a rank's hang watchdog (:mod:`slurm_jit.train.watchdog`) ended it; ``ranks`` holds each hung rank's
   report (rank, node, step, phase, seconds since its last boundary, the frame its main thread waited in), the
   stacks are in the job log. The newest complete checkpoint is the one to resume.
@@ -41,6 +42,7 @@ EXIT_HUNG = 11
 EXIT_BY_STATE = {"finished": EXIT_FINISHED, "jit_stop": EXIT_REQUEUE, "running": EXIT_CRASHED,
                  "failed": EXIT_CRASHED, "hung": EXIT_HUNG}
 HANG_REPORT_GLOB = "hang-rank*.json"  # one per rank whose watchdog fired, beside the stop record
+PEER_LOST_GLOB = "peer-lost-rank*.json"  # one per rank that saw a peer gone (train/lost_peers.py)
 # The watchdog's thread writes ``hung`` while the main thread may be writing ``jit_stop``: both use one temporary
 # file, so one write at a time (re-entrant: a caller holds it across its decision and its write)
 WRITE_LOCK = threading.RLock()
@@ -57,9 +59,17 @@ def hang_report_path(output_dir: str | os.PathLike[str], rank: int) -> Path:
     return Path(output_dir) / TIMING_DIR / f"hang-rank{rank}.json"
 
 
+def peer_lost_report_path(output_dir: str | os.PathLike[str], rank: int) -> Path:
+    return Path(output_dir) / TIMING_DIR / f"peer-lost-rank{rank}.json"
+
+
 def write_hang_report(output_dir: str | os.PathLike[str], rank: int, report: dict[str, Any]) -> None:
     """This rank's hang report (every rank writes its own file; only rank 0 writes the stop record)."""
-    target = hang_report_path(output_dir, rank)
+    write_report(hang_report_path(output_dir, rank), report)
+
+
+def write_report(target: Path, report: dict[str, Any]) -> None:
+    """One rank's report file (hang, peer lost), whole or not at all."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_suffix(".tmp")
     tmp.write_text(json.dumps(report, default=str), encoding="utf-8")
@@ -67,21 +77,28 @@ def write_hang_report(output_dir: str | os.PathLike[str], rank: int, report: dic
 
 
 def clear_hang_reports(output_dir: str | os.PathLike[str]) -> None:
-    """Rank 0, once it holds the output_dir's lock: an earlier run's hang reports are not this run's."""
-    for report_path in (Path(output_dir) / TIMING_DIR).glob(HANG_REPORT_GLOB):
+    """Rank 0, once it holds the output_dir's lock: an earlier run's hang (and peer-lost) reports are not this
+    run's."""
+    found = [p for glob in (HANG_REPORT_GLOB, PEER_LOST_GLOB) for p in (Path(output_dir) / TIMING_DIR).glob(glob)]
+    for report_path in found:
         with contextlib.suppress(OSError):  # one left behind is still read as this run's: never worse than before
             report_path.unlink(missing_ok=True)
 
 
 def hang_reports(output_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Every rank's hang report of this run (rank 0 removes the earlier runs' ones when it takes the lock)."""
-    reports = []
-    for report_path in sorted((Path(output_dir) / TIMING_DIR).glob(HANG_REPORT_GLOB)):
+    return reports(output_dir, HANG_REPORT_GLOB)
+
+
+def reports(output_dir: str | os.PathLike[str], glob: str) -> list[dict[str, Any]]:
+    """Every rank's report of one kind (``glob``), by rank."""
+    found = []
+    for report_path in sorted((Path(output_dir) / TIMING_DIR).glob(glob)):
         with contextlib.suppress(OSError, json.JSONDecodeError, UnicodeDecodeError):
             report = json.loads(report_path.read_text(encoding="utf-8"))
             if isinstance(report, dict):
-                reports.append(report)
-    return sorted(reports, key=lambda r: int(r.get("rank", 0)))
+                found.append(report)
+    return sorted(found, key=lambda r: int(r.get("rank", 0)))
 
 
 class StopRecordError(CheckpointWriteError, OSError):
@@ -159,9 +176,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     if record is None:
         print(f"stop_record: no readable {path(args[0])}. HINT: did the job reach train()?", file=sys.stderr)
         sys.exit(EXIT_NO_RECORD)
-    detail = record.get("checkpoint") or record.get("error") or _hang_detail(record)
+    detail = record.get("checkpoint") or _lost_peer_detail(record) or record.get("error") or _hang_detail(record)
     print(f"{record['state']} step={record.get('step')} {detail}".rstrip())
     sys.exit(EXIT_BY_STATE[record["state"]])
+
+
+def _lost_peer_detail(record: dict[str, Any]) -> str:
+    """``failed`` because a peer was lost: ``peer rank R lost (node N, at step S: how)``."""
+    lost = record.get("lost_peer") if record.get("state") == "failed" else None
+    if not isinstance(lost, dict):
+        return ""
+    return (f"peer rank {lost.get('rank')} lost (node {lost.get('node')}, at step {lost.get('step')}: "
+            f"{lost.get('how')})")
 
 
 def _hang_detail(record: dict[str, Any]) -> str:

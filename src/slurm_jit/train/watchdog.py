@@ -16,8 +16,10 @@ than :data:`LONG_PHASE_MIN_S`.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import logging
+import multiprocessing
 import os
 import socket
 import sys
@@ -92,6 +94,7 @@ class Watchdog:
         self._on_hang = on_hang
         self._exit = exit_fn
         self._longest_step_s = 0.0
+        self._longest_after_first_s = 0.0  # every step but the first (compilation): what an explicit bound is to fit
         self._steps_done = 0
         self._warned_short = False
         # (fed at, deadline, phase, step): replaced whole, read whole, so the thread never sees a torn update
@@ -110,6 +113,8 @@ class Watchdog:
     def step_done(self, step_s: float, step: int) -> None:
         """A step ended after ``step_s``: measured for the ``auto`` bound, then fed."""
         self._steps_done += 1
+        if self._steps_done > 1:
+            self._longest_after_first_s = max(self._longest_after_first_s, step_s)
         if self._steps_done > WARMUP_STEPS:
             self._longest_step_s = max(self._longest_step_s, step_s)
         bound = bound_s(self.hang_timeout_s, self._longest_step_s, self._steps_done)
@@ -145,12 +150,21 @@ class Watchdog:
                                 frame=main_thread_frame()))
                 return
 
+    def _hint(self, hang: Hang) -> str:
+        """What to do: look at the waiting frame; or, where an explicit bound is shorter than a step this run
+        already took (not the first), raise it: the steps themselves are being called hangs."""
+        if self.hang_timeout_s != AUTO and hang.phase == "step" and self._longest_after_first_s >= hang.bound_s:
+            return (f"hang_timeout_s={self.hang_timeout_s} is shorter than a step this run took "
+                    f"({self._longest_after_first_s:.1f} s): set it well above the longest step, or "
+                    f"JitConfig(hang_timeout_s='{AUTO}'), which derives it from the steps measured")
+        return "the frame that waits is where it hangs; a requeue resumes from the newest complete checkpoint"
+
     def _fire(self, hang: Hang) -> None:
         sys.stdout.flush()
         print(f"slurm_jit: hang on rank {hang.rank} (node {hang.node}) at step {hang.step}: {hang.since_s:.0f} s "
               f"in phase '{hang.phase}' since the last boundary > {hang.bound_s:.0f} s, waiting in {hang.frame}; "
-              f"every thread's stack follows, then exit {HUNG_EXIT_CODE}. HINT: the frame that waits is where it "
-              "hangs; a requeue resumes from the newest complete checkpoint", file=sys.stderr, flush=True)
+              f"every thread's stack follows, then exit {HUNG_EXIT_CODE}. HINT: {self._hint(hang)}",
+              file=sys.stderr, flush=True)
         try:
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
             self._on_hang(hang)
@@ -158,4 +172,14 @@ class Watchdog:
             print(f"slurm_jit: hang record not written: {exc}", file=sys.stderr, flush=True)
         finally:
             sys.stderr.flush()
+            end_children()
             self._exit(HUNG_EXIT_CODE)
+
+
+def end_children() -> None:
+    """SIGKILL this process's multiprocessing children (DataLoader workers) before ``os._exit``: a worker stuck in
+    its fetch never runs its own parent check, and ``os._exit`` skips multiprocessing's exit handler that would end
+    the others; left behind, they hold the node (and, outside a Slurm cgroup, run forever)."""
+    for child in multiprocessing.active_children():
+        with contextlib.suppress(Exception):  # one already gone, or not ours to end: the exit goes on
+            child.kill()
