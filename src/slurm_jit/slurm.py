@@ -181,6 +181,29 @@ def requeue(job_id: str) -> None:
     run(["scontrol", "requeue", str(job_id)])
 
 
+def requeue_excluding(job_id: str, node: str) -> str | None:
+    """Requeue the job so that it never runs on ``node`` again (added to its ``ExcNodeList``).
+
+    A running job's ExcNodeList cannot be changed ("Job is no longer pending execution"), so: ``scontrol
+    requeuehold`` (requeued, held), ``scontrol update JobId=J ExcNodeList=...``, ``scontrol release``. Returns
+    None, or a one-line warning when the exclusion did not take (the job is requeued all the same). SlurmError when
+    the requeue failed, or when the release did (the job is then held: its message says how to release it).
+    """
+    run(["scontrol", "requeuehold", str(job_id)])
+    warning = None
+    try:
+        excluded = show_job(job_id).get("ExcNodeList", "(null)")
+        merged = node if excluded in {"", "(null)"} else f"{excluded},{node}"
+        run(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={merged}"])
+    except SlurmError as exc:
+        warning = f"node {node} not excluded ({exc})"
+    try:
+        run(["scontrol", "release", str(job_id)])
+    except SlurmError as exc:
+        raise SlurmError(f"job {job_id} is requeued but held ({exc}). HINT: scontrol release {job_id}") from exc
+    return warning
+
+
 def job_state(job: dict[str, str]) -> str:
     """``JobState`` of a :func:`show_job` dict, without a reason suffix; ``UNKNOWN`` when absent."""
     return job.get("JobState", "UNKNOWN").split("+")[0] or "UNKNOWN"

@@ -99,7 +99,8 @@ def slurm_restart(restart_count: int, requeued_restarts: frozenset[int]) -> bool
 def node_failure_line(restart_count: int) -> str:
     """The job log's line when :func:`slurm_restart` holds."""
     return (f"slurm-jit: restart {restart_count} was made by Slurm itself, not by this launcher: "
-            f"{CAUSE_NODE_FAILURE} (or a requeue by hand); it resumed from the newest complete checkpoint and counts "
+            f"{CAUSE_NODE_FAILURE} (or a preemption Slurm requeued first, a requeue by hand, a lost launcher "
+            f"record); it resumed from the newest complete checkpoint and counts "
             f"against --max-requeues. HINT: scontrol show job and the slurmctld log say which node failed")
 
 

@@ -44,14 +44,35 @@ def lost_peer(record: dict[str, Any] | None) -> StuckRank | None:
                      step=_int_or_none(record.get("step")) if step is None else step)
 
 
+# Frames of a rank that waits for its peers (torch.distributed, DeepSpeed's comm wrapper, a gloo/NCCL work's wait):
+# in a hang, every rank but the stuck one is usually waiting in one of these for the stuck one.
+COLLECTIVE_FILES = ("distributed_c10d.py", "comm.py", "torch.py", "c10d_logger.py")
+COLLECTIVE_FUNCTIONS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier", "wait",
+                        "all_to_all", "gather", "scatter", "send", "recv")
+
+
+def _in_collective(report: dict[str, Any]) -> bool:
+    frame = str(report.get("frame") or "")
+    where, _, function = frame.partition(" in ")
+    return where.split(":")[0] in COLLECTIVE_FILES or any(word in function for word in COLLECTIVE_FUNCTIONS)
+
+
+def _blame_order(report: dict[str, Any]) -> tuple[bool, float, int]:
+    """Sort key: a rank outside a collective first (the others wait for it), then the longest since its last
+    boundary, then the lowest rank."""
+    since = report.get("since_s")
+    rank = _int_or_none(report.get("rank"))
+    return (_in_collective(report), -since if isinstance(since, (int, float)) else 0.0,
+            rank if rank is not None else 1 << 30)
+
+
 def hung_rank(record: dict[str, Any] | None) -> StuckRank | None:
-    """The first hung rank of a ``hung`` record (lowest rank: its report is where to start reading); a ``hung``
-    record without reports gives a rank of None at the record's step. None for any other record."""
+    """The stuck rank of a ``hung`` record (see :func:`_blame_order`); a ``hung`` record without reports gives a
+    rank of None at the record's step. None for any other record."""
     if not record or record.get("state") != "hung":
         return None
-    ranks = [r for r in record.get("ranks") or [] if isinstance(r, dict)] \
-        if isinstance(record.get("ranks"), list) else []
-    ranks.sort(key=lambda r: _int_or_none(r.get("rank")) if _int_or_none(r.get("rank")) is not None else 1 << 30)
+    listed = record.get("ranks")
+    ranks = sorted((r for r in listed if isinstance(r, dict)), key=_blame_order) if isinstance(listed, list) else []
     if not ranks:
         return StuckRank(rank=None, node=None, step=_int_or_none(record.get("step")))
     first = ranks[0]
