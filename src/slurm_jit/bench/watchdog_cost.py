@@ -17,20 +17,22 @@ WAKE_WINDOW_S = 32.0  # the thread wakes every 5 s at most often for real bounds
 FEED_EVERY_S = 0.05  # a step boundary as often as the overhead runs' steps
 
 
-def wakeups_per_min(window_s: float = WAKE_WINDOW_S) -> tuple[float, int]:
+def wakeups_per_min(window_s: float = WAKE_WINDOW_S) -> tuple[float, int, float]:
     """The real watchdog thread (``"auto"``, past warm-up), fed every 50 ms for ``window_s``: its wake-ups per
-    minute and how many it made."""
+    minute, how many it made, and the median seconds one feed (``step_done``, what a step pays) took."""
     dog = watchdog.Watchdog("auto", rank=0, on_hang=lambda hang: None, exit_fn=lambda code: None)
     dog.start(step=0)
     started = time.monotonic()
-    step = 0
+    step, feeds = 0, []
     while time.monotonic() - started < window_s:
         time.sleep(FEED_EVERY_S)
         step += 1
+        before = time.perf_counter()
         dog.step_done(FEED_EVERY_S, step)
+        feeds.append(time.perf_counter() - before)
     elapsed = time.monotonic() - started
     dog.stop()
-    return dog.wakeups / elapsed * 60, dog.wakeups
+    return dog.wakeups / elapsed * 60, dog.wakeups, statistics.median(feeds)
 
 
 def rows(base: Path, steps: int, repeats: int) -> list[Row]:
@@ -52,7 +54,7 @@ def rows(base: Path, steps: int, repeats: int) -> list[Row]:
             medians[hang].append(statistics.median(gaps))
     auto, none = samples["auto"], samples["none"]
     per_pair = [a / n for a, n in zip(medians["auto"], medians["none"], strict=True)]
-    per_min, count = wakeups_per_min()
+    per_min, count, feed_s = wakeups_per_min()
     return [
         measured("watchdog_overhead_median", statistics.median(auto) / statistics.median(none), "ratio",
                  MEDIAN_TARGET, compares, note=f"per interleaved pair: {', '.join(f'{r:.4f}' for r in per_pair)}",
@@ -60,5 +62,7 @@ def rows(base: Path, steps: int, repeats: int) -> list[Row]:
                  pair_ratios=[round(r, 5) for r in per_pair], samples=len(auto)),
         measured("watchdog_wakeups_per_min", per_min, "count", NO_TARGET,
                  f"the watchdog thread's wake-ups per minute, hang_timeout_s='auto' past warm-up, fed every "
-                 f"{FEED_EVERY_S * 1000:.0f} ms for {WAKE_WINDOW_S:.0f} s", wakeups=count),
+                 f"{FEED_EVERY_S * 1000:.0f} ms for {WAKE_WINDOW_S:.0f} s",
+                 note=f"one feed (step_done, what each step pays) takes {feed_s * 1e6:.1f} us (median)",
+                 wakeups=count, feed_median_s=feed_s),
     ]
