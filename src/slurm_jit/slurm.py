@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from collections.abc import Callable, Sequence
 
 SLURM_COMMANDS = frozenset({"sbatch", "squeue", "scontrol", "scancel", "sinfo", "srun"})
@@ -179,6 +180,46 @@ def requeue(job_id: str) -> None:
     Slurm accepts this even for a job that ``scancel`` already cancelled: check :func:`show_job` first.
     """
     run(["scontrol", "requeue", str(job_id)])
+
+
+# After ``scontrol requeuehold``, Slurm SIGTERMs every process of the job, a running scontrol among them (exit
+# -15): the commands that follow are tried again (the signal is sent once; SIGKILL comes KillWait, >= 30 s, later).
+REQUEUE_TERM_ATTEMPTS = 3
+REQUEUE_TERM_PAUSE_S = 0.2
+
+
+def _run_past_term(argv: Sequence[str]) -> str:
+    for attempt in range(REQUEUE_TERM_ATTEMPTS):
+        try:
+            return run(argv)
+        except SlurmError:
+            if attempt == REQUEUE_TERM_ATTEMPTS - 1:
+                raise
+            time.sleep(REQUEUE_TERM_PAUSE_S)
+    raise AssertionError("unreachable")
+
+
+def requeue_excluding(job_id: str, node: str) -> str | None:
+    """Requeue the job so that it never runs on ``node`` again (added to its ``ExcNodeList``).
+
+    A running job's ExcNodeList cannot be changed ("Job is no longer pending execution"), so: ``scontrol
+    requeuehold`` (requeued, held), ``scontrol update JobId=J ExcNodeList=...``, ``scontrol release``. Returns
+    None, or a one-line warning when the exclusion did not take (the job is requeued all the same). SlurmError when
+    the requeue failed, or when the release did (the job is then held: its message says how to release it).
+    """
+    excluded = show_job(job_id).get("ExcNodeList", "(null)")  # now: after the requeuehold, our scontrols get TERM
+    merged = node if excluded in {"", "(null)"} else f"{excluded},{node}"
+    run(["scontrol", "requeuehold", str(job_id)])
+    warning = None
+    try:
+        _run_past_term(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={merged}"])
+    except SlurmError as exc:
+        warning = f"node {node} not excluded ({exc})"
+    try:
+        _run_past_term(["scontrol", "release", str(job_id)])
+    except SlurmError as exc:
+        raise SlurmError(f"job {job_id} is requeued but held ({exc}). HINT: scontrol release {job_id}") from exc
+    return warning
 
 
 def job_state(job: dict[str, str]) -> str:

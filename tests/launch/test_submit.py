@@ -32,6 +32,7 @@ CASES = {
     "time-days": ["--output-dir", OUT, "--python", "python", "-t", "1-12", "--signal-lead", "300", *CMD],
     "requeue": [*BASE, "--max-requeues", "2", "--retry-on-failure", "1", *CMD],
     "quarantine": [*BASE, "--quarantine", *CMD],
+    "hang": [*BASE, "--retry-on-hang", "2", "--exclude-hung-node", *CMD],
     "grace-calc": ["--output-dir", OUT, "--python", "python", "--time", "30", "--step-time", "2m",
                    "--save-time", "2m", "--margin", "0", *CMD],
 }

@@ -24,6 +24,7 @@ from slurm_jit.bench import (
     save,
     signal_exit,
     staggered,
+    watchdog_cost,
 )
 from slurm_jit.bench.rows import Row, failed, skipped
 
@@ -58,7 +59,8 @@ ROW_NAMES = (
     "disk_write", "disk_read", "save_bw_over_disk_zero2", "bytes_over_needed_zero2", "save_vs_upstream_plus_sync",
     "upstream_bytes_over_needed", "bytes_over_needed_lora", "lora_save_over_full", "save_bw_over_disk_zero3",
     "bytes_over_needed_zero3", "zero3_gather_on_over_off",
-    "memory_peak_over_steady", "agreement_overhead_median", "agreement_overhead_p99", "signal_exit_prediction_min",
+    "memory_peak_over_steady", "agreement_overhead_median", "agreement_overhead_p99",
+    "watchdog_overhead_median", "watchdog_wakeups_per_min", "signal_exit_prediction_min",
     "signal_exit_prediction_max", "staggered_ours_completed", "staggered_upstream_completed", "ckpt_check_quick_s",
     "ckpt_check_deep_over_disk_read", "ckpt_check_deep_over_sha256sum", "resume_over_fresh_start",
     "resume_load_over_disk_read", *gpu.GPU_ROWS,
@@ -114,6 +116,8 @@ def measure(profile: Profile, work: Path) -> list[Row]:
     if profile.overhead_steps:
         _section(rows, "overhead", lambda: overhead.rows(work / "overhead", profile.overhead_steps,
                                                          profile.overhead_repeats))
+        _section(rows, "watchdog", lambda: watchdog_cost.rows(work / "watchdog", profile.overhead_steps,
+                                                              2 * profile.overhead_repeats))
     _section(rows, "signals", lambda: _signal_rows(profile, work, ours))
     _section(rows, "ckpt_check_quick", lambda: [ckpt_check_speed.quick_row(work / "ckpt-check", profile.ckpt_count)])
     _section(rows, "gpu", gpu.rows)

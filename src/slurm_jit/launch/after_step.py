@@ -3,13 +3,15 @@
 Run by the batch script after ``srun`` returns (every rank has exited)::
 
     python -m slurm_jit.launch.after_step OUT_DIR --srun-exit $? --max-requeues 5 [--retry-on-failure K]
+        [--retry-on-hang K] [--exclude-hung-node]
 
 It reads the stop record of *this* job id and restart, runs the ``ckpt-check`` gate, reads the job's state through
 the Slurm gateway, decides with :mod:`slurm_jit.launch.policy`, records the step in
 ``OUT_DIR/slurm-jit/launch-progress.json``, prints the decision and only then calls ``scontrol requeue`` (which
 ends this batch shell). A requeue withdrawn (the job was cancelled meanwhile) or refused by Slurm is recorded as
 such, not as a requeue. A record that cannot be written (a full disk, a quota) is one warning line: the decision
-stands. Exit 0 when requeued or finished, else srun's status (1 when that was 0).
+stands. A run that Slurm restarted itself (a node failure: no requeue of the run before it in the record) is named
+in the log and the record. Exit 0 when requeued or finished, else srun's status (1 when that was 0).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 from slurm_jit import slurm
 from slurm_jit.grace.calc import LEAD_ENV_VAR
 from slurm_jit.launch import gate, policy, progress
-from slurm_jit.train import stop_record
+from slurm_jit.train import stop_record, stop_summary
 
 EXIT_ERROR = 2
 
@@ -45,7 +47,8 @@ def _record_facts(out_dir: str, job_id: str, restart_count: int) -> dict[str, An
     if not ours:
         return {"record_state": None, "record_step": None, "stale_record": True}
     step = record.get("step")
-    return {"record_state": record["state"], "record_step": step if isinstance(step, int) else None}
+    return {"record_state": record["state"], "record_step": step if isinstance(step, int) else None,
+            "stuck": stop_summary.stuck(record)}
 
 
 def _job_facts(job_id: str) -> dict[str, Any]:
@@ -88,6 +91,8 @@ def gather(args: argparse.Namespace, env: Mapping[str, str]) -> policy.Facts:
         restart_count=restart_count, max_requeues=args.max_requeues,
         failure_retries=progress.failure_retries(saved, job_id), retry_on_failure=args.retry_on_failure,
         previous_step=progress.previous_step(saved, job_id), srun_exit=args.srun_exit,
+        hang_retries=progress.hang_retries(saved, job_id), retry_on_hang=args.retry_on_hang,
+        exclude_hung_node=args.exclude_hung_node,
     )
 
 
@@ -110,17 +115,15 @@ def _remember(out_dir: str, job_id: str, saved: dict[str, Any], facts: policy.Fa
     """Record this stop on top of ``saved``; ``outcome`` is what happened: "requeued", "not requeued", or why a
     requeue the policy asked for did not happen. Writing again with another outcome replaces the entry."""
     requeued = outcome == OUTCOME_REQUEUED
-    stored, listed = saved.get("failure_retries"), progress.history(saved)
-    retries: dict[str, int] = dict(stored) if isinstance(stored, dict) else {}
-    if decision.failure_retry and requeued:
-        retries = {**retries, job_id: progress.failure_retries(saved, job_id) + 1}
+    retries = {key: _counted(saved, key, job_id, spent and requeued)
+               for key, spent in (("failure_retries", decision.failure_retry), ("hang_retries", decision.hang_retry))}
     last_step = facts.record_step if facts.record_state == "jit_stop" else progress.previous_step(saved, job_id)
-    history: list[object] = [*listed, {"job_id": job_id, "restart": facts.restart_count, "cause": decision.cause,
-                          "step": facts.record_step, "requeue": requeued, "reason": decision.reason,
-                          "outcome": outcome}]
+    history: list[object] = [*progress.history(saved), *_slurm_restart_entry(saved, job_id, facts.restart_count),
+                             {"job_id": job_id, "restart": facts.restart_count, "cause": decision.cause,
+                              "step": facts.record_step, "requeue": requeued, "reason": decision.reason,
+                              "outcome": outcome}]
     try:
-        progress.write(out_dir, {"job_id": job_id, "last_step": last_step, "failure_retries": retries,
-                                 "history": history[-50:]})
+        progress.write(out_dir, {"job_id": job_id, "last_step": last_step, **retries, "history": history[-50:]})
     except OSError as exc:  # EDQUOT, ENOSPC, EIO: the decision matters more than its record
         print(f"slurm-jit: warning: cannot write {progress.path(out_dir)} ({exc.strerror or exc}); the decision "
               "stands. HINT: free space or quota there; without it the next restart has no previous step for the "
@@ -128,6 +131,23 @@ def _remember(out_dir: str, job_id: str, saved: dict[str, Any], facts: policy.Fa
 
 
 OUTCOME_REQUEUED, OUTCOME_NOT_REQUEUED = "requeued", "not requeued"
+OUTCOME_BY_SLURM = "requeued by Slurm"  # a node failure: the run before this one ended without after_step
+
+
+def _counted(saved: dict[str, Any], key: str, job_id: str, spend: bool) -> dict[str, int]:
+    """The per-job retry counts under ``key``, one more for this job when this requeue spends one."""
+    stored = saved.get(key)
+    counts: dict[str, int] = dict(stored) if isinstance(stored, dict) else {}
+    return {**counts, job_id: progress.failure_retries(saved, job_id, key=key) + 1} if spend else counts
+
+
+def _slurm_restart_entry(saved: dict[str, Any], job_id: str, restart_count: int) -> list[dict[str, Any]]:
+    """The history entry of the run before this one when Slurm restarted the job itself (a node failure)."""
+    if not policy.slurm_restart(restart_count, progress.requeued_restarts(saved, job_id)):
+        return []
+    return [{"job_id": job_id, "restart": restart_count - 1, "cause": policy.CAUSE_NODE_FAILURE, "step": None,
+             "requeue": False, "reason": "Slurm restarted the job itself (no requeue by this launcher recorded)",
+             "outcome": OUTCOME_BY_SLURM}]
 
 
 def _on_term(signum: int, frame: object) -> None:
@@ -153,12 +173,20 @@ def _withdrawn(job_id: str) -> str | None:
     return None
 
 
-def _requeue(job_id: str) -> str | None:
-    """``scontrol requeue`` (which ends this batch shell); None when Slurm took it, else why not."""
+def _requeue(job_id: str, exclude_node: str | None) -> str | None:
+    """``scontrol requeue`` (which ends this batch shell), excluding ``exclude_node`` when given; None when Slurm
+    took it, else why not."""
     try:
-        slurm.requeue(job_id)
+        if exclude_node is None:
+            slurm.requeue(job_id)
+            return None
+        print(f"slurm-jit: requeue excluding node {exclude_node} (--exclude-hung-node)", flush=True)
+        warning = slurm.requeue_excluding(job_id, exclude_node)
     except slurm.SlurmError as exc:
         return f"requeue failed: {exc}"
+    if warning is not None:
+        print(f"slurm-jit: warning: {warning}; requeued all the same. HINT: scontrol update JobId={job_id} "
+              f"ExcNodeList={exclude_node} while it is pending", flush=True)
     return None
 
 
@@ -169,6 +197,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--srun-exit", type=int, default=None, help="srun's exit status ($?)")
     p.add_argument("--max-requeues", type=int, default=5, help="the most requeues of this job (default 5)")
     p.add_argument("--retry-on-failure", type=int, default=0, help="requeues after failures (default 0)")
+    p.add_argument("--retry-on-hang", type=int, default=policy.DEFAULT_RETRY_ON_HANG,
+                   help=f"requeues after hangs and lost peers (default {policy.DEFAULT_RETRY_ON_HANG})")
+    p.add_argument("--exclude-hung-node", action="store_true",
+                   help="the requeued job excludes the hung rank's (or lost peer's) node")
     p.add_argument("--quarantine", action="store_true", help="the gate quarantines non-resumable checkpoints")
     return p
 
@@ -203,6 +235,8 @@ def _decide_and_act(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         return EXIT_ERROR
     decision = policy.decide(facts)
     job_id, saved = env["SLURM_JOB_ID"], _saved(args.out_dir)
+    if policy.slurm_restart(facts.restart_count, progress.requeued_restarts(saved, job_id)):
+        print(policy.node_failure_line(facts.restart_count), flush=True)
     withdrawn = _withdrawn(job_id) if decision.requeue else None
     outcome = withdrawn or (OUTCOME_REQUEUED if decision.requeue else OUTCOME_NOT_REQUEUED)
     _remember(args.out_dir, job_id, saved, facts, decision, outcome)  # before the requeue ends this shell
@@ -230,7 +264,7 @@ def _act(out_dir: str, job_id: str, saved: dict[str, Any], facts: policy.Facts, 
         print(f"slurm-jit: {withdrawn}; never requeued after a cancel. HINT: to go on, resubmit (the checkpoint "
               "is kept)", flush=True)
         return 1
-    failed = _requeue(job_id)
+    failed = _requeue(job_id, decision.exclude_node)
     if failed is None:
         return 0
     _remember(out_dir, job_id, saved, facts, decision, failed)

@@ -34,6 +34,7 @@ from slurm_jit.grace.calc import LEAD_ENV_VAR, GraceError
 from slurm_jit.grace.sbatch_script import ScriptError, parse_time_limit
 from slurm_jit.launch import gate, output_claim, sbatch_options, submitit_hooks
 from slurm_jit.launch.command import Command
+from slurm_jit.launch.policy import DEFAULT_RETRY_ON_HANG
 
 _problem = submitit_hooks.problem()
 if _problem is None:
@@ -148,12 +149,14 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
 
     def __init__(self, folder: str | os.PathLike[str], output_dir: str | os.PathLike[str], *,
                  max_requeues: int = DEFAULT_MAX_REQUEUES, retry_on_failure: int = 0,
+                 retry_on_hang: int = DEFAULT_RETRY_ON_HANG, exclude_hung_node: bool = False,
                  step_time_s: float | None = None, save_time_s: float | None = None,
                  signal_lead_s: int | None = None, quarantine: bool = False, python: str | None = None,
                  max_pickle_size_gb: float = 1.0, sbatch_args: Sequence[str] = ()) -> None:
         if _problem is not None:
             raise RuntimeError(f"JitExecutor: {_problem}")
-        for name, value in (("max_requeues", max_requeues), ("retry_on_failure", retry_on_failure)):
+        for name, value in (("max_requeues", max_requeues), ("retry_on_failure", retry_on_failure),
+                            ("retry_on_hang", retry_on_hang)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise JitExecutorError(f"{name}={value!r}: a whole number, 0 or more. HINT: e.g. {name}=4")
         if signal_lead_s is not None and (not isinstance(signal_lead_s, int) or signal_lead_s < 1):
@@ -171,6 +174,7 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
         self.python = shlex.quote(sys.executable) if python is None else python
         self.output_dir = os.path.abspath(text)
         self.max_requeues, self.retry_on_failure, self.quarantine = max_requeues, retry_on_failure, quarantine
+        self.retry_on_hang, self.exclude_hung_node = retry_on_hang, bool(exclude_hung_node)
         self.step_time_s, self.save_time_s, self.signal_lead_s = step_time_s, save_time_s, signal_lead_s
         self.sbatch_args = tuple(sbatch_args)  # sbatch's command line, before the script (values as argv)
         self._kind = "function"
@@ -263,11 +267,17 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
             "srun_exit=$?",
             "# slurm-jit: requeue this same job or not, once per job, after every rank exited (launch/policy.py)",
             f'{self.python} -m slurm_jit.launch.after_step {out} --srun-exit "$srun_exit" '
-            f"--max-requeues {self.max_requeues} --retry-on-failure {self.retry_on_failure}{quarantine}",
+            f"--max-requeues {self.max_requeues} --retry-on-failure {self.retry_on_failure}{self._hang_options()}"
+            f"{quarantine}",
             "after_step_exit=$?",
             "# slurm-jit: the result files, only once the job is over (a requeued run writes none)",
             "exec " + self._finish_line('--srun-exit "$srun_exit"', '--after-step-exit "$after_step_exit"'),
         ]
+
+    def _hang_options(self) -> str:
+        """after_step's hang options, only where they differ from its defaults (scripts stay as they were)."""
+        budget = "" if self.retry_on_hang == DEFAULT_RETRY_ON_HANG else f" --retry-on-hang {self.retry_on_hang}"
+        return budget + (" --exclude-hung-node" if self.exclude_hung_node else "")
 
     def _make_submission_file_text(self, command: str, uid: str) -> str:
         params = dict(self.parameters)

@@ -6,13 +6,20 @@ Pure: facts in, a decision and a one-line reason out. No Slurm calls, no files, 
 Requeue the same job id only when: the stop record of *this* job id and restart says a JIT checkpoint completed;
 ``ckpt-check`` finds a resumable checkpoint; the job is still running (never after ``scancel``); the requeue
 count is below the maximum; and the run made progress (its global step passed the previous stop's, else it is
-a crash loop). After a failure that was not a JIT stop (a hang among them: stop record ``hung``): no requeue
-unless ``--retry-on-failure K``, counted separately (and still bounded by the maximum).
+a crash loop). After a crash (a failure that was not a JIT stop): no requeue unless ``--retry-on-failure K``,
+counted separately (and still bounded by the maximum). A hang (stop record ``hung``) or a lost peer (``failed``
+with ``lost_peer``) is requeued from the newest complete checkpoint under a budget of its own, ``--retry-on-hang K``
+(default 1), never counted as progress and still bounded by the maximum; with ``--exclude-hung-node`` the requeued
+job excludes the stuck rank's node. A node failure (Slurm requeued the job itself: a restart this launcher did not
+make) is told from the launcher's history by :func:`slurm_restart` and named in the log; Slurm's restart counts
+against the maximum (``SLURM_RESTART_COUNT``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from slurm_jit.train.stop_summary import StuckRank, hang_words, lost_peer_words
 
 # Slurm states in which the job is still alive and may be requeued (scontrol show job). SIGNALING is shown while
 # slurmctld delivers the --signal warning; COMPLETING never reaches us (our batch shell is still running).
@@ -27,7 +34,10 @@ CAUSE_PREEMPTION = "preemption"
 CAUSE_USER_CANCEL = "user cancel"
 CAUSE_SIGNAL = "stop signal"  # a JIT stop neither near the time limit nor preempted: scancel --signal, say
 CAUSE_CRASH = "crash"
-CAUSE_HANG = "hang"  # a rank's hang watchdog ended it (stop record ``hung``): requeued as a failure, for now
+CAUSE_HANG = "hang"  # a rank's hang watchdog ended it (stop record ``hung``): --retry-on-hang
+CAUSE_PEER_LOST = "peer lost"  # a rank ended because a peer died (``failed`` with ``lost_peer``): --retry-on-hang
+CAUSE_NODE_FAILURE = "node failure"  # Slurm requeued the job itself (a restart after_step did not make)
+DEFAULT_RETRY_ON_HANG = 1  # issue 20: one requeue after a hang; a second hang in a row is likely the code's
 CAUSE_FINISHED = "finished"
 
 
@@ -50,10 +60,15 @@ class Facts:
     retry_on_failure: int = 0  # the most requeues after failures
     previous_step: int | None = None  # the global step at the previous stop, None on the first
     srun_exit: int | None = None  # srun's exit status
+    stuck: StuckRank | None = None  # the hung rank or the lost peer the record names
+    hang_retries: int = 0  # requeues already spent on hangs and lost peers of this job
+    retry_on_hang: int = DEFAULT_RETRY_ON_HANG  # the most requeues after hangs and lost peers
+    exclude_hung_node: bool = False  # the requeued job excludes the stuck rank's node
 
     def __post_init__(self) -> None:
-        if self.max_requeues < 0 or self.retry_on_failure < 0:
-            raise ValueError("--max-requeues and --retry-on-failure must be 0 or more. HINT: e.g. --max-requeues 5")
+        if min(self.max_requeues, self.retry_on_failure, self.retry_on_hang) < 0:
+            raise ValueError("--max-requeues, --retry-on-failure and --retry-on-hang must be 0 or more. HINT: e.g. "
+                             "--max-requeues 5 --retry-on-hang 1")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,13 +77,31 @@ class Decision:
     requeue: bool
     reason: str  # why the policy decided so, in words
     failure_retry: bool = False  # this requeue spends one of --retry-on-failure
+    hang_retry: bool = False  # this requeue spends one of --retry-on-hang
+    exclude_node: str | None = None  # the node the requeued job must not run on (--exclude-hung-node)
 
     def line(self, facts: Facts) -> str:
         """The job log's one line."""
         verdict = "requeue" if self.requeue else "no requeue"
         step = "" if facts.record_step is None else f" at step {facts.record_step}"
         what = "finished" if self.cause == CAUSE_FINISHED else f"stopped by {self.cause}"
+        if facts.stuck is not None and self.cause in (CAUSE_HANG, CAUSE_PEER_LOST):
+            what, step = "stopped by " + (hang_words if self.cause == CAUSE_HANG else lost_peer_words)(facts.stuck), ""
         return f"slurm-jit: {what}{step} (restart {facts.restart_count}); policy: {verdict}: {self.reason}"
+
+
+def slurm_restart(restart_count: int, requeued_restarts: frozenset[int]) -> bool:
+    """This run's restart was made by Slurm itself, not by after_step: a node failure (or ``scontrol requeue`` by
+    hand). ``requeued_restarts`` are the restarts of this job after which after_step requeued it (its history)."""
+    return restart_count > 0 and restart_count - 1 not in requeued_restarts
+
+
+def node_failure_line(restart_count: int) -> str:
+    """The job log's line when :func:`slurm_restart` holds."""
+    return (f"slurm-jit: restart {restart_count} was made by Slurm itself, not by this launcher: "
+            f"{CAUSE_NODE_FAILURE} (or a preemption Slurm requeued first, a requeue by hand, a lost launcher "
+            f"record); it resumed from the newest complete checkpoint and counts "
+            f"against --max-requeues. HINT: scontrol show job and the slurmctld log say which node failed")
 
 
 def stop_cause(facts: Facts) -> str:
@@ -79,6 +112,8 @@ def stop_cause(facts: Facts) -> str:
         return CAUSE_FINISHED
     if facts.record_state == "hung":
         return CAUSE_HANG
+    if facts.record_state == "failed" and facts.stuck is not None:
+        return CAUSE_PEER_LOST
     if facts.record_state != "jit_stop":
         return CAUSE_CRASH
     if facts.preempted:
@@ -110,7 +145,9 @@ def decide(facts: Facts) -> Decision:
     if facts.restart_count >= facts.max_requeues:
         return Decision(cause=cause, requeue=False,
                         reason=f"maximum requeues reached ({facts.restart_count} of {facts.max_requeues})")
-    if cause in (CAUSE_CRASH, CAUSE_HANG):
+    if cause in (CAUSE_HANG, CAUSE_PEER_LOST):
+        return _after_hang(facts, cause)
+    if cause == CAUSE_CRASH:
         return _after_failure(facts, cause)
     if not facts.resumable:
         return Decision(cause=cause, requeue=False, reason="ckpt-check finds no resumable checkpoint")
@@ -136,3 +173,18 @@ def _after_failure(facts: Facts, cause: str) -> Decision:
                                f"{facts.failure_retries} used)")
     return Decision(cause=cause, requeue=True, failure_retry=True,
                     reason=f"{what}; failure retry {facts.failure_retries + 1} of {facts.retry_on_failure}")
+
+
+def _after_hang(facts: Facts, cause: str) -> Decision:
+    """A hang or a lost peer: requeue from the newest complete checkpoint under --retry-on-hang, not as progress."""
+    what = f"stop record says {facts.record_state}" + ("" if facts.srun_exit is None else
+                                                       f", srun exit {facts.srun_exit}")
+    if facts.hang_retries >= facts.retry_on_hang:
+        return Decision(cause=cause, requeue=False,
+                        reason=f"{what}; hang retries used up (--retry-on-hang {facts.retry_on_hang}, "
+                               f"{facts.hang_retries} used)")
+    node = facts.stuck.node if facts.exclude_hung_node and facts.stuck is not None else None
+    start = f"resume from {facts.resume_point}" if facts.resumable else "no complete checkpoint: starts over"
+    excluded = f", excluding node {node}" if node else ""
+    return Decision(cause=cause, requeue=True, hang_retry=True, exclude_node=node,
+                    reason=f"{what}; hang retry {facts.hang_retries + 1} of {facts.retry_on_hang}, {start}{excluded}")

@@ -72,11 +72,22 @@ def write(output_dir: str | os.PathLike[str], record: dict[str, Any]) -> None:
         raise
 
 
-def failure_retries(record: dict[str, Any], job_id: str) -> int:
-    """Requeues already spent on failures by this job id."""
-    value = record.get("failure_retries", {}).get(job_id, 0) if isinstance(record.get("failure_retries"), dict) \
-        else 0
+def failure_retries(record: dict[str, Any], job_id: str, key: str = "failure_retries") -> int:
+    """Requeues already spent on failures by this job id (``key="hang_retries"``: on hangs and lost peers)."""
+    value = record.get(key, {}).get(job_id, 0) if isinstance(record.get(key), dict) else 0
     return value if isinstance(value, int) else 0
+
+
+def hang_retries(record: dict[str, Any], job_id: str) -> int:
+    """Requeues already spent on hangs and lost peers by this job id."""
+    return failure_retries(record, job_id, key="hang_retries")
+
+
+def requeued_restarts(record: dict[str, Any], job_id: str) -> frozenset[int]:
+    """The restarts of this job after which the launcher requeued it (its history)."""
+    return frozenset(entry["restart"] for entry in history(record)
+                     if str(entry.get("job_id")) == job_id and entry.get("outcome") == "requeued"
+                     and isinstance(entry.get("restart"), int))
 
 
 def previous_step(record: dict[str, Any], job_id: str) -> int | None:

@@ -11,7 +11,7 @@ from typing import NoReturn
 
 from slurm_jit import slurm, timing
 from slurm_jit.launch import gate, output_claim, progress, sbatch_options
-from slurm_jit.train import stop_record
+from slurm_jit.train import stop_record, stop_summary
 
 EXIT_OK, EXIT_ERROR = 0, 2
 
@@ -119,6 +119,9 @@ def report(out_dir: str, job_id: str | None) -> list[str]:
     record = stop_record.read(out_dir)
     lines.append("record:   " + (f"{record['state']} step={record.get('step')} job={record.get('job_id')} "
                                  f"restart={record.get('restart_count') or 0}" if record else "none"))
+    said = stop_summary.phrase(record)
+    if said is not None:
+        lines.append(f"stuck:    {said}")
     try:
         lines.append("resume:   " + gate.check(out_dir).message.removeprefix("ckpt-check gate: "))
     except OSError as exc:

@@ -30,7 +30,7 @@ from slurm_jit.checkpoint import elastic_plan
 from slurm_jit.grace import cli as grace_cli
 from slurm_jit.grace.calc import GraceError, GraceResult
 from slurm_jit.grace.sbatch_script import ScriptError, parse_time_limit
-from slurm_jit.launch import entry, gate, ops, output_claim, sbatch_options, submitit_hooks, task
+from slurm_jit.launch import entry, gate, ops, output_claim, policy, sbatch_options, submitit_hooks, task
 from slurm_jit.launch.command import Command
 from slurm_jit.launch.executor import FailedSubmission, JitExecutor
 from slurm_jit.launch.status import status_main
@@ -41,7 +41,8 @@ EXIT_OK, EXIT_REFUSED, EXIT_ERROR = 0, 1, 2
 DEFAULT_MAX_REQUEUES = 5  # judgement: enough for a week-long job on 1-day limits, few enough to stop a bad loop
 # Options a TOML config may set: the long option names (dashes or underscores).
 CONFIG_KEYS = ("output-dir", "nodes", "ntasks-per-node", "cpus-per-task", "mem", "gpus-per-node", "partition",
-               "account", "qos", "time", "job-name", "max-requeues", "retry-on-failure", "sbatch-arg",
+               "account", "qos", "time", "job-name", "max-requeues", "retry-on-failure", "retry-on-hang",
+               "exclude-hung-node", "sbatch-arg",
                "signal-lead", "step-time", "save-time", "eval-time", "kill-wait", "margin", "quarantine",
                "python", "function", "command", "setup", "from")
 
@@ -52,6 +53,7 @@ _STR, _INT, _BOOL, _STR_LIST, _STR_OR_NUMBER = "a string", "an integer", "true o
 CONFIG_TYPES = {"output-dir": _STR, "nodes": _INT, "ntasks-per-node": _INT, "cpus-per-task": _INT,
                 "mem": _STR, "gpus-per-node": _STR_OR_NUMBER, "partition": _STR, "account": _STR, "qos": _STR,
                 "time": _STR_OR_NUMBER, "job-name": _STR, "max-requeues": _INT, "retry-on-failure": _INT,
+                "retry-on-hang": _INT, "exclude-hung-node": _BOOL,
                 "sbatch-arg": _STR_LIST, "signal-lead": _INT, "step-time": _STR_OR_NUMBER,
                 "save-time": _STR_OR_NUMBER, "eval-time": _STR_OR_NUMBER, "kill-wait": _STR_OR_NUMBER,
                 "margin": _STR_OR_NUMBER, "quarantine": _BOOL, "python": _STR, "function": _STR,
@@ -94,6 +96,11 @@ def _parser() -> argparse.ArgumentParser:
     r = p.add_argument_group("requeue policy")
     r.add_argument("--max-requeues", type=int, help=f"most requeues of the job (default {DEFAULT_MAX_REQUEUES})")
     r.add_argument("--retry-on-failure", type=int, help="requeues after crashes, counted separately (default 0)")
+    r.add_argument("--retry-on-hang", type=int,
+                   help=f"requeues after a hang or a lost peer, from the newest complete checkpoint, counted "
+                        f"separately (default {policy.DEFAULT_RETRY_ON_HANG})")
+    r.add_argument("--exclude-hung-node", action="store_true", default=None,
+                   help="the requeued job excludes the node of the hung rank (or lost peer)")
     r.add_argument("--quarantine", action="store_true", default=None,
                    help="rename non-resumable checkpoints aside instead of refusing to start")
     g = p.add_argument_group("grace (N of --signal=TERM@N; see grace-calc --help)")
@@ -274,6 +281,8 @@ def build_job(args: argparse.Namespace) -> Launch:
     args.ntasks_per_node = _count(args.ntasks_per_node, "--ntasks-per-node", default=1, minimum=1)
     args.max_requeues = _count(args.max_requeues, "--max-requeues", default=DEFAULT_MAX_REQUEUES, minimum=0)
     args.retry_on_failure = _count(args.retry_on_failure, "--retry-on-failure", default=0, minimum=0)
+    args.retry_on_hang = _count(args.retry_on_hang, "--retry-on-hang", default=policy.DEFAULT_RETRY_ON_HANG,
+                                minimum=0)
     _check_values(args)
     sbatch_options.check_extra_args(args.sbatch_arg or [])
     sbatch_options.check_environment(os.environ)
@@ -287,7 +296,8 @@ def build_job(args: argparse.Namespace) -> Launch:
         raise ValueError(problem)
     executor = JitExecutor(
         folder=log_folder(args.output_dir), output_dir=args.output_dir, max_requeues=args.max_requeues,
-        retry_on_failure=args.retry_on_failure, signal_lead_s=result.lead_s, quarantine=bool(args.quarantine),
+        retry_on_failure=args.retry_on_failure, retry_on_hang=args.retry_on_hang,
+        exclude_hung_node=bool(args.exclude_hung_node), signal_lead_s=result.lead_s, quarantine=bool(args.quarantine),
         python=shlex.quote(args.python), sbatch_args=tuple(args.sbatch_arg or ()))
     executor.update_parameters(**_parameters(args))
     what: tuple[Any, ...] = ((Command(spec["argv"]),) if "argv" in spec
@@ -347,7 +357,9 @@ def plan_lines(launch: Launch, checked: gate.GateResult) -> list[str]:
             else " ".join(json.dumps(a) if not a.isprintable() or " " in a else a for a in spec["argv"]))
     requeue = (f"after a JIT stop, requeue the same job (scontrol requeue) up to {ex.max_requeues} times, only "
                "while it is running (never after scancel), the checkpoint passes ckpt-check and the step advanced; "
-               f"after a crash: {ex.retry_on_failure} retries")
+               f"after a crash: {ex.retry_on_failure} retries; after a hang or a lost peer: {ex.retry_on_hang} "
+               f"retries from the newest complete checkpoint"
+               + (", excluding the stuck node" if ex.exclude_hung_node else ""))
     nodes, per_node = ex.parameters["nodes"], ex.parameters["ntasks_per_node"]
     return [
         f"plan: {nodes} node(s) x {per_node} task(s) = {launch.world_size} ranks, one srun task each; "

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from slurm_jit.timing import WARMUP_STEPS
-from slurm_jit.train import lost_peers, runtime_grace, stop_record, subclassing, watchdog
+from slurm_jit.train import lost_peers, runtime_grace, stop_record, subclassing, trackers, watchdog
 from slurm_jit.train.agreement import Decision
 from slurm_jit.train.run_state import Run, StopBeforeFirstStep, signal_name
 from slurm_jit.train.trackers import log_stop_to_trackers
@@ -221,6 +221,8 @@ def record_hang(trainer: JitTrainer, run: Run, hang: watchdog.Hang) -> None:
         else:
             stop_record.write(out_dir, "hung", step=hang.step, ranks=ranks, checkpoint=None,
                               resumed_from=run.resumed_from)
+    if not run.stop_recorded:  # the trackers say which rank hung (a JIT stop's summary was already logged)
+        trackers.log_hang_to_trackers(trainer, {"state": "hung", "step": hang.step, "ranks": ranks})
 
 
 def record_stop(trainer: JitTrainer) -> None:

@@ -21,12 +21,13 @@ import secrets
 import stat
 import string
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeGuard
 
 from slurm_jit.timing import TIMING_DIR
-from slurm_jit.train import output_lock
+from slurm_jit.train import output_lock, stop_summary
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +185,12 @@ def continue_wandb_run(trainer: Any, resume_from: str | None) -> Iterator[None]:
         callback.__dict__.pop("on_log", None)
 
 
-def stop_text(state: str, step: int, signal_name: str | None, error_after_stop: str | None = None) -> str:
+def stop_text(state: str, step: int, signal_name: str | None, error_after_stop: str | None = None,
+              record: dict[str, Any] | None = None) -> str:
+    """The stop summary's words; for a ``hung`` or lost-peer ``failed`` record, :func:`stop_summary.phrase`."""
+    said = stop_summary.phrase(record)
+    if said is not None:
+        return f"{said}; a requeued job resumes from the newest complete checkpoint"
     if state == "jit_stop":
         text = (f"stopped for a JIT checkpoint at step {step} after {signal_name or 'a stop signal'} (a time "
                 "limit or preemption, not a crash): a requeued job continues this run")
@@ -193,12 +199,13 @@ def stop_text(state: str, step: int, signal_name: str | None, error_after_stop: 
 
 
 def log_stop_to_trackers(trainer: Any, state: str, step: int, signal_name: str | None,
-                         error_after_stop: str | None = None) -> None:
+                         error_after_stop: str | None = None, record: dict[str, Any] | None = None) -> None:
     """Rank 0, when ``train()`` returns (or fails after its stop checkpoint was complete, ``error_after_stop``):
-    tell the trackers how this job ended (``jit_stop`` or ``finished``)."""
+    tell the trackers how this job ended (``jit_stop`` or ``finished``; ``hung`` or ``failed`` with the stop
+    ``record`` that names the hung rank or the lost peer)."""
     if not trainer.is_world_process_zero():
         return
-    text = stop_text(state, step, signal_name, error_after_stop)
+    text = stop_text(state, step, signal_name, error_after_stop, record)
     for name, log in (("WandbCallback", _log_stop_wandb), ("TensorBoardCallback", _log_stop_tensorboard)):
         callback = _callback(trainer, name)
         if callback is None:
@@ -209,6 +216,19 @@ def log_stop_to_trackers(trainer: Any, state: str, step: int, signal_name: str |
             logger.warning("slurm_jit: could not log the %s to %s (%s: %s). HINT: the stop record "
                            "OUT_DIR/slurm-jit/stop.json says how the job ended", state, name, type(exc).__name__,
                            str(exc).replace("\n", " "))
+
+
+TRACKER_WAIT_S = 5.0  # judgement: a hang's exit waits this long at most for the trackers (they may hang too)
+
+
+def log_hang_to_trackers(trainer: Any, record: dict[str, Any]) -> None:
+    """The watchdog's thread, before the exit: the ``hung`` (or lost-peer) record's phrase to the trackers, in a
+    daemon thread waited for at most :data:`TRACKER_WAIT_S` (a tracker stuck too must not keep the job alive)."""
+    step = record.get("step") if isinstance(record.get("step"), int) else 0
+    worker = threading.Thread(target=log_stop_to_trackers, name="slurm-jit-hang-trackers", daemon=True,
+                              args=(trainer, str(record.get("state")), step, None), kwargs={"record": record})
+    worker.start()
+    worker.join(TRACKER_WAIT_S)
 
 
 def _log_stop_wandb(callback: Any, state: str, step: int, signal_name: str | None, text: str) -> None:

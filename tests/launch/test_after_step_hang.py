@@ -1,0 +1,119 @@
+"""after_step after a hang or a lost peer: the --retry-on-hang budget remembered across restarts, the stuck node
+excluded (requeuehold, update ExcNodeList, release: a running job's ExcNodeList cannot be changed), a restart
+that Slurm made itself named as a node failure. The Slurm gateway is swapped for a fake at its one boundary;
+tests/integration/test_requeue_exclude_node.py runs the exclusion on the real 2-node cluster."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from slurm_jit import slurm
+from slurm_jit.launch import after_step, progress
+from slurm_jit.train import stop_record
+
+SHOW_JOB = ("JobId=42 JobName=x\n   JobState=RUNNING Reason=None Dependency=(null)\n   Requeue=1 Restarts=0 "
+            "BatchFlag=1\n   RunTime=00:02:10 TimeLimit=01:00:00 TimeMin=N/A\n   PreemptTime=None\n"
+            "   ReqNodeList=(null) ExcNodeList={excluded}\n")
+RANKS = [{"rank": 1, "node": "node2", "step": 6, "phase": "step", "since_s": 31.0, "frame": "t.py:1 in f"},
+         {"rank": 0, "node": "node1", "step": 6, "phase": "step", "since_s": 30.5,
+          "frame": "distributed_c10d.py:2501 in all_reduce"}]
+
+
+class Gateway:
+    """Answers ``scontrol show job`` with a running job and records every argv; fails the commands named."""
+
+    def __init__(self, excluded: str = "(null)", fail: tuple[str, ...] = ()) -> None:
+        self.excluded, self.fail, self.calls = excluded, fail, []  # type: list[list[str]]
+
+    def __call__(self, argv: Sequence[str], timeout_s: float) -> str:
+        self.calls.append(list(argv))
+        if argv[1:2] and argv[1] in self.fail:
+            raise slurm.SlurmError(f"scontrol {argv[1]} failed (exit 1): Access/permission denied")
+        return SHOW_JOB.format(excluded=self.excluded) if argv[:3] == ["scontrol", "show", "job"] else ""
+
+    def acts(self) -> list[list[str]]:
+        return [c for c in self.calls if c[:3] != ["scontrol", "show", "job"]]
+
+
+def _hung(out: Path, restart: int = 0, **fields: object) -> dict[str, str]:
+    stop_record.write(out, "hung", step=6, job_id="42", restart_count=restart, **fields)
+    return {"SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": str(restart)}
+
+
+def _run(out: Path, env: dict[str, str], *extra: str) -> int:
+    return after_step.main([str(out), "--srun-exit", "87", "--max-requeues", "5", *extra], env=env)
+
+
+def test_hang_budget_is_spent_once_and_remembered_across_restarts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    gateway = Gateway()
+    monkeypatch.setattr(slurm, "runner", gateway)
+    assert _run(tmp_path, _hung(tmp_path, ranks=RANKS)) == 0
+    out = capsys.readouterr().out
+    assert "stopped by hang at step 6 on rank 1 (node node2), stack in the log (restart 0); policy: requeue" in out
+    assert gateway.acts() == [["scontrol", "requeue", "42"]]
+    saved = progress.read(tmp_path)
+    assert progress.hang_retries(saved, "42") == 1 and progress.failure_retries(saved, "42") == 0
+    assert _run(tmp_path, _hung(tmp_path, restart=1, ranks=RANKS)) == 87  # the second hang: budget spent
+    assert "hang retries used up (--retry-on-hang 1, 1 used)" in capsys.readouterr().out
+    assert gateway.acts() == [["scontrol", "requeue", "42"]]
+
+
+def test_lost_peer_is_requeued_under_the_hang_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(slurm, "runner", Gateway())
+    stop_record.write(tmp_path, "failed", step=9, job_id="42", restart_count=0, error="peer lost",
+                      lost_peer={"rank": 1, "step": 9, "node": "node2", "how": "side group timed out"})
+    assert _run(tmp_path, {"SLURM_JOB_ID": "42"}, "--retry-on-hang", "2") == 0
+    assert "stopped by peer rank 1 lost at step 9 (node node2)" in capsys.readouterr().out
+    assert progress.hang_retries(progress.read(tmp_path), "42") == 1
+
+
+def test_exclude_hung_node_requeues_held_excludes_and_releases(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    gateway = Gateway(excluded="node7")
+    monkeypatch.setattr(slurm, "runner", gateway)
+    assert _run(tmp_path, _hung(tmp_path, ranks=RANKS[:1]), "--exclude-hung-node") == 0
+    assert gateway.acts() == [["scontrol", "requeuehold", "42"],
+                              ["scontrol", "update", "JobId=42", "ExcNodeList=node7,node2"],
+                              ["scontrol", "release", "42"]]
+    assert "excluding node node2" in capsys.readouterr().out
+
+
+def test_an_exclusion_slurm_refuses_still_requeues(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    gateway = Gateway(fail=("update",))
+    monkeypatch.setattr(slurm, "runner", gateway)
+    assert _run(tmp_path, _hung(tmp_path, ranks=RANKS[:1]), "--exclude-hung-node") == 0
+    assert gateway.acts()[-1] == ["scontrol", "release", "42"]
+    assert "warning: node node2 not excluded" in capsys.readouterr().out
+
+
+def test_a_release_that_fails_says_the_job_is_held_and_how_to_release_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(slurm, "runner", Gateway(fail=("release",)))
+    assert _run(tmp_path, _hung(tmp_path, ranks=RANKS[:1]), "--exclude-hung-node") == 1
+    assert "requeued but held" in capsys.readouterr().out and "HINT: scontrol release 42" in \
+        progress.read(tmp_path)["history"][-1]["outcome"]
+
+
+def test_a_restart_the_launcher_did_not_make_is_named_a_node_failure(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(slurm, "runner", Gateway())
+    stop_record.write(tmp_path, "jit_stop", step=12, job_id="42", restart_count=1,
+                      checkpoint=str(tmp_path / "checkpoint-12"))
+    _run(tmp_path, {"SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": "1"})
+    assert "restart 1 was made by Slurm itself, not by this launcher: node failure" in capsys.readouterr().out
+    first = progress.history(progress.read(tmp_path))[0]
+    assert (first["restart"], first["cause"], first["outcome"]) == (0, "node failure", "requeued by Slurm")
+    stop_record.write(tmp_path, "jit_stop", step=20, job_id="42", restart_count=2,
+                      checkpoint=str(tmp_path / "checkpoint-20"))
+    progress.write(tmp_path, {**progress.read(tmp_path), "history": [
+        *progress.history(progress.read(tmp_path))[:-1],
+        {"job_id": "42", "restart": 1, "cause": "time limit", "outcome": "requeued", "requeue": True}]})
+    _run(tmp_path, {"SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": "2"})  # restart 2 was after_step's own
+    assert "made by Slurm itself" not in capsys.readouterr().out
