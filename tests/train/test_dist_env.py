@@ -15,3 +15,10 @@ def test_dist_env_from_slurm() -> None:
     assert not dist_env.from_slurm({"RANK": "0", "SLURM_PROCID": "0", "SLURM_STEP_ID": "0"})
     assert not dist_env.from_slurm({"SLURM_PROCID": "0"})  # the batch shell, not an srun task
     assert dist_env.first_host("a,b") == "a"
+
+
+def test_a_ranks_node_is_slurms_name_for_it_and_the_host_name_outside_slurm():
+    import socket
+
+    assert dist_env.node_name({"SLURMD_NODENAME": "node2"}) == "node2"  # what ExcNodeList takes
+    assert dist_env.node_name({}) == socket.gethostname()

@@ -21,7 +21,6 @@ A gloo side group keeps GPU runs free of an extra device synchronisation.
 from __future__ import annotations
 
 import datetime
-import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from slurm_jit.grace import calc
+from slurm_jit.train import dist_env
 from slurm_jit.train.refusals import JitRefusal
 
 SIDE_GROUP_TIMEOUT_S = 1800  # torch.distributed's default collective timeout
@@ -86,11 +86,11 @@ class StopAgreement:
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
         self.group: Any = None
-        self.nodes: list[str | None] = [socket.gethostname()]  # each rank's host: names a lost peer's node
+        self.nodes: list[str | None] = [dist_env.node_name()]  # each rank's node: names a lost peer's node
         if self.distributed:
             self.group = _side_group(self.rank, timeout_s)
             self.nodes = [None] * self.world_size
-            dist.all_gather_object(self.nodes, socket.gethostname(), group=self.group)
+            dist.all_gather_object(self.nodes, dist_env.node_name(), group=self.group)
         self._pending: _Round | None = None
         self.mode = calc.AGREE_BLOCKING  # until fixed after warm-up
         self.choice: ModeChoice | None = None

@@ -30,6 +30,12 @@ MASTER_PORT_BASE = 20000  # an unprivileged range; offset by the job id so that 
 MASTER_PORT_SPAN = 20000
 
 
+def node_name(env: Mapping[str, str] = os.environ) -> str:
+    """This rank's node as Slurm names it (``SLURMD_NODENAME``: what ``ExcNodeList`` takes), else the host name
+    (outside Slurm; on several nodes of one host, as the local cluster's, they are all one name)."""
+    return env.get("SLURMD_NODENAME") or socket.gethostname()
+
+
 def first_host(nodelist: str) -> str:
     """The first host of a Slurm node list: ``node[3-5,7]`` -> ``node3``, ``a,b`` -> ``a``."""
     match = re.match(r"^([^,\[]+)(?:\[(\d+))?", nodelist.strip())

@@ -21,7 +21,6 @@ import faulthandler
 import logging
 import multiprocessing
 import os
-import socket
 import sys
 import threading
 import time
@@ -30,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from slurm_jit.timing import WARMUP_STEPS
+from slurm_jit.train import dist_env
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ class Watchdog:
             now = time.monotonic()
             if now > deadline and not self._stopped.is_set():
                 self._fire(Hang(rank=self.rank, step=step, phase=phase, since_s=round(now - fed_at, 1),
-                                bound_s=round(deadline - fed_at, 1), node=socket.gethostname(),
+                                bound_s=round(deadline - fed_at, 1), node=dist_env.node_name(),
                                 frame=main_thread_frame()))
                 return
 
