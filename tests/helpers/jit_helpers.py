@@ -47,6 +47,14 @@ def losses(out: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in map(json.loads, path.read_text().splitlines()) if r]
 
 
+
+def final_losses(out: Path) -> list[tuple[int, float]]:
+    """Per step, the loss of the last run that logged it (a stopped run may log steps its resume repeats)."""
+    final: dict[int, float] = {}
+    for step, loss in losses(out):
+        final[step] = loss
+    return sorted(final.items())
+
 @dataclass
 class StopResult:
     codes: list[int | None]

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from jit_helpers import final_losses, losses, run_to_end
 from submit_jobs import job_log, submit_training
 
 from slurm_jit import slurm
@@ -28,10 +29,13 @@ FIRST_RUN_STALLS = (
     "demo_train.main(sys.argv[1:] + extra)")
 
 
+TRAINING = ["--max-steps", "8", "--save-steps", "2"]
+
+
 def test_a_hung_rank_is_requeued_once_and_the_job_finishes(tmp_path: Path, jobs: list[str]) -> None:
     out = tmp_path / "out"
-    job_id = submit_training(out, jobs, ["-c", FIRST_RUN_STALLS], "--time", "8", train=[
-        "--max-steps", "8", "--save-steps", "2", "--hang-timeout", str(HANG_TIMEOUT_S)])
+    train = [*TRAINING, "--hang-timeout", str(HANG_TIMEOUT_S)]
+    job_id = submit_training(out, jobs, ["-c", FIRST_RUN_STALLS], "--time", "8", train=train)
     deadline = time.monotonic() + JOB_DEADLINE_S
     while slurm.live_state(job_id) is not None and time.monotonic() < deadline:
         time.sleep(2)
@@ -45,3 +49,6 @@ def test_a_hung_rank_is_requeued_once_and_the_job_finishes(tmp_path: Path, jobs:
     saved = progress.read(out)
     assert progress.hang_retries(saved, job_id) == 1, saved
     assert [e["cause"] for e in progress.history(saved)] == ["hang", "finished"], saved
+    reference = tmp_path / "reference"  # the same training, uninterrupted, outside Slurm
+    assert run_to_end(reference, TRAINING) == [0, 0]
+    assert final_losses(out) == losses(reference)  # bitwise: steps 1-2 of the hung run, 3-8 resumed from checkpoint-2

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from jit_helpers import ckpt_check, losses, run_to_end
+from jit_helpers import ckpt_check, final_losses, losses, run_to_end
 from submit_jobs import SUBMIT, job_log, submit_training
 
 from slurm_jit import slurm
@@ -97,14 +97,6 @@ def _reference(tmp: Path, args: list[str]) -> list[tuple[int, float]]:
     return losses(out)
 
 
-def _final_losses(out: Path) -> list[tuple[int, float]]:
-    """Per step, the loss of the last run that logged it (a stopped run may log steps its resume repeats)."""
-    final: dict[int, float] = {}
-    for step, loss in losses(out):
-        final[step] = loss
-    return sorted(final.items())
-
-
 def test_time_limit_signal_jit_requeue_resume_finish_through_submit(tmp_path: Path, jobs: list[str]) -> None:
     out = tmp_path / "out"
     # 400 steps of >= 0.4 s: the first run cannot finish before the latest warning, 120 s in (at 0.2 s a step it
@@ -128,7 +120,7 @@ def test_time_limit_signal_jit_requeue_resume_finish_through_submit(tmp_path: Pa
     record = stop_record.read(out)
     assert record is not None and record["state"] == "finished" and record["step"] == 400
     assert record["job_id"] == job_id and record["restart_count"] == "1"
-    assert _final_losses(out) == reference  # bitwise, across the restart
+    assert final_losses(out) == reference  # bitwise, across the restart
     assert ckpt_check(out).returncode == 0
     status = subprocess.run([sys.executable, str(SUBMIT), "status", job_id], capture_output=True, text=True,
                             check=False, timeout=60)
@@ -231,7 +223,7 @@ def test_raw_sbatch_preempted_through_urgent_is_requeued_and_finishes(tmp_path: 
     decisions = _decisions(log)
     assert "stopped by preemption" in decisions[0] and "policy: requeue" in decisions[0], log[-3000:]
     assert job["JobState"] == "COMPLETED" and job["Restarts"] == "1"
-    assert _final_losses(out) == reference
+    assert final_losses(out) == reference
 
 
 MARK = ("import os, sys, time\n"
