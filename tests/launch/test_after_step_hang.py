@@ -170,3 +170,16 @@ def test_exclude_hung_node_with_no_usable_node_requeues_and_says_none_was_exclud
     out = capsys.readouterr().out
     assert "policy: requeue" in out and "no node excluded: the stop record names no node usable" in out, out
 
+
+@pytest.mark.parametrize(("stored", "requeued"), [(-3, True), ("x", True), (True, True), ([1], True), (1, False)])
+def test_a_hand_edited_hang_count_never_widens_the_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         stored: object, requeued: bool) -> None:
+    """A count that is no count reads as 0 spent: one retry (the default budget), never -3's four."""
+    gateway = Gateway()
+    monkeypatch.setattr(slurm, "runner", gateway)
+    progress.write(tmp_path, {"job_id": "42", "hang_retries": {"42": stored}})
+    assert _run(tmp_path, _hung(tmp_path, ranks=RANKS)) == (0 if requeued else 87)
+    assert progress.hang_retries(progress.read(tmp_path), "42") == 1
+    if requeued:  # the one retry spent: the next hang is not requeued
+        assert _run(tmp_path, _hung(tmp_path, restart=1, ranks=RANKS)) == 87
+    assert gateway.acts() == ([["scontrol", "requeue", "42"]] if requeued else [])
