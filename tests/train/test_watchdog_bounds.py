@@ -150,3 +150,13 @@ def test_rank0_waits_for_a_peer_whose_thread_wakes_up_to_one_interval_later(monk
     assert len(fired) == 2, fired
     lag_s = fired[1] - fired[0]  # rank 0 at 10 s, the peer at 11 s
     assert watchdog.PEER_REPORT_WAIT_S < lag_s < first.report_wait_s(), (lag_s, first.report_wait_s())
+
+
+def test_a_record_of_many_hung_ranks_prints_one_short_line(tmp_path: Path) -> None:
+    ranks = [{"rank": r, "step": 7, "phase": "step", "since_s": 31.0, "node": f"n{r}", "frame": "comm.py:9 in wait"}
+             for r in range(1024)]
+    stop_record.write(tmp_path, "hung", step=7, ranks=ranks, unreported=[{"rank": 1024, "node": "n1024"}])
+    cli = subprocess.run([sys.executable, "-m", "slurm_jit.stop_record", str(tmp_path)], capture_output=True,
+                         text=True, check=False)
+    assert cli.returncode == stop_record.EXIT_HUNG and len(cli.stdout.splitlines()) == 1, cli.stdout[:300]
+    assert len(cli.stdout) < 1000 and "; 1017 more in stop.json; stacks in the job log" in cli.stdout, cli.stdout

@@ -202,7 +202,11 @@ def _hang_detail(record: dict[str, Any]) -> str:
     silent = record.get("unreported")
     said += [f"no report from rank {r.get('rank')} (node {r.get('node')})" for r in
              (silent if isinstance(silent, list) else []) if isinstance(r, dict)]
-    return "hang: " + "; ".join(said) + "; stacks in the job log"
+    more = f"; {len(said) - DETAIL_RANKS} more in {STOP_RECORD_NAME}" if len(said) > DETAIL_RANKS else ""
+    return "hang: " + "; ".join(said[:DETAIL_RANKS]) + more + "; stacks in the job log"
+
+
+DETAIL_RANKS = 8  # one line, also for 512 hung ranks: the first ones, then how many more the record holds
 
 
 if __name__ == "__main__":
