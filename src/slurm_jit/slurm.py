@@ -207,8 +207,9 @@ def hostnames(expression: str) -> list[str]:
 
 
 def _exclusion_blocks(job: dict[str, str], node: str) -> str | None:
-    """Why excluding ``node`` would leave the job no way to start (pending forever: ReqNodeNotAvail), or None when
-    it can still start, or when Slurm does not say enough to tell (the exclusion is then made, as asked)."""
+    """Why excluding ``node`` would leave the job no way to start (pending forever: BadConstraints) or cannot be done
+    (not a node of its partition), or None when it can, or when Slurm does not say enough to tell (the exclusion is
+    then made, as asked)."""
     if node in hostnames(job.get("ReqNodeList", "")):
         return f"the job requires it (ReqNodeList={job['ReqNodeList']})"
     needed = re.match(r"\d+", job.get("NumNodes", ""))
@@ -216,6 +217,8 @@ def _exclusion_blocks(job: dict[str, str], node: str) -> str | None:
     pool = {name for part in partitions for name in hostnames(show_partition(part).get("Nodes", ""))}
     if needed is None or not pool:
         return None
+    if node not in pool:  # a host name that is not Slurm's node name: ExcNodeList would refuse it (held for nothing)
+        return f"it is not a node of partition {','.join(partitions)}"
     left = pool - set(hostnames(job.get("ExcNodeList", ""))) - {node}
     if len(left) >= int(needed.group()):
         return None

@@ -138,18 +138,19 @@ class SmallCluster(Gateway):
         return super().__call__(argv, timeout_s)
 
 
-@pytest.mark.parametrize(("num_nodes", "required", "why"), [
-    (2, "(null)", "the job needs 2 node(s) and partition debug would have 1 left without it"),
-    (1, "node2", "the job requires it (ReqNodeList=node2)")])
-def test_an_exclusion_that_would_leave_the_job_pending_forever_is_a_plain_requeue_said_in_one_line(
+@pytest.mark.parametrize(("num_nodes", "required", "node", "why"), [
+    (2, "(null)", "node2", "the job needs 2 node(s) and partition debug would have 1 left without it"),
+    (1, "node2", "node2", "the job requires it (ReqNodeList=node2)"),
+    (1, "(null)", "vm", "it is not a node of partition debug")])  # a host name, not Slurm's node name
+def test_an_exclusion_that_cannot_hold_is_a_plain_requeue_said_in_one_line(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], num_nodes: int,
-        required: str, why: str) -> None:
+        required: str, node: str, why: str) -> None:
     gateway = SmallCluster(num_nodes, required)
     monkeypatch.setattr(slurm, "runner", gateway)
-    assert _run(tmp_path, _hung(tmp_path, ranks=RANKS[:1]), "--exclude-hung-node") == 0
+    assert _run(tmp_path, _hung(tmp_path, ranks=[{**RANKS[0], "node": node}]), "--exclude-hung-node") == 0
     assert gateway.acts() == [["scontrol", "requeue", "42"]]  # never held, never an impossible ExcNodeList
     warning = [line for line in capsys.readouterr().out.splitlines() if "warning:" in line]
-    assert len(warning) == 1 and f"node node2 not excluded: {why}" in warning[0] and "HINT:" in warning[0], warning
+    assert len(warning) == 1 and f"node {node} not excluded: {why}" in warning[0] and "HINT:" in warning[0], warning
 
 
 def test_an_exclusion_that_leaves_enough_nodes_is_made(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
