@@ -199,22 +199,62 @@ def _run_past_term(argv: Sequence[str]) -> str:
     raise AssertionError("unreachable")
 
 
+def hostnames(expression: str) -> list[str]:
+    """A hostlist (``node[1-3],gpu7``) as node names (``scontrol show hostnames``); [] for none or ``(null)``."""
+    if expression.strip() in {"", "(null)"}:
+        return []
+    return run(["scontrol", "show", "hostnames", expression]).split()
+
+
+def _exclusion_blocks(job: dict[str, str], node: str) -> str | None:
+    """Why excluding ``node`` would leave the job no way to start (pending forever: BadConstraints) or cannot be done
+    (not a node of its partition), or None when it can, or when Slurm does not say enough to tell (the exclusion is
+    then made, as asked)."""
+    if node in hostnames(job.get("ReqNodeList", "")):
+        return f"the job requires it (ReqNodeList={job['ReqNodeList']})"
+    needed = re.match(r"\d+", job.get("NumNodes", ""))
+    partitions = [name for name in job.get("Partition", "").split(",") if name]
+    pool = {name for part in partitions for name in hostnames(show_partition(part).get("Nodes", ""))}
+    if needed is None or not pool:
+        return None
+    if node not in pool:  # a host name that is not Slurm's node name: ExcNodeList would refuse it (held for nothing)
+        return f"it is not a node of partition {','.join(partitions)}"
+    left = pool - set(hostnames(job.get("ExcNodeList", ""))) - {node}
+    if len(left) >= int(needed.group()):
+        return None
+    return (f"the job needs {needed.group()} node(s) and partition {','.join(partitions)} would have {len(left)} "
+            f"left without it: it would stay pending forever")
+
+
 def requeue_excluding(job_id: str, node: str) -> str | None:
     """Requeue the job so that it never runs on ``node`` again (added to its ``ExcNodeList``).
 
     A running job's ExcNodeList cannot be changed ("Job is no longer pending execution"), so: ``scontrol
-    requeuehold`` (requeued, held), ``scontrol update JobId=J ExcNodeList=...``, ``scontrol release``. Returns
-    None, or a one-line warning when the exclusion did not take (the job is requeued all the same). SlurmError when
-    the requeue failed, or when the release did (the job is then held: its message says how to release it).
+    requeuehold`` (requeued, held), ``scontrol update JobId=J ExcNodeList=...``, ``scontrol release``. Where the
+    exclusion would leave the job no node set to start on (a 1-node partition, the job needs every node, its
+    ReqNodeList names the node) it is a plain requeue instead: the job runs again, on the same node. Returns None,
+    or a one-line warning (with its HINT) when the node is not excluded (the job is requeued all the same).
+    SlurmError when the requeue failed, or when the release did (the job is then held: its message says how to
+    release it).
     """
-    excluded = show_job(job_id).get("ExcNodeList", "(null)")  # now: after the requeuehold, our scontrols get TERM
+    job = show_job(job_id)  # now: after the requeuehold, our scontrols get TERM
+    try:
+        blocked = _exclusion_blocks(job, node)
+    except SlurmError:  # the partition or a hostlist unreadable: exclude, as asked
+        blocked = None
+    if blocked is not None:
+        requeue(job_id)
+        return (f"node {node} not excluded: {blocked}; requeued on any node. HINT: --exclude-hung-node needs a "
+                "spare node; the job runs again on the nodes it can have")
+    excluded = job.get("ExcNodeList", "(null)")
     merged = node if excluded in {"", "(null)"} else f"{excluded},{node}"
     run(["scontrol", "requeuehold", str(job_id)])
     warning = None
     try:
         _run_past_term(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={merged}"])
     except SlurmError as exc:
-        warning = f"node {node} not excluded ({exc})"
+        warning = (f"node {node} not excluded ({exc}); requeued all the same. HINT: scontrol update "
+                   f"JobId={job_id} ExcNodeList={merged} while it is pending")
     try:
         _run_past_term(["scontrol", "release", str(job_id)])
     except SlurmError as exc:

@@ -117,3 +117,70 @@ def test_a_restart_the_launcher_did_not_make_is_named_a_node_failure(tmp_path: P
         {"job_id": "42", "restart": 1, "cause": "time limit", "outcome": "requeued", "requeue": True}]})
     _run(tmp_path, {"SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": "2"})  # restart 2 was after_step's own
     assert "made by Slurm itself" not in capsys.readouterr().out
+
+
+class SmallCluster(Gateway):
+    """A job of ``num_nodes`` nodes in partition ``debug`` of node[1-2]; ``scontrol show hostnames`` expands."""
+
+    def __init__(self, num_nodes: int, required: str = "(null)") -> None:
+        super().__init__()
+        self.num_nodes, self.required = num_nodes, required
+
+    def __call__(self, argv: Sequence[str], timeout_s: float) -> str:
+        if argv[:3] == ["scontrol", "show", "job"]:
+            self.calls.append(list(argv))
+            return (SHOW_JOB.format(excluded="(null)").replace("ReqNodeList=(null)", f"ReqNodeList={self.required}")
+                    + f"   Partition=debug NumNodes={self.num_nodes} NumCPUs=2\n")
+        if argv[:3] == ["scontrol", "show", "partition"]:
+            return "PartitionName=debug\n   Nodes=node[1-2]\n   State=UP TotalNodes=2\n"
+        if argv[:3] == ["scontrol", "show", "hostnames"]:
+            return {"node[1-2]": "node1\nnode2\n"}.get(argv[3], argv[3] + "\n")
+        return super().__call__(argv, timeout_s)
+
+
+@pytest.mark.parametrize(("num_nodes", "required", "node", "why"), [
+    (2, "(null)", "node2", "the job needs 2 node(s) and partition debug would have 1 left without it"),
+    (1, "node2", "node2", "the job requires it (ReqNodeList=node2)"),
+    (1, "(null)", "vm", "it is not a node of partition debug")])  # a host name, not Slurm's node name
+def test_an_exclusion_that_cannot_hold_is_a_plain_requeue_said_in_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], num_nodes: int,
+        required: str, node: str, why: str) -> None:
+    gateway = SmallCluster(num_nodes, required)
+    monkeypatch.setattr(slurm, "runner", gateway)
+    assert _run(tmp_path, _hung(tmp_path, ranks=[{**RANKS[0], "node": node}]), "--exclude-hung-node") == 0
+    assert gateway.acts() == [["scontrol", "requeue", "42"]]  # never held, never an impossible ExcNodeList
+    warning = [line for line in capsys.readouterr().out.splitlines() if "warning:" in line]
+    assert len(warning) == 1 and f"node {node} not excluded: {why}" in warning[0] and "HINT:" in warning[0], warning
+
+
+def test_an_exclusion_that_leaves_enough_nodes_is_made(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gateway = SmallCluster(1)
+    monkeypatch.setattr(slurm, "runner", gateway)
+    assert _run(tmp_path, _hung(tmp_path, ranks=RANKS[:1]), "--exclude-hung-node") == 0
+    assert ["scontrol", "update", "JobId=42", "ExcNodeList=node2"] in gateway.acts()
+
+
+@pytest.mark.parametrize("node", [None, "node2 ExcNodeList=node1", "node[1-2]", "", 7])
+def test_exclude_hung_node_with_no_usable_node_requeues_and_says_none_was_excluded(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], node: object) -> None:
+    gateway = Gateway()
+    monkeypatch.setattr(slurm, "runner", gateway)
+    report = {**RANKS[0], "node": node}
+    assert _run(tmp_path, _hung(tmp_path, ranks=[report]), "--exclude-hung-node") == 0
+    assert gateway.acts() == [["scontrol", "requeue", "42"]]  # never an ExcNodeList built from the record's words
+    out = capsys.readouterr().out
+    assert "policy: requeue" in out and "no node excluded: the stop record names no node usable" in out, out
+
+
+@pytest.mark.parametrize(("stored", "requeued"), [(-3, True), ("x", True), (True, True), ([1], True), (1, False)])
+def test_a_hand_edited_hang_count_never_widens_the_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         stored: object, requeued: bool) -> None:
+    """A count that is no count reads as 0 spent: one retry (the default budget), never -3's four."""
+    gateway = Gateway()
+    monkeypatch.setattr(slurm, "runner", gateway)
+    progress.write(tmp_path, {"job_id": "42", "hang_retries": {"42": stored}})
+    assert _run(tmp_path, _hung(tmp_path, ranks=RANKS)) == (0 if requeued else 87)
+    assert progress.hang_retries(progress.read(tmp_path), "42") == 1
+    if requeued:  # the one retry spent: the next hang is not requeued
+        assert _run(tmp_path, _hung(tmp_path, restart=1, ranks=RANKS)) == 87
+    assert gateway.acts() == ([["scontrol", "requeue", "42"]] if requeued else [])

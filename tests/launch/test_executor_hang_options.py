@@ -30,3 +30,9 @@ def test_hang_options_reach_after_step_and_defaults_leave_the_line_alone(tmp_pat
 def test_a_bad_hang_budget_is_refused_in_one_line(tmp_path: Path, value: object) -> None:
     with pytest.raises(JitExecutorError, match=r"retry_on_hang=.*HINT: e.g. retry_on_hang=4"):
         _after_step_line(tmp_path, retry_on_hang=value)
+
+
+@pytest.mark.parametrize("value", ["no", "false", 0, 1, None])
+def test_exclude_hung_node_other_than_true_or_false_is_refused_in_one_line(tmp_path: Path, value: object) -> None:
+    with pytest.raises(JitExecutorError, match=r"exclude_hung_node=.*: True or False\. HINT: "):
+        _after_step_line(tmp_path, exclude_hung_node=value)

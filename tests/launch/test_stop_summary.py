@@ -40,3 +40,23 @@ def test_hang_and_lost_peer_records_read_as_one_phrase(record: dict[str, Any] | 
     assert stop_summary.phrase(record) == words
     found = stop_summary.stuck(record)
     assert (found.node if found else None) == node
+
+
+WAITING = {"state": "hung", "step": 9, "ranks": [  # rank 0 waits in the collective; rank 1 wrote no report
+    {"rank": 0, "node": "n1", "step": 9, "phase": "step", "since_s": 301.0,
+     "frame": "distributed_c10d.py:2501 in all_reduce"}], "unreported": [{"rank": 1, "node": "n2"}]}
+
+
+@pytest.mark.parametrize(("record", "words", "node"), [
+    (WAITING, "hang at step 9 on rank 1 (node n2), stack in the log", "n2"),  # never the rank that waits for it
+    ({**WAITING, "ranks": []}, "hang at step 9 on rank 1 (node n2), stack in the log", "n2"),
+    ({**WAITING, "ranks": [{**WAITING["ranks"][0], "frame": "train.py:12 in on_step_begin"}]},
+     "hang at step 9 on rank 0 (node n1), stack in the log", "n1"),  # a rank stuck outside a collective is it
+    ({**WAITING, "unreported": [{"rank": "1", "node": "n2"}]}, "hang at step 9 on rank 0 (node n1), stack in the "
+     "log", "n1"),  # a malformed entry is not read
+])
+def test_a_rank_without_a_hang_report_is_the_one_the_waiting_ranks_wait_for(
+        record: dict[str, Any], words: str, node: str) -> None:
+    assert stop_summary.phrase(record) == words
+    found = stop_summary.stuck(record)
+    assert found is not None and found.node == node

@@ -222,3 +222,11 @@ def test_one_claim_sees_jobs_of_the_executor_and_of_the_older_cli(tmp_path: Path
     monkeypatch.setattr(slurm, "runner", lambda argv, timeout_s: (
         f"JobId=5 JobName=a\n   JobState=RUNNING Reason=None\n   Command={path}\n"))
     assert (output_claim.live_job(out) is not None) == in_use
+
+
+def test_a_retry_budget_over_max_requeues_is_said_to_be_bounded_by_it(tmp_path: Path) -> None:
+    proc = cli("--dry-run", "--output-dir", str(tmp_path / "out"), *BASE, "--retry-on-hang", "1000000000",
+               "--max-requeues", "2", *CMD)
+    assert proc.returncode == 0, proc.stderr
+    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("  requeue:")]
+    assert "1000000000 retries" in line and line.endswith("no more than 2 in all"), line

@@ -1,9 +1,10 @@
 """The hang watchdog on 2 real DeepSpeed ranks: a rank blocked in user code ends every rank as ``hung`` within
-hang_timeout + 30 s, stacks in the log; long legitimate phases (a slow first step, a slow save, a long evaluation)
-with a short hang_timeout are never called a hang."""
+hang_timeout + 30 s, stacks in the log; a frozen rank (SIGSTOP) is the one named; long legitimate phases (a slow
+first step, a slow save, a long evaluation) with a short hang_timeout are never called a hang."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
@@ -14,7 +15,7 @@ import jit_helpers
 import pytest
 
 from slurm_jit.checkpoint import protocol
-from slurm_jit.train import stop_record, watchdog
+from slurm_jit.train import stop_record, stop_summary, watchdog
 from slurm_jit.train.save_path import FAULT_SAVE_SLEEP_ENV
 
 pytestmark = pytest.mark.deepspeed
@@ -93,3 +94,26 @@ def test_a_slow_first_step_a_slow_save_and_a_long_evaluation_are_not_a_hang(tmp_
     assert record is not None and record["state"] == "finished", record
     evals = (tmp_path / "out" / "evals-rank0.jsonl").read_text()
     assert '"step": 5' in evals, evals  # the long evaluation ran to its end
+
+
+def test_a_frozen_rank_is_the_one_named_not_the_rank_waiting_for_it(tmp_path: Path) -> None:
+    """Rank 1 SIGSTOPped mid-step (a node gone whole, a process stuck in the kernel: no socket closed, no report):
+    rank 0's watchdog ends it in the step's collective; the record lists rank 1 as unreported and names it (it
+    named rank 0, the one waiting, and --exclude-hung-node would have excluded rank 0's healthy node)."""
+    out = tmp_path / "out"
+    ranks = jit_helpers.start_ranks(out, ["--max-steps", "400", "--save-steps", "2", "--step-sleep", "1",
+                                          "--hang-timeout", str(HANG_TIMEOUT_S)])
+    jit_helpers.wait_for_steps(ranks, out, 5)  # in step 6 now: no save until it ends
+    time.sleep(0.3)
+    ranks.signal(1, signal.SIGSTOP)
+    deadline = time.monotonic() + EXIT_WITHIN_S + 30
+    while ranks.procs[0].poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    codes = ranks.wait(0.1)  # SIGKILLs the stopped rank
+    assert codes[0] == watchdog.HUNG_EXIT_CODE, (codes, ranks.log(0)[-3000:])
+    record = stop_record.read(out)
+    assert record is not None and record["state"] == "hung", record
+    assert [r["rank"] for r in record["ranks"]] == [0] and record["unreported"][0]["rank"] == 1, record
+    node = record["unreported"][0]["node"]
+    assert stop_summary.phrase(record) == (f"hang at step {record['step']} on rank 1 (node {node}), stack "
+                                             "in the log"), record

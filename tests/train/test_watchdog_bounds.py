@@ -121,3 +121,42 @@ def test_a_hang_after_steps_within_the_bound_points_at_the_frame(capfd: pytest.C
         dog.stop()
     err = capfd.readouterr().err
     assert "HINT: the frame that waits is where it hangs" in err and "shorter than a step" not in err, err
+
+
+def test_rank0_waits_for_a_peer_whose_thread_wakes_up_to_one_interval_later(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ranks fed at the same boundary see the same deadline, but each thread wakes on its own clock: the peer
+    may fire a whole poll interval after rank 0. Rank 0's wait for its report must cover that (it did not: with
+    auto bounds, a 5 s interval against a 3 s wait, the stuck rank's report was missing from the record)."""
+    monkeypatch.setattr(watchdog, "PEER_REPORT_WAIT_S", 0.5)  # the fixed wait, cut below a 2 s interval
+    fired: dict[int, float] = {}
+
+    def rank(number: int) -> watchdog.Watchdog:
+        return watchdog.Watchdog(8.0, number, on_hang=lambda hang: fired.setdefault(number, time.monotonic()),
+                                 exit_fn=lambda code: None)  # 8 s bound: the threads wake every 2 s
+
+    first = rank(0)
+    first.start(0)  # wakes at 2, 4, ... 10 s
+    time.sleep(1.0)
+    second = rank(1)
+    second.start(0)  # wakes at 3, 5, ... 9, 11 s
+    time.sleep(0.5)
+    first.feed("step", 1)
+    second.feed("step", 1)  # the same boundary on both ranks: the deadline is 9.5 s
+    deadline = time.monotonic() + 20
+    while len(fired) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    first.stop()
+    second.stop()
+    assert len(fired) == 2, fired
+    lag_s = fired[1] - fired[0]  # rank 0 at 10 s, the peer at 11 s
+    assert watchdog.PEER_REPORT_WAIT_S < lag_s < first.report_wait_s(), (lag_s, first.report_wait_s())
+
+
+def test_a_record_of_many_hung_ranks_prints_one_short_line(tmp_path: Path) -> None:
+    ranks = [{"rank": r, "step": 7, "phase": "step", "since_s": 31.0, "node": f"n{r}", "frame": "comm.py:9 in wait"}
+             for r in range(1024)]
+    stop_record.write(tmp_path, "hung", step=7, ranks=ranks, unreported=[{"rank": 1024, "node": "n1024"}])
+    cli = subprocess.run([sys.executable, "-m", "slurm_jit.stop_record", str(tmp_path)], capture_output=True,
+                         text=True, check=False)
+    assert cli.returncode == stop_record.EXIT_HUNG and len(cli.stdout.splitlines()) == 1, cli.stdout[:300]
+    assert len(cli.stdout) < 1000 and "; 1017 more in stop.json; stacks in the job log" in cli.stdout, cli.stdout

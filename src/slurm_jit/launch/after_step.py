@@ -185,8 +185,7 @@ def _requeue(job_id: str, exclude_node: str | None) -> str | None:
     except slurm.SlurmError as exc:
         return f"requeue failed: {exc}"
     if warning is not None:
-        print(f"slurm-jit: warning: {warning}; requeued all the same. HINT: scontrol update JobId={job_id} "
-              f"ExcNodeList={exclude_node} while it is pending", flush=True)
+        print(f"slurm-jit: warning: {warning}", flush=True)
     return None
 
 

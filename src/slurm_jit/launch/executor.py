@@ -159,6 +159,9 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
                             ("retry_on_hang", retry_on_hang)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise JitExecutorError(f"{name}={value!r}: a whole number, 0 or more. HINT: e.g. {name}=4")
+        if not isinstance(exclude_hung_node, bool):  # bool("no") is True: a string or a number is refused
+            raise JitExecutorError(f"exclude_hung_node={exclude_hung_node!r}: True or False. HINT: "
+                                   "exclude_hung_node=True")
         if signal_lead_s is not None and (not isinstance(signal_lead_s, int) or signal_lead_s < 1):
             raise JitExecutorError(f"signal_lead_s={signal_lead_s!r}: whole seconds, 1 or more. HINT: e.g. 300")
         text = os.fspath(output_dir)
@@ -174,7 +177,7 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
         self.python = shlex.quote(sys.executable) if python is None else python
         self.output_dir = os.path.abspath(text)
         self.max_requeues, self.retry_on_failure, self.quarantine = max_requeues, retry_on_failure, quarantine
-        self.retry_on_hang, self.exclude_hung_node = retry_on_hang, bool(exclude_hung_node)
+        self.retry_on_hang, self.exclude_hung_node = retry_on_hang, exclude_hung_node
         self.step_time_s, self.save_time_s, self.signal_lead_s = step_time_s, save_time_s, signal_lead_s
         self.sbatch_args = tuple(sbatch_args)  # sbatch's command line, before the script (values as argv)
         self._kind = "function"

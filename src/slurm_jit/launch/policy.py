@@ -39,6 +39,9 @@ CAUSE_PEER_LOST = "peer lost"  # a rank ended because a peer died (``failed`` wi
 CAUSE_NODE_FAILURE = "node failure"  # Slurm requeued the job itself (a restart after_step did not make)
 DEFAULT_RETRY_ON_HANG = 1  # issue 20: one requeue after a hang; a second hang in a row is likely the code's
 CAUSE_FINISHED = "finished"
+# --exclude-hung-node asked, but the record names no usable node (none, or not a Slurm node name): said, not silent
+NODE_UNKNOWN = (", no node excluded: the stop record names no node usable in ExcNodeList for the stuck rank (see "
+                "its hang report or lost_peer in the job log)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -185,6 +188,6 @@ def _after_hang(facts: Facts, cause: str) -> Decision:
                                f"{facts.hang_retries} used)")
     node = facts.stuck.node if facts.exclude_hung_node and facts.stuck is not None else None
     start = f"resume from {facts.resume_point}" if facts.resumable else "no complete checkpoint: starts over"
-    excluded = f", excluding node {node}" if node else ""
+    excluded = f", excluding node {node}" if node else (NODE_UNKNOWN if facts.exclude_hung_node else "")
     return Decision(cause=cause, requeue=True, hang_retry=True, exclude_node=node,
                     reason=f"{what}; hang retry {facts.hang_retries + 1} of {facts.retry_on_hang}, {start}{excluded}")

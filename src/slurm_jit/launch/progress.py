@@ -73,9 +73,10 @@ def write(output_dir: str | os.PathLike[str], record: dict[str, Any]) -> None:
 
 
 def failure_retries(record: dict[str, Any], job_id: str, key: str = "failure_retries") -> int:
-    """Requeues already spent on failures by this job id (``key="hang_retries"``: on hangs and lost peers)."""
+    """Requeues already spent on failures by this job id (``key="hang_retries"``: on hangs and lost peers); 0 for
+    a value that is no count (a hand edit: a string, ``true``, a negative number would widen the budget)."""
     value = record.get(key, {}).get(job_id, 0) if isinstance(record.get(key), dict) else 0
-    return value if isinstance(value, int) else 0
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
 def hang_retries(record: dict[str, Any], job_id: str) -> int:

@@ -359,7 +359,9 @@ def plan_lines(launch: Launch, checked: gate.GateResult) -> list[str]:
                "while it is running (never after scancel), the checkpoint passes ckpt-check and the step advanced; "
                f"after a crash: {ex.retry_on_failure} retries; after a hang or a lost peer: {ex.retry_on_hang} "
                f"retries from the newest complete checkpoint"
-               + (", excluding the stuck node" if ex.exclude_hung_node else ""))
+               + (", excluding the stuck node (where the partition has a spare one)" if ex.exclude_hung_node else "")
+               + (f"; every requeue counts against the {ex.max_requeues} above: no more than {ex.max_requeues} "
+                  "in all" if max(ex.retry_on_failure, ex.retry_on_hang) > ex.max_requeues else ""))
     nodes, per_node = ex.parameters["nodes"], ex.parameters["ntasks_per_node"]
     return [
         f"plan: {nodes} node(s) x {per_node} task(s) = {launch.world_size} ranks, one srun task each; "

@@ -208,10 +208,12 @@ def record_hang(trainer: JitTrainer, run: Run, hang: watchdog.Hang) -> None:
     stop_record.write_hang_report(out_dir, hang.rank, dataclasses.asdict(hang))
     if not trainer._is_rank0 or trainer.__dict__.get("_jit_output_lock") is None:
         return
-    deadline = time.monotonic() + watchdog.PEER_REPORT_WAIT_S
+    dog = run.watchdog  # None once the main thread's train() ended meanwhile
+    deadline = time.monotonic() + (dog.report_wait_s() if dog is not None else watchdog.PEER_REPORT_WAIT_S)
     while len(stop_record.hang_reports(out_dir)) < int(trainer.args.world_size) and time.monotonic() < deadline:
         time.sleep(0.1)
     ranks = stop_record.hang_reports(out_dir)
+    unreported = _unreported(trainer, ranks)
     with stop_record.WRITE_LOCK:  # the main thread's jit_stop is written whole, and then said, before this reads
         if run.stop_recorded:  # the stop checkpoint is complete: still a JIT stop (requeue), the hang after it
             stop_record.write(out_dir, "jit_stop", step=trainer.state.global_step, checkpoint=run.checkpoint,
@@ -219,10 +221,21 @@ def record_hang(trainer: JitTrainer, run: Run, hang: watchdog.Hang) -> None:
                               error_after_stop=f"hung in '{hang.phase}' at {hang.frame} (exit "
                                                f"{watchdog.HUNG_EXIT_CODE})")
         else:
-            stop_record.write(out_dir, "hung", step=hang.step, ranks=ranks, checkpoint=None,
+            stop_record.write(out_dir, "hung", step=hang.step, ranks=ranks, unreported=unreported, checkpoint=None,
                               resumed_from=run.resumed_from)
     if not run.stop_recorded:  # the trackers say which rank hung (a JIT stop's summary was already logged)
-        trackers.log_hang_to_trackers(trainer, {"state": "hung", "step": hang.step, "ranks": ranks})
+        trackers.log_hang_to_trackers(trainer, {"state": "hung", "step": hang.step, "ranks": ranks,
+                                                "unreported": unreported})
+
+
+def _unreported(trainer: JitTrainer, reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ranks without a hang report when rank 0 writes ``hung``, with their nodes (the side group gathered
+    them): a rank whose process or node is gone never reports, and it is the one the others wait for."""
+    world = int(trainer.args.world_size)
+    agreement = trainer._jit_agreement
+    nodes = list(agreement.nodes) if agreement is not None and len(agreement.nodes) == world else [None] * world
+    seen = {report.get("rank") for report in reports}
+    return [{"rank": rank, "node": nodes[rank]} for rank in range(world) if rank not in seen]
 
 
 def record_stop(trainer: JitTrainer) -> None:

@@ -8,8 +8,10 @@
 - ``failed``: ``train()`` raised; ``error`` says what. When a peer rank was lost (its process ended mid-collective),
   ``lost_peer`` names it: ``{"rank", "step", "node", "how"}`` (:mod:`slurm_jit.train.lost_peers`).
 - ``hung``: a rank's hang watchdog (:mod:`slurm_jit.train.watchdog`) ended it; ``ranks`` holds each hung rank's
-  report (rank, node, step, phase, seconds since its last boundary, the frame its main thread waited in), the
-  stacks are in the job log. The newest complete checkpoint is the one to resume.
+  report (rank, node, step, phase, seconds since its last boundary, the frame its main thread waited in),
+  ``unreported`` each rank without one when the record was written (``{"rank", "node"}``: its process or node
+  gone, or the rank the others wait for), the stacks are in the job log. The newest complete checkpoint is the
+  one to resume.
 
 ``python -m slurm_jit.stop_record OUT_DIR`` prints the state and exits 0 (finished), 10 (jit_stop: requeue),
 11 (hung), 1 (running or failed: a crash) or 2 (no record, or unreadable). The launchers' requeue loop uses this.
@@ -197,7 +199,14 @@ def _hang_detail(record: dict[str, Any]) -> str:
         return ""
     said = [f"rank {r.get('rank')} (node {r.get('node')}) {r.get('since_s')} s in '{r.get('phase')}' at "
             f"{r.get('frame')}" for r in ranks if isinstance(r, dict)]
-    return "hang: " + "; ".join(said) + "; stacks in the job log"
+    silent = record.get("unreported")
+    said += [f"no report from rank {r.get('rank')} (node {r.get('node')})" for r in
+             (silent if isinstance(silent, list) else []) if isinstance(r, dict)]
+    more = f"; {len(said) - DETAIL_RANKS} more in {STOP_RECORD_NAME}" if len(said) > DETAIL_RANKS else ""
+    return "hang: " + "; ".join(said[:DETAIL_RANKS]) + more + "; stacks in the job log"
+
+
+DETAIL_RANKS = 8  # one line, also for 512 hung ranks: the first ones, then how many more the record holds
 
 
 if __name__ == "__main__":

@@ -66,13 +66,28 @@ def _blame_order(report: dict[str, Any]) -> tuple[bool, float, int]:
             rank if rank is not None else 1 << 30)
 
 
+def _unreported(record: dict[str, Any]) -> StuckRank | None:
+    """The lowest rank the record lists under ``unreported`` (no hang report when rank 0 wrote it: its process or
+    node gone, or its own watchdog not yet fired), at the record's step; None when it lists none."""
+    listed = record.get("unreported")
+    found = sorted(((_int_or_none(r.get("rank")), r) for r in listed if isinstance(r, dict)) if isinstance(
+        listed, list) else [], key=lambda pair: (pair[0] is None, pair[0] or 0))
+    if not found or found[0][0] is None:
+        return None
+    return StuckRank(rank=found[0][0], node=_node(found[0][1].get("node")), step=_int_or_none(record.get("step")))
+
+
 def hung_rank(record: dict[str, Any] | None) -> StuckRank | None:
-    """The stuck rank of a ``hung`` record (see :func:`_blame_order`); a ``hung`` record without reports gives a
-    rank of None at the record's step. None for any other record."""
+    """The stuck rank of a ``hung`` record (see :func:`_blame_order`); when every report waits in a collective, a
+    rank without a report is the one they wait for (:func:`_unreported`); a ``hung`` record without reports gives
+    a rank of None at the record's step. None for any other record."""
     if not record or record.get("state") != "hung":
         return None
     listed = record.get("ranks")
     ranks = sorted((r for r in listed if isinstance(r, dict)), key=_blame_order) if isinstance(listed, list) else []
+    silent = _unreported(record)
+    if silent is not None and (not ranks or _in_collective(ranks[0])):
+        return silent
     if not ranks:
         return StuckRank(rank=None, node=None, step=_int_or_none(record.get("step")))
     first = ranks[0]

@@ -46,7 +46,13 @@ LONG_PHASES = frozenset({"first step", "save", "end of training", "metrics"})  #
 POLL_MAX_S = 5.0  # the thread wakes at most this far apart: a hang is seen within bound + 5 s
 POLL_FRACTION = 4  # ... and four times per bound for short test bounds
 HUNG_EXIT_CODE = 87  # the process exit code of a rank the watchdog ended (not a signal's 128+N, not 1 or 2)
-PEER_REPORT_WAIT_S = 3.0  # rank 0 waits this long for the other ranks' hang reports before writing the record
+# Rank 0 waits this long for the other ranks' hang reports before writing the record, past one poll interval of
+# theirs (:meth:`Watchdog.report_wait_s`): fed at the same boundary, a peer's thread may wake a whole interval later
+PEER_REPORT_WAIT_S = 3.0
+# The longest a firing thread takes before its exit: the report wait (a poll interval and PEER_REPORT_WAIT_S), the
+# trackers' TRACKER_WAIT_S (5 s, train/trackers.py), a second for the writes. A train() that ends meanwhile (its
+# collective failed as the peer exited) waits this long for it: the process must not exit before the record
+FIRING_MAX_S = POLL_MAX_S + PEER_REPORT_WAIT_S + 5.0 + 1.0
 
 
 def bound_s(hang_timeout_s: float | str, longest_step_s: float, steps_done: int) -> float:
@@ -134,10 +140,15 @@ class Watchdog:
         now = time.monotonic()
         self._last = (now, now + bound, phase, step)
 
+    def report_wait_s(self) -> float:
+        """How long rank 0 waits for the other ranks' hang reports: their threads, fed at the same boundary, see
+        the same deadline up to one poll interval later, then write within :data:`PEER_REPORT_WAIT_S`."""
+        return self._poll_s + PEER_REPORT_WAIT_S
+
     def stop(self) -> None:
         self._stopped.set()
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=POLL_MAX_S + 1)
+            self._thread.join(timeout=FIRING_MAX_S)  # a thread firing now writes the record first, then exits
 
     def _watch(self) -> None:
         while not self._stopped.wait(self._poll_s):
