@@ -372,10 +372,13 @@ def _write_final_state(out_dir: str, trainer: Any) -> None:
     uninterrupted one."""
     import hashlib
 
+    import torch
+
     digest = hashlib.sha256()
     for name, param in sorted(trainer.model.named_parameters()):
         digest.update(name.encode())
-        digest.update(param.detach().cpu().contiguous().numpy().tobytes())
+        # as bytes: numpy has no bfloat16 (a --targ bf16=true run's weights)
+        digest.update(param.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     best = trainer.state.best_model_checkpoint
     state = {"global_step": trainer.state.global_step, "best_metric": trainer.state.best_metric,
              "best_model_checkpoint": os.path.basename(best) if best else None, "weights_sha256": digest.hexdigest()}

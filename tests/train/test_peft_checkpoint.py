@@ -265,3 +265,45 @@ def test_resume_with_another_base_model_is_refused_in_one_line_before_any_step(
                and "first: 'base_model.model." in line and "HINT:" in line for line in refusals), refusals
     assert losses(out) == steps_before
     assert _files_of(ckpt) == before
+
+
+# ---------------------------------------------------------------- a checkpoint edited after the save
+
+
+def _put_adapters_back(ckpt: Path, step: int) -> int:
+    """Each placeholder of the model-states file replaced by a real tensor of the adapter's shape (zeros), the file
+    rewritten and the checkpoint resealed (ckpt-check's command: its owner changed it on purpose); how many."""
+    import subprocess
+    import sys
+
+    import torch
+
+    path = ckpt / f"global_step{step}" / "mp_rank_00_model_states.pt"
+    states = torch.load(path, map_location="cpu", weights_only=False)
+    shapes = {name: tuple(shape) for group in states["param_shapes"] for name, shape in group.items()}
+    module = states["module"]
+    for name in module:
+        module[name] = torch.zeros(shapes[name], dtype=module[name].dtype)
+    torch.save(states, path)
+    reseal = subprocess.run([sys.executable, "-m", "slurm_jit.launch.ckpt_check_command", "--reseal", str(ckpt)],
+                            capture_output=True, text=True, check=False)
+    assert reseal.returncode == 0, reseal.stdout + reseal.stderr
+    return len(module)
+
+
+@pytest.mark.deepspeed
+def test_adapters_put_back_into_a_resealed_lora_jit_checkpoint_are_ignored_and_rebuilt_from_the_fp32_master(
+        stopped: Stopped, tmp_path_factory: pytest.TempPathFactory,
+        reference_losses: Callable[..., list[tuple[int, float]]]) -> None:
+    """Real tensors (zeros) where the placeholders were, the checkpoint resealed (its manifest still says the
+    adapters are only in the fp32 master): the resume rebuilds every adapter from the master, bitwise the
+    uninterrupted run, and warns that the file's copy was ignored. Before: no rebuild, the first resumed step ran on
+    the edited adapters (step 7: loss 4.733044 vs 4.732936), silently."""
+    out = tmp_path_factory.mktemp("peft-edited") / "out"
+    shutil.copytree(stopped.out, out, symlinks=True)
+    edited = _put_adapters_back(out / stopped.ckpt.name, stopped.step)
+    result = run_logged(out, [*ARGS, "--resume"])
+    assert result.codes == [0, 0], result.log[-4000:]
+    assert_same_losses(losses(out), reference_losses(ARGS))
+    warned = [line for line in result.log.splitlines() if f"its module file holds {edited} of them" in line]
+    assert len(warned) == 2 and "rebuilt from the fp32 master" in warned[0], result.log[-3000:]

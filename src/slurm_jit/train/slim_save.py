@@ -222,12 +222,16 @@ def _is_slim(checkpoint_path: str) -> bool:
 def load_slim(engine: Any, checkpoint_path: str, load_module_strict: bool = True) -> None:
     """DeepSpeed's ``load_checkpoint`` with a module load of our own: the weights the ZeRO-1/2 optimizer holds that
     the saved module leaves out (a slim JIT save: the file says so, whatever the manifest says) are rebuilt from the
-    fp32 master partitions it restored. Raises JitRefusal (one line) when the saved module lacks a key the optimizer
-    does not hold (another model), or the engine cannot rebuild the left-out ones."""
+    fp32 master partitions it restored; all of them when the manifest says master-only, whatever the file holds (a
+    weight put back into it by hand would otherwise run the first step, the master the rest). Raises JitRefusal
+    (one line) when the saved module lacks a key the optimizer does not hold (another model), or the engine cannot
+    rebuild the left-out ones."""
     if not slim_capable(engine):
         raise JitRefusal(_unrebuildable(checkpoint_path))
     names = held_names(engine)
+    master_only = _is_slim(checkpoint_path)
     left_out: list[str] = []
+    from_file: list[str] = []  # held weights the saved module holds (a full save's, or one put back by hand)
 
     def load_module(src: dict[str, Any], dst: Any) -> None:
         misfit = _module_misfit(src, dst.state_dict(), names, load_module_strict)
@@ -236,20 +240,30 @@ def load_slim(engine: Any, checkpoint_path: str, load_module_strict: bool = True
                              "HINT: resume with the model the checkpoint was written with (a PEFT model: the same "
                              "adapter config, its rank and target modules)")
         # a placeholder of a held weight (a PEFT JIT save) is a left-out one: rebuilt from the fp32 master below
-        result = dst.load_state_dict({k: t for k, t in src.items() if not (k in names and is_placeholder(t))},
-                                     strict=False)
-        left_out[:] = sorted(set(result.missing_keys) & names)
-        if left_out and not engine.zero_load_from_fp32_weights():  # before the shards: nothing loaded from them
+        kept = {k: t for k, t in src.items() if not (k in names and is_placeholder(t))}
+        left_out[:] = sorted(set(dst.load_state_dict(kept, strict=False).missing_keys) & names)
+        from_file[:] = sorted(names & set(kept))
+        if (left_out or master_only) and not engine.zero_load_from_fp32_weights():  # before the shards
             raise JitRefusal(_unrebuildable(checkpoint_path))
 
     load_path, _ = engine.load_checkpoint(checkpoint_path, load_module_strict=False, load_optimizer_states=True,
                                           load_lr_scheduler_states=True, custom_load_fn=load_module)
     if load_path is None:
         raise ValueError(f"[deepspeed] failed to resume from checkpoint {checkpoint_path}")
-    if left_out:
-        engine.optimizer.update_lp_params()  # the end of an optimizer step: fp32 partitions -> module weights
-        logger.info("slurm_jit: %s: %d module weights rebuilt from the fp32 master partitions (slim JIT save)",
-                    checkpoint_path, len(left_out))
+    if left_out or master_only:
+        _rebuild(engine, checkpoint_path, len(left_out), from_file if master_only else [])
+
+
+def _rebuild(engine: Any, checkpoint_path: str, left_out: int, ignored: list[str]) -> None:
+    """The module weights from the fp32 master partitions; ``ignored``: held weights the file of a master-only
+    checkpoint holds after all (edited by hand), whose copy the rebuild overwrites (a warning names the first)."""
+    engine.optimizer.update_lp_params()  # the end of an optimizer step: fp32 partitions -> module weights
+    if ignored:
+        logger.warning("slurm_jit: %s: its manifest says the trained weights are only in the fp32 master partitions, "
+                       "and its module file holds %d of them (edited after the save?), first '%s': ignored, every "
+                       "one rebuilt from the fp32 master as saved", checkpoint_path, len(ignored), ignored[0])
+    logger.info("slurm_jit: %s: %d module weights rebuilt from the fp32 master partitions (slim JIT save)",
+                checkpoint_path, left_out + len(ignored))
 
 
 def _module_misfit(saved: dict[str, Any], built: dict[str, Any], held: set[str], strict: bool) -> str | None:
