@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 SUBMIT = Path(__file__).resolve().parents[2] / "launch" / "submit.py"
@@ -31,3 +32,14 @@ def job_log(out: Path, job_id: str) -> str:
     """Task 0's log (``OUT/slurm-<id>.out``), all runs of the job; empty before it exists."""
     path = out / f"slurm-{job_id}.out"
     return path.read_text(errors="replace") if path.exists() else ""
+
+
+def until(check: Callable[[], object], timeout_s: float, poll_s: float) -> object:
+    """``check()``'s first true value within ``timeout_s`` (polled every ``poll_s``), else None."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(poll_s)
+    return None

@@ -15,11 +15,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from jit_helpers import ckpt_check, losses, run_to_end
+from submit_jobs import until
 
 from slurm_jit import slurm
 from slurm_jit.train import stop_record
@@ -49,12 +49,9 @@ def _log(out: Path, job_id: str) -> str:
 
 
 def _until(what: str, check, out: Path, job_id: str):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + JOB_DEADLINE_S
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(POLL_S)
+    value = until(check, JOB_DEADLINE_S, POLL_S)
+    if value:
+        return value
     raise AssertionError(f"job {job_id}: {what} not within {JOB_DEADLINE_S} s; "
                          f"{slurm.show_job(job_id).get('JobState')}\n{_log(out, job_id)[-3000:]}")
 

@@ -9,10 +9,10 @@ hang on real ranks is tests/train/test_hang_watchdog.py; what this checks is the
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from submit_jobs import until
 
 from slurm_jit import slurm
 from slurm_jit.launch import progress
@@ -56,12 +56,9 @@ exec {sys.executable} -m slurm_jit.launch.after_step {out} --srun-exit "$srun_ex
 
 
 def _until(what: str, check, log: Path):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + JOB_DEADLINE_S
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(POLL_S)
+    value = until(check, JOB_DEADLINE_S, POLL_S)
+    if value:
+        return value
     raise AssertionError(f"{what} not within {JOB_DEADLINE_S} s\n{log.read_text() if log.exists() else ''}")
 
 
