@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 import traceback
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from slurm_jit.train import stop_record
+from slurm_jit.train import stop_record, watchdog
 from slurm_jit.train.save_errors import PEER_GONE_WORDS, gloo_words
 
 if TYPE_CHECKING:
@@ -34,8 +33,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # The survivors' reports come within a second of each other (each sees the error within a collective); a rank that
-# has not reported after this long is taken as lost. The hang watchdog's PEER_REPORT_WAIT_S, for the same reason.
-REPORT_WAIT_S = 3.0
+# has not reported after this long is taken as lost: the hang watchdog's wait for its peers' reports, the same reason
+REPORT_WAIT_S = watchdog.PEER_REPORT_WAIT_S
 HOW_CHARS = 200  # "how" is one line of the stop record and of `stop_record`'s output
 # What a record already says that a lost peer must not replace: a complete JIT stop's checkpoint (requeue from it),
 # the end of training, a hang (the hung rank's report names it)
@@ -117,11 +116,6 @@ def _nodes(trainer: JitTrainer, world: int) -> list[str | None]:
 
 def _wait_for_reports(out: str, world: int) -> set[int]:
     """The ranks that reported, once all but one have or :data:`REPORT_WAIT_S` has passed."""
-    deadline = time.monotonic() + REPORT_WAIT_S
-    while True:
-        reporters = {int(r["rank"]) for r in stop_record.reports(out, stop_record.PEER_LOST_GLOB)
-                     if isinstance(r.get("rank"), int)}
-        if len(reporters) >= world - 1 or time.monotonic() >= deadline:
-            return reporters
-        time.sleep(0.1)
+    found = stop_record.wait_for_reports(out, stop_record.PEER_LOST_GLOB, world - 1, REPORT_WAIT_S)
+    return {int(r["rank"]) for r in found if isinstance(r.get("rank"), int)}
 

@@ -209,10 +209,8 @@ def record_hang(trainer: JitTrainer, run: Run, hang: watchdog.Hang) -> None:
     if not trainer._is_rank0 or trainer.__dict__.get("_jit_output_lock") is None:
         return
     dog = run.watchdog  # None once the main thread's train() ended meanwhile
-    deadline = time.monotonic() + (dog.report_wait_s() if dog is not None else watchdog.PEER_REPORT_WAIT_S)
-    while len(stop_record.hang_reports(out_dir)) < int(trainer.args.world_size) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    ranks = stop_record.hang_reports(out_dir)
+    wait_s = dog.report_wait_s() if dog is not None else watchdog.PEER_REPORT_WAIT_S
+    ranks = stop_record.wait_for_reports(out_dir, stop_record.HANG_REPORT_GLOB, int(trainer.args.world_size), wait_s)
     unreported = _unreported(trainer, ranks)
     with stop_record.WRITE_LOCK:  # the main thread's jit_stop is written whole, and then said, before this reads
         if run.stop_recorded:  # the stop checkpoint is complete: still a JIT stop (requeue), the hang after it

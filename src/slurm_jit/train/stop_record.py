@@ -45,6 +45,7 @@ EXIT_BY_STATE = {"finished": EXIT_FINISHED, "jit_stop": EXIT_REQUEUE, "running":
                  "failed": EXIT_CRASHED, "hung": EXIT_HUNG}
 HANG_REPORT_GLOB = "hang-rank*.json"  # one per rank whose watchdog fired, beside the stop record
 PEER_LOST_GLOB = "peer-lost-rank*.json"  # one per rank that saw a peer gone (train/lost_peers.py)
+REPORT_POLL_S = 0.1  # how often a rank waiting for the others' reports looks
 # The watchdog's thread writes ``hung`` while the main thread may be writing ``jit_stop``: both use one temporary
 # file, so one write at a time (re-entrant: a caller holds it across its decision and its write)
 WRITE_LOCK = threading.RLock()
@@ -102,6 +103,16 @@ def reports(output_dir: str | os.PathLike[str], glob: str) -> list[dict[str, Any
                 found.append(report)
     return sorted(found, key=lambda r: int(r.get("rank", 0)))
 
+
+
+def wait_for_reports(output_dir: str | os.PathLike[str], glob: str, count: int, wait_s: float) -> list[dict[str, Any]]:
+    """Every rank's report of one kind (``glob``), once ``count`` of them are there or ``wait_s`` has passed."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = reports(output_dir, glob)
+        if len(found) >= count or time.monotonic() >= deadline:
+            return found
+        time.sleep(REPORT_POLL_S)
 
 class StopRecordError(CheckpointWriteError, OSError):
     """The stop record could not be written (disk full, quota, read-only); one line with a HINT. The record before
