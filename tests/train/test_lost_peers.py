@@ -40,11 +40,13 @@ class LostRun:
     log: str  # rank 0's
 
 
-def _wait_rank0(ranks: local_ranks.Ranks, t0: float) -> float:
+def _rank0_ended(out: Path, ranks: local_ranks.Ranks, t0: float, others_s: float = 0.1) -> LostRun:
+    """Once rank 0 exited (seconds after ``t0``), the other ranks given ``others_s`` more."""
     deadline = t0 + STALLED_S + EXIT_WITHIN_S + 60  # past the bound only to tell "late" from "never"
     while ranks.procs[0].poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    return time.monotonic() - t0
+    exit_s = time.monotonic() - t0
+    return LostRun(out=out, codes=ranks.wait(others_s), exit_s=exit_s, log=ranks.log(0))
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +59,7 @@ def killed_then_term(tmp_path_factory: pytest.TempPathFactory) -> LostRun:
     ranks.signal(1, signal.SIGKILL)
     time.sleep(1.0)
     ranks.signal(0, signal.SIGTERM)
-    exit_s = _wait_rank0(ranks, t0)
-    codes = ranks.wait(0.1)
-    return LostRun(out=out, codes=codes, exit_s=exit_s, log=ranks.log(0))
+    return _rank0_ended(out, ranks, t0)
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +76,7 @@ def killed_in_jit_save(tmp_path_factory: pytest.TempPathFactory) -> LostRun:
                          timeout_s=60, poll_s=0.01)
     t0 = time.monotonic()
     ranks.signal(1, signal.SIGKILL)
-    exit_s = _wait_rank0(ranks, t0)
-    codes = ranks.wait(0.1)
-    return LostRun(out=out, codes=codes, exit_s=exit_s, log=ranks.log(0))
+    return _rank0_ended(out, ranks, t0)
 
 
 @pytest.fixture(scope="module")
@@ -91,9 +89,7 @@ def stalled_past_side_group_timeout(tmp_path_factory: pytest.TempPathFactory) ->
                                           "--stall-rank", "1", "--stall-s", str(STALLED_S)])
     jit_helpers.wait_for_steps(ranks, out, 4)
     t0 = time.monotonic()  # step 5 (where rank 1 stalls) is milliseconds from here
-    exit_s = _wait_rank0(ranks, t0)
-    codes = ranks.wait(STALLED_S + EXIT_WITHIN_S)
-    return LostRun(out=out, codes=codes, exit_s=exit_s, log=ranks.log(0))
+    return _rank0_ended(out, ranks, t0, others_s=STALLED_S + EXIT_WITHIN_S)
 
 
 def _assert_failed_naming_rank1(run: LostRun) -> dict:
