@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import unprivileged
 from ckpt_factory import write_evil_pt
 from jit_helpers import flip_middle_byte
 from transformers.trainer_utils import get_last_checkpoint
@@ -23,7 +24,6 @@ from slurm_jit.checkpoint import protocol
 from slurm_jit.checkpoint.protocol import MANIFEST_NAME, SENTINEL_NAME
 
 CLI_TIMEOUT_S = 60  # a hang detector: the check reads a few MB and takes well under a second
-NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
 OPTIM_1 = "global_step6/zero_pp_rank_1_mp_rank_00_optim_states.pt"
 CD_SIGNATURE = b"PK\x01\x02"  # a zip central directory file header
 CD_EXTRACT_VERSION_OFFSET = 6  # its "version needed to extract" byte
@@ -109,11 +109,7 @@ def world_traversable_tmp() -> Iterator[Path]:
 
 
 def unprivileged_prefix() -> list[str]:
-    if os.geteuid() != 0:
-        return []  # permissions already apply to us
-    if shutil.which("setpriv") is None:
-        pytest.skip("setpriv absent: cannot drop root to test permission denied")
-    return NOBODY
+    return unprivileged.prefix()
 
 
 # ---------------------------------------------------------------- no checkpoint, strays, usage errors

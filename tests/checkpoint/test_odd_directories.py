@@ -17,6 +17,7 @@ from pathlib import Path
 
 import ckpt_factory
 import pytest
+import unprivileged
 from ckpt_factory import run_ckpt_check
 
 from slurm_jit.checkpoint import ckpt_check, protocol, structure
@@ -312,9 +313,7 @@ def test_an_out_dir_that_cannot_be_reached_is_an_error_not_a_fresh_start(tmp_pat
     try:
         ckpt_factory.checkpoint(private / "out", 5)
         private.chmod(0o700)
-        prefix = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if os.geteuid() == 0 else []
-        if prefix and shutil.which("setpriv") is None:
-            pytest.skip("setpriv absent: cannot drop root to test permission denied")
+        prefix = unprivileged.prefix()
         code = ("import sys; from slurm_jit.checkpoint import protocol\n"
                 "try:\n    protocol.find_resumable(sys.argv[1])\nexcept PermissionError:\n    sys.exit(7)\n")
         proc = subprocess.run([*prefix, sys.executable, "-c", code, str(private / "out")], capture_output=True,
