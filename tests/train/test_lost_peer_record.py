@@ -52,6 +52,21 @@ def test_the_ranks_without_a_report_are_the_lost_ones() -> None:
     assert lost_peers.lost_ranks(2, {1}) == [0]
 
 
+def test_when_every_rank_reported_the_late_one_is_named_not_the_one_that_timed_out() -> None:
+    # overlapped stop rounds: rank 1 was late past the side group's timeout, both ranks fail at the next boundary,
+    # rank 0 with gloo's timeout, rank 1 on rank 0's closed side; whichever rank writes, rank 1 is named
+    reports = {0: "wait: Timed out waiting 5000ms for recv", 1: "wait: Connection closed by peer [127.0.0.1]:1"}
+    assert lost_peers.named_ranks(2, reports, writer=0) == [1]
+    assert lost_peers.named_ranks(2, {0: "Timed out", 1: "Timed out"}, writer=0) == [1]  # no telling: the other one
+    assert lost_peers.named_ranks(3, {0: "Timed out", 2: "Connection reset by peer"}, writer=0) == [1]  # no report
+
+
+@pytest.fixture(autouse=True)
+def _short_report_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A survivor waits for every rank's report; the peers these tests leave out never write one."""
+    monkeypatch.setattr(lost_peers, "REPORT_WAIT_S", 0.2)
+
+
 def _survivor(out: Path, rank: int, world: int = 2, step: int = 6) -> SimpleNamespace:
     """The trainer's fields ``lost_peers.record`` reads, for a survivor of a ``world``-rank run."""
     return SimpleNamespace(args=SimpleNamespace(output_dir=str(out), process_index=rank, world_size=world),
@@ -94,6 +109,15 @@ def test_an_earlier_run_s_peer_lost_reports_are_cleared_with_its_hang_reports(tm
     stop_record.write_report(stop_record.peer_lost_report_path(tmp_path, 0), {"rank": 0})
     stop_record.clear_hang_reports(tmp_path)
     assert stop_record.reports(tmp_path, stop_record.PEER_LOST_GLOB) == []
+
+
+def test_a_late_rank_finding_its_peer_s_report_leaves_the_record_to_the_lowest_rank(tmp_path: Path) -> None:
+    stop_record.write(tmp_path, "running", step=None)
+    stop_record.write_report(stop_record.peer_lost_report_path(tmp_path, 0),
+                             {"rank": 0, "node": "node0", "step": 6, "how": "wait: Timed out waiting 5000ms"})
+    wrote = lost_peers.record(_survivor(tmp_path, 1), _started_run(), "wait: Connection closed by peer")
+    record = stop_record.read(tmp_path)
+    assert not wrote and record is not None and record["state"] == "running", record
 
 
 def test_a_survivor_before_the_output_dir_s_lock_was_passed_writes_no_record(tmp_path: Path) -> None:

@@ -9,9 +9,14 @@ incomplete, the newest complete checkpoint is still the one ``ckpt-check`` picks
 
 Which rank was lost: the error does not say (gloo names an address). Every survivor writes its report
 ``OUT/slurm-jit/peer-lost-rank<R>.json`` (rank, node, step, how); the survivor with the lowest rank (rank 0 unless
-rank 0 was lost) waits for the other survivors' reports (:data:`REPORT_WAIT_S` at most, no wait once all but one
-rank reported) and writes ``failed`` with ``lost_peer``: the lowest rank without a report. With more than two ranks
-a survivor still blocked when the wait ends is counted among the missing; ``how`` lists every missing rank.
+rank 0 was lost) waits for the other ranks' reports (:data:`REPORT_WAIT_S` at most, no wait once every rank
+reported) and writes ``failed`` with ``lost_peer``: the lowest rank without a report. With more than two ranks a
+survivor still blocked when the wait ends is counted among the missing; ``how`` lists every missing rank.
+
+Every rank reported: no process ended, one was late past a group's timeout. Stop rounds read one step late
+(overlapped) fail on both sides at the next boundary: the ranks that waited for the late one say "Timed out", the
+late one sees its peers' side closed. The record names a rank whose error was not a timeout (else the lowest other
+rank): the same record whichever rank reached it first.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from slurm_jit.train import stop_record, watchdog
-from slurm_jit.train.save_errors import PEER_GONE_WORDS, gloo_words
+from slurm_jit.train.save_errors import PEER_GONE_WORDS, TIMED_OUT, gloo_words
 
 if TYPE_CHECKING:
     from slurm_jit.train.run_state import Run
@@ -74,6 +79,16 @@ def lost_ranks(world_size: int, reporters: set[int]) -> list[int]:
     return [r for r in range(world_size) if r not in reporters]
 
 
+def named_ranks(world_size: int, reports: dict[int, str], writer: int) -> list[int]:
+    """The ranks the record names: those without a report; when every rank reported (one was late, none ended),
+    the first whose error was not a timeout, else the lowest rank but ``writer``."""
+    missing = lost_ranks(world_size, set(reports))
+    if missing:
+        return missing
+    late = [r for r, how in sorted(reports.items()) if r != writer and TIMED_OUT not in how]
+    return late[:1] or [r for r in range(world_size) if r != writer][:1]
+
+
 def record(trainer: JitTrainer, run: Run, how: str) -> bool:
     """This survivor's report; the lowest survivor also writes ``failed`` with ``lost_peer``. True when this rank
     wrote the record."""
@@ -82,12 +97,12 @@ def record(trainer: JitTrainer, run: Run, how: str) -> bool:
     nodes = _nodes(trainer, world)
     stop_record.write_report(stop_record.peer_lost_report_path(out, rank),
                              {"rank": rank, "node": nodes[rank], "step": step, "how": how})
-    reporters = _wait_for_reports(out, world)
-    if rank != min(reporters | {rank}):
+    reports = _wait_for_reports(out, world)
+    if rank != min(set(reports) | {rank}):
         return False
     if rank != 0 and run.timing is None:  # before every rank passed rank 0's lock: the output_dir may be another
         return False  # training's (a rank 0 locked out of it), whose record is not this run's to write
-    missing = lost_ranks(world, reporters) or [r for r in range(world) if r != rank][:1]
+    missing = named_ranks(world, reports, rank)
     lost = missing[0]
     said = how if len(missing) == 1 else f"{how}; no report from ranks {missing}"
     lost_peer = {"rank": lost, "step": step, "node": nodes[lost], "how": said}
@@ -114,8 +129,9 @@ def _nodes(trainer: JitTrainer, world: int) -> list[str | None]:
     return nodes if len(nodes) == world else [None] * world
 
 
-def _wait_for_reports(out: str, world: int) -> set[int]:
-    """The ranks that reported, once all but one have or :data:`REPORT_WAIT_S` has passed."""
-    found = stop_record.wait_for_reports(out, stop_record.PEER_LOST_GLOB, world - 1, REPORT_WAIT_S)
-    return {int(r["rank"]) for r in found if isinstance(r.get("rank"), int)}
+def _wait_for_reports(out: str, world: int) -> dict[int, str]:
+    """Each reporting rank's ``how``, once every rank reported or :data:`REPORT_WAIT_S` has passed (a rank that
+    saw its peer's side closed can see it before the peer's own timeout is raised: not lost, only late)."""
+    found = stop_record.wait_for_reports(out, stop_record.PEER_LOST_GLOB, world, REPORT_WAIT_S)
+    return {int(r["rank"]): str(r.get("how")) for r in found if isinstance(r.get("rank"), int)}
 

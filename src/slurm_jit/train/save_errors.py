@@ -40,8 +40,9 @@ LOW_FREE_BYTES = 1024 * 1024
 # refuses it, as it refused the save's megabytes); the probe file is removed at once.
 PROBE_BYTES = 1024 * 1024
 PROBE_NAME = ".slurm-jit-write-probe"
+TIMED_OUT = "imed out"  # gloo's words for a peer that did not answer within the group's timeout ("Timed out")
 # What torch.distributed says (gloo: a RuntimeError) when a peer ended or stopped answering inside a collective
-PEER_GONE_WORDS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "imed out")
+PEER_GONE_WORDS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", TIMED_OUT)
 _GLOO_PREFIX = re.compile(r"^\[[^\]]*\]\s*")  # "[/__w/pytorch/.../gloo/transport/tcp/pair.cc:537] "
 _GLOO_TAIL = ". This is typically caused"  # gloo's advice that follows the error itself
 
