@@ -65,7 +65,8 @@ def refusal(where: str, written_batch: int, now: int, world_size: int, keep: boo
     if not keep:
         return (f"{head} HINT: keep per_device_train_batch_size x gradient_accumulation_steps x world size at "
                 f"{written_batch}")
-    return f"{head} No integer gradient accumulation keeps it on {world_size} ranks. HINT: {_hint(written_batch, world_size)}"
+    hint = _hint(written_batch, world_size)
+    return f"{head} No integer gradient accumulation keeps it on {world_size} ranks. HINT: {hint}"
 
 
 def _hint(written_batch: int, world_size: int) -> str:
