@@ -59,6 +59,9 @@ class JitConfig:
                 raise ValueError(f"hang_timeout_s={self.hang_timeout_s!r}. HINT: a number of seconds, "
                                  f"{watchdog.AUTO!r} (derived from the steps measured) or None (no watchdog)")
             _check_seconds("hang_timeout_s", self.hang_timeout_s, allow_zero=False)
+        if not isinstance(self.keep_global_batch, bool):
+            raise ValueError(f"keep_global_batch={self.keep_global_batch!r}. HINT: True (the default: change the "
+                             "gradient accumulation on another world size) or False (refuse such a resume)")
         if isinstance(self.signals, str) or not isinstance(self.signals, tuple | list):
             raise ValueError(f"signals={self.signals!r} is not a tuple of names. HINT: signals=('TERM',)")
         if not self.signals:

@@ -122,14 +122,10 @@ def prepare_load(trainer: JitTrainer, path: str, manifest: dict[str, Any], carri
     if refusal:  # a slim save's own words where it has them (its weights are only in the shards)
         return slim_save.resume_refusal(path, manifest, ds_config) or refusal
     decided = elastic_plan.plan(path, int(trainer.args.world_size), manifest)
-    # Also on the same world size when the checkpoint's run kept the global batch: the command's accumulation is
-    # still the one written for the first world size of the chain (a requeue on 1 rank after 2 -> 1).
-    if decided.resumable and (decided.action != elastic_plan.SAME or manifest.get(keep_batch.MANIFEST_KEY)):
-        written_by = int(decided.written_by or manifest.get("world_size") or 0)
-        kept, refusal = _batch_decision(trainer, path, manifest, written_by)
-        if refusal:
-            return refusal
-        carried["kept_batch"] = kept.record() if kept else None
+    kept, refusal = batch_to_keep(trainer, path, manifest, decided)
+    if refusal:
+        return refusal
+    carried["kept_batch"] = kept.record() if kept else None
     converting = decided.action in CONVERSIONS
     if converting and manifest.get("weights") in manifest_file.FROZEN_LEFT_OUT:
         return (f"slurm_jit: {path}: a PEFT checkpoint (frozen base left out, weights: {manifest['weights']}) on "
@@ -158,11 +154,16 @@ def prepare_elastic(trainer: JitTrainer, path: str, manifest: dict[str, Any]) ->
                            batch_checked=True)
 
 
-def _batch_decision(trainer: JitTrainer, path: str, manifest: dict[str, Any],
-                    written_by: int) -> tuple[keep_batch.Kept | None, str | None]:
-    """Rank 0, on a resume by another number of ranks: the accumulation that keeps the checkpoint's samples per
-    optimizer step (keep_batch.decide), or why none does. Under auto_find_batch_size the per-device batch is the
-    one the checkpoint's run found (upstream's train() restores it from the trainer state)."""
+def batch_to_keep(trainer: JitTrainer, path: str, manifest: dict[str, Any],
+                  decided: elastic_plan.Plan) -> tuple[keep_batch.Kept | None, str | None]:
+    """Rank 0: the accumulation that keeps the checkpoint's samples per optimizer step (keep_batch.decide), or
+    why none does, on a resume by another number of ranks; also on the same number when the checkpoint's run kept
+    them (its manifest says so): the command's accumulation is still the one written for the first world size of
+    the chain (a requeue on 1 rank after 2 -> 1). Under auto_find_batch_size the per-device batch is the one the
+    checkpoint's run found (upstream's train() restores it from the trainer state)."""
+    if not decided.resumable or (decided.action == elastic_plan.SAME and not manifest.get(keep_batch.MANIFEST_KEY)):
+        return None, None
+    written_by = int(decided.written_by or manifest.get("world_size") or 0)
     written = elastic.written_global_batch(Path(path), manifest, written_by)
     if written is None:  # logged there: not checked, not refused
         return None, None
