@@ -45,6 +45,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--width", type=int, default=64, help="hidden size (bigger: slower steps, bigger saves)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--samples", type=int, default=512)
+    p.add_argument("--iterable", action="store_true",
+                   help="the training samples as a torch IterableDataset (in order: no sampler, no shuffle)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per training step")
     p.add_argument("--step-sleep-requeued", type=float, default=None,
                    help="extra seconds per training step in a requeued run (SLURM_RESTART_COUNT > 0); "
@@ -164,6 +166,19 @@ class _Tokens:
         if 0 <= self.stall_after_items < self.fetched and torch.utils.data.get_worker_info() is not None:
             time.sleep(self.stall_s)  # a worker stuck in I/O (a hung network file system, a blocked read)
         return {"input_ids": self.data[i], "labels": self.data[i]}
+
+
+def _train_dataset(args: argparse.Namespace, rank: int) -> Any:
+    tokens = _Tokens(args.samples, args.seed, args.vocab, *_worker_stall(args, rank))
+    if not args.iterable:
+        return tokens
+    import torch.utils.data
+
+    class _Stream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+        def __iter__(self) -> Any:
+            return (tokens[i] for i in range(len(tokens)))
+
+    return _Stream()
 
 
 def build_model(kind: str, width: int, layers: int, dropout: float = 0.0, vocab: int = VOCAB, heads: int = 2,
@@ -344,7 +359,7 @@ def main(argv: Sequence[str] | None = None, trainer_cls: Any = None) -> None:
         model = _with_lora(model, args.model, [m for m in args.lora_modules_to_save.split(",") if m], args.lora_rank,
                            [m for m in args.lora_targets.split(",") if m])
     common: dict[str, Any] = dict(
-        model=model, args=targs, train_dataset=_Tokens(args.samples, args.seed, args.vocab, *_worker_stall(args, rank)),
+        model=model, args=targs, train_dataset=_train_dataset(args, rank),
         eval_dataset=_Tokens(args.eval_samples, args.seed + 1, args.vocab) if args.eval_steps else None,
         callbacks=_callbacks(args, rank), **_loss_and_metric_functions(args),
     )
