@@ -9,7 +9,8 @@ Real DeepSpeed ranks on CPU, real SIGTERM and SIGKILL. The runs are shared (modu
 2-rank reference, one 2-rank run JIT-stopped at step 5, one 1-rank resume SIGKILLed during its conversion, the
 1-rank resume again (JIT-stopped at step 6), the 2-rank resume of that to the end; for ZeRO-3 a 2-rank
 reference, a 2-rank run JIT-stopped at step 5 and its 1-rank resume to the end; and per stage a 1-rank run
-stopped after step 4 and its 2-rank resume. About 5 minutes on an idle 2-core machine.
+stopped after step 4 and its 2-rank resume (ZeRO-2's over an IterableDataset, with its own 2-rank reference).
+About 5 minutes on an idle 2-core machine.
 
 What is exact and what is not: the global batch stays the same (2 ranks x 2 samples = 1 rank x 2 samples x
 accumulation 2) and so does each step's batch content (accelerate shards the one seeded sampler's batches), so the
@@ -53,6 +54,7 @@ ONE_RANK_STOP_AT = 6
 FIRST_RESUMED_REL_TOL = 1e-5
 LOSS_REL_TOL = 1e-4
 ZERO3 = [*LLAMA[:-1], "3"]
+ITERABLE = [*LLAMA, "--iterable"]
 # From the rank's death until its converter is gone: the kernel sends the parent-death signal at once (or the
 # converter, started just before, sees that its parent is gone); an orphan would finish the conversion in about
 # 2 s meanwhile. This covers the scheduling of a loaded 2-core machine.
@@ -320,9 +322,11 @@ def test_zero3_two_ranks_to_one_keeps_masters_and_moments_and_continues_the_loss
 @pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
 def grown(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, int]:
     """One command (per-device batch 2, accumulation 2) started on 1 rank, JIT-stopped after step 4, and resumed
-    on 2 ranks to the end (the accumulation halves). Returns (out, the resume's log, the step it resumed from:
-    4 or 5, as the 1-rank run read its stop rounds, blocking or overlapped, by its step time)."""
-    command = [*(LLAMA if request.param == 2 else ZERO3), "--grad-accum", "2"]
+    on 2 ranks to the end (the accumulation halves); under ZeRO-2 the samples are an IterableDataset (no sampler:
+    accelerate dispatches each global batch from rank 0, and the resume skips the batches it consumed). Returns
+    (out, the resume's log, the step it resumed from: 4 or 5, as the 1-rank run read its stop rounds, blocking or
+    overlapped, by its step time)."""
+    command = [*ITERABLE, "--grad-accum", "2"] if request.param == 2 else [*ZERO3, "--grad-accum", "2"]
     out = tmp_path_factory.mktemp(f"elastic-grow-z{request.param}") / "out"
     run_demo(out, [*command, "--signal-self-at-step", str(STOP_AT)], 1)
     stopped_at = [int(c.name.split("-")[1]) for c in out.glob("checkpoint-*") if (c / protocol.MANIFEST_NAME).is_file()]
@@ -332,11 +336,16 @@ def grown(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 def test_one_rank_to_two_halves_the_accumulation_and_continues_the_loss(
         grown: tuple[Path, str, int], request: pytest.FixtureRequest) -> None:
-    """Against the 2-rank reference of the same stage (the same samples in each optimizer step: 1 rank x 2 x 2 =
-    2 ranks x 2 x 1): no step is bitwise (the 1-rank steps sum in another order too)."""
+    """Against the 2-rank reference of the same stage and dataset (the same samples in each optimizer step: 1 rank
+    x 2 x 2 = 2 ranks x 2 x 1): no step needs to be bitwise (the 1-rank steps sum in another order too)."""
     out, log, stopped_at = grown
     zero2 = "zero2" in request.node.callspec.id
-    reference = request.getfixturevalue("reference") if zero2 else request.getfixturevalue("zero3")[2]
+    if zero2:  # the uninterrupted run of the same IterableDataset on 2 ranks
+        reference_out = request.getfixturevalue("tmp_path") / "iterable-ref"
+        run_demo(reference_out, ITERABLE, 2)
+        reference = losses(reference_out)
+    else:
+        reference = request.getfixturevalue("zero3")[2]
     assert "world size 1 -> 2: gradient accumulation 2 -> 1, 4 samples per optimizer step kept" in log, log[-3000:]
     _assert_continues(final_losses(out), reference, bitwise_until=0, first_resumed=stopped_at + 1)
 

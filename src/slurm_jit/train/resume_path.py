@@ -3,9 +3,10 @@
 Owns the pick (rank 0 takes the output_dir's lock, then ``True`` means the newest resumable checkpoint, as
 ``ckpt-check`` says), the refusals in order (the lock, the checkpoint's status, the ZeRO stage, a PEFT conversion,
 model names and shapes, the conversion's own, a slim save's), what a manifest carries into the run (lineage, an
-owed evaluation), the elastic resume's universal copy (written by :mod:`.elastic`) and the same for loading the
-best model at the end. Every rank learns rank 0's verdict by one broadcast. The exact restore after the load is
-:mod:`.exact_resume`'s.
+owed evaluation), the elastic resume's universal copy (written by :mod:`.elastic`) and kept global batch (the
+accumulation :mod:`.keep_batch` chooses, set on every rank before upstream's ``train()``), and the same copy for
+loading the best model at the end. Every rank learns rank 0's verdict by one broadcast. The exact restore after
+the load is :mod:`.exact_resume`'s.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ def resolve(trainer: JitTrainer, resume_from_checkpoint: str | bool | None) -> s
         run.load_from, run.conversion = carried.get("load_from"), carried.get("conversion")
         run.frozen_refusal = carried.get("frozen_refusal")
         run.kept_batch = carried.get("kept_batch")
+        run.batch_record = run.kept_batch or carried.get("batch_record")
         if run.kept_batch:
             _keep_batch(trainer, keep_batch.Kept(**run.kept_batch))
         if run.load_from:
@@ -126,6 +128,7 @@ def prepare_load(trainer: JitTrainer, path: str, manifest: dict[str, Any], carri
     if refusal:
         return refusal
     carried["kept_batch"] = kept.record() if kept else None
+    carried["batch_record"] = manifest.get(keep_batch.MANIFEST_KEY)  # the chain keeps checking, changed now or not
     converting = decided.action in CONVERSIONS
     if converting and manifest.get("weights") in manifest_file.FROZEN_LEFT_OUT:
         return (f"slurm_jit: {path}: a PEFT checkpoint (frozen base left out, weights: {manifest['weights']}) on "

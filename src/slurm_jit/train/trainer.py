@@ -30,7 +30,7 @@ Every Trainer method JitTrainer overrides, and why (signatures are transformers 
 checks the private ones at construction):
 
 ==================================  ============================================================================
-``train``                           install the signal latch; lock, pick and refuse (resume_path); stop record
+``train``                           signal latch; lock, pick, refuse, keep the global batch; stop record
 ``_get_dataloader``                 DataLoader workers ignore the stop signals, and are born with them blocked
 ``_maybe_log_save_evaluate``        the step boundary: the stop round, then the JIT save and stop (stop_path)
 ``_evaluate``                       an evaluation aborted by a stop leaves it owed (evaluation)
