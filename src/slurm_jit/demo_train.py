@@ -80,6 +80,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slow-train-end", type=float, default=0.0,
                    help="seconds an on_train_end callback sleeps after a stop (slow user cleanup)")
     p.add_argument("--side-group-timeout", type=float, default=None, help="JitConfig(side_group_timeout_s=...)")
+    p.add_argument("--refuse-batch-change", action="store_true",
+                   help="JitConfig(keep_global_batch=False): a resume on another world size whose samples per "
+                        "optimizer step differ is refused instead of changing the gradient accumulation")
     p.add_argument("--hang-timeout", default="auto", help="JitConfig(hang_timeout_s=...): seconds, auto or none")
     p.add_argument("--stall-at-step", type=int, default=-1,
                    help="on_step_begin sleeps --stall-s when global_step is this (0: the first step)")
@@ -416,6 +419,7 @@ def _train(args: argparse.Namespace, common: dict[str, Any], trainer_cls: Any = 
             config = JitConfig(kill_wait_s=args.kill_wait, ignore_signals_in_workers=not args.workers_take_signals,
                                signals=tuple(args.signals.split(",")), jit_save_model_weights=args.jit_save_weights,
                                slim_jit_save=not args.full_jit_save, hang_timeout_s=_hang_timeout(args.hang_timeout),
+                               keep_global_batch=not args.refuse_batch_change,
                                **({"side_group_timeout_s": args.side_group_timeout}
                                   if args.side_group_timeout is not None else {}))
         except ValueError as exc:  # one line with its HINT, as every refusal

@@ -77,7 +77,7 @@ def test_apply_sets_the_args_and_a_real_deepspeed_config_consistently(explicit: 
     assert again.mismatches == []
 
 
-def test_apply_leaves_an_accumulation_set_in_the_deepspeed_config_only_to_transformers_refusal() -> None:
+def test_an_accumulation_set_in_the_deepspeed_config_only_is_refused_in_one_line() -> None:
     from transformers import TrainingArguments
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
@@ -90,3 +90,10 @@ def test_apply_leaves_an_accumulation_set_in_the_deepspeed_config_only_to_transf
     assert kept is not None
     keep_batch.apply(args, (hf_config,), kept)
     assert hf_config.mismatches == before
+    refusal = keep_batch.accumulation_refusal(hf_config)  # the JitTrainer says so at construction, in one line
+    assert refusal is not None and "\n" not in refusal, refusal
+    assert "ds gradient_accumulation_steps=2 vs hf gradient_accumulation_steps=1" in refusal, refusal
+    assert 'HINT: set "gradient_accumulation_steps": "auto"' in refusal, refusal
+    consistent = HfTrainerDeepSpeedConfig({"gradient_accumulation_steps": "auto"})
+    consistent.trainer_config_process(args)
+    assert keep_batch.accumulation_refusal(consistent) is None

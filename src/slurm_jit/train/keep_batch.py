@@ -21,6 +21,7 @@ TIMING_EVENT = "batch"  # the timing-log record of the change (rank 0, once per 
 # The mismatch transformers records at TrainingArguments creation for an explicit DeepSpeed train_batch_size that
 # was the global batch on the old world size (HfTrainerDeepSpeedConfig.fill_match's wording)
 TRAIN_BATCH_MISMATCH = "- ds train_batch_size={} "
+ACCUMULATION_MISMATCH = "- ds gradient_accumulation_steps="  # one set in the DeepSpeed config, not in the args
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,3 +98,16 @@ def apply(args: Any, hf_ds_configs: tuple[Any, ...], kept: Kept) -> None:
             config["train_batch_size"] = kept.samples_per_step
         stale = TRAIN_BATCH_MISMATCH.format(kept.samples_per_step)
         hf_config.mismatches = [m for m in getattr(hf_config, "mismatches", []) if not m.startswith(stale)]
+
+
+def accumulation_refusal(hf_ds_config: Any) -> str | None:
+    """One line when the DeepSpeed config sets a gradient accumulation that TrainingArguments does not (transformers
+    records the mismatch when TrainingArguments is made and raises it as a ValueError at the engine's creation,
+    after a resume has picked and converted): refused at construction instead. None without such a mismatch."""
+    for mismatch in getattr(hf_ds_config, "mismatches", None) or []:
+        if mismatch.startswith(ACCUMULATION_MISMATCH):
+            return (f"the DeepSpeed config's gradient accumulation differs from TrainingArguments' ({mismatch[2:]}): "
+                    "transformers refuses it when the engine is built. HINT: set \"gradient_accumulation_steps\": "
+                    "\"auto\" in the DeepSpeed config and the value in TrainingArguments(gradient_accumulation_steps="
+                    "...): the JitTrainer changes that one to keep the global batch on another world size")
+    return None

@@ -68,6 +68,7 @@ from slurm_jit.train import (
     evaluation,
     exact_resume,
     frozen_weights,
+    keep_batch,
     output_lock,
     resume_path,
     save_path,
@@ -134,6 +135,8 @@ class JitTrainer(transformers.Trainer):
         self.jit_stopped = False  # after train(): did it stop for a JIT checkpoint?
         self._drop_upstream_jit()
         refusal = refused_settings(save_on_each_node=bool(self.args.save_on_each_node), ds_config=self._ds_config())
+        if refusal is None and self.is_deepspeed_enabled:
+            refusal = keep_batch.accumulation_refusal(self.accelerator.state.deepspeed_plugin.hf_ds_config)
         if refusal:
             raise JitRefusal(f"slurm_jit: {refusal}")
         self.add_callback(_JitCallback(self))
