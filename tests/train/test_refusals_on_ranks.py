@@ -37,7 +37,7 @@ def test_resume_with_another_world_size_is_refused_before_training(tmp_path: Pat
     line = _refused(tmp_path, out, ["--max-steps", "10", "--resume", "--refuse-batch-change"])
     assert "4 samples per optimizer step when written, 2 in this run" in line, line
     assert "HINT: keep per_device_train_batch_size x gradient_accumulation_steps x world size at 4" in line, line
-    line = _refused(tmp_path, out, ["--max-steps", "10", "--resume"], ranks_n=3)
+    line = _refused(tmp_path / "three-ranks", out, ["--max-steps", "10", "--resume"], ranks_n=3)  # its own log
     assert "4 samples per optimizer step when written, 6 in this run" in line, line
     assert "HINT: no per-device batch does on 3 ranks: resume on a number of ranks that divides 4 (1, 2, 4)" in line
     assert losses(out) == before and _dirs(out) == ["checkpoint-3", "checkpoint-6"]
