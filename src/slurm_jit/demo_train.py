@@ -45,6 +45,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--width", type=int, default=64, help="hidden size (bigger: slower steps, bigger saves)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--samples", type=int, default=512)
+    p.add_argument("--iterable", action="store_true",
+                   help="the training samples as a torch IterableDataset (in order: no sampler, no shuffle)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per training step")
     p.add_argument("--step-sleep-requeued", type=float, default=None,
                    help="extra seconds per training step in a requeued run (SLURM_RESTART_COUNT > 0); "
@@ -78,6 +80,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slow-train-end", type=float, default=0.0,
                    help="seconds an on_train_end callback sleeps after a stop (slow user cleanup)")
     p.add_argument("--side-group-timeout", type=float, default=None, help="JitConfig(side_group_timeout_s=...)")
+    p.add_argument("--refuse-batch-change", action="store_true",
+                   help="JitConfig(keep_global_batch=False): a resume on another world size whose samples per "
+                        "optimizer step differ is refused instead of changing the gradient accumulation")
     p.add_argument("--hang-timeout", default="auto", help="JitConfig(hang_timeout_s=...): seconds, auto or none")
     p.add_argument("--stall-at-step", type=int, default=-1,
                    help="on_step_begin sleeps --stall-s when global_step is this (0: the first step)")
@@ -164,6 +169,19 @@ class _Tokens:
         if 0 <= self.stall_after_items < self.fetched and torch.utils.data.get_worker_info() is not None:
             time.sleep(self.stall_s)  # a worker stuck in I/O (a hung network file system, a blocked read)
         return {"input_ids": self.data[i], "labels": self.data[i]}
+
+
+def _train_dataset(args: argparse.Namespace, rank: int) -> Any:
+    tokens = _Tokens(args.samples, args.seed, args.vocab, *_worker_stall(args, rank))
+    if not args.iterable:
+        return tokens
+    import torch.utils.data
+
+    class _Stream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+        def __iter__(self) -> Any:
+            return (tokens[i] for i in range(len(tokens)))
+
+    return _Stream()
 
 
 def build_model(kind: str, width: int, layers: int, dropout: float = 0.0, vocab: int = VOCAB, heads: int = 2,
@@ -344,7 +362,7 @@ def main(argv: Sequence[str] | None = None, trainer_cls: Any = None) -> None:
         model = _with_lora(model, args.model, [m for m in args.lora_modules_to_save.split(",") if m], args.lora_rank,
                            [m for m in args.lora_targets.split(",") if m])
     common: dict[str, Any] = dict(
-        model=model, args=targs, train_dataset=_Tokens(args.samples, args.seed, args.vocab, *_worker_stall(args, rank)),
+        model=model, args=targs, train_dataset=_train_dataset(args, rank),
         eval_dataset=_Tokens(args.eval_samples, args.seed + 1, args.vocab) if args.eval_steps else None,
         callbacks=_callbacks(args, rank), **_loss_and_metric_functions(args),
     )
@@ -401,6 +419,7 @@ def _train(args: argparse.Namespace, common: dict[str, Any], trainer_cls: Any = 
             config = JitConfig(kill_wait_s=args.kill_wait, ignore_signals_in_workers=not args.workers_take_signals,
                                signals=tuple(args.signals.split(",")), jit_save_model_weights=args.jit_save_weights,
                                slim_jit_save=not args.full_jit_save, hang_timeout_s=_hang_timeout(args.hang_timeout),
+                               keep_global_batch=not args.refuse_batch_change,
                                **({"side_group_timeout_s": args.side_group_timeout}
                                   if args.side_group_timeout is not None else {}))
         except ValueError as exc:  # one line with its HINT, as every refusal

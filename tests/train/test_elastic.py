@@ -1,19 +1,24 @@
 """Elastic resume: a ZeRO-2 JIT checkpoint written by 2 ranks resumes on 1 rank and back on 2, through DeepSpeed's
 universal format (``train/elastic.py``), with the conversion crash-safe; a ZeRO-3 one resumes on 1 rank the same
-way, and what of ZeRO-3 is not carried (offload, frozen parameters) is refused with one line each.
+way, and what of ZeRO-3 is not carried (offload, frozen parameters) is refused with one line each. Every resume
+runs the same command as the run it resumes: the JitTrainer changes the gradient accumulation to keep the global
+batch (``train/keep_batch.py``): 2 -> 1 doubles it, 1 -> 2 (a command with accumulation 2 started on 1 rank)
+halves it, ZeRO-2 and ZeRO-3.
 
 Real DeepSpeed ranks on CPU, real SIGTERM and SIGKILL. The runs are shared (module fixtures): one uninterrupted
 2-rank reference, one 2-rank run JIT-stopped at step 5, one 1-rank resume SIGKILLed during its conversion, the
-1-rank resume again (JIT-stopped at step 6), the 2-rank resume of that to the end; and for ZeRO-3 a 2-rank
-reference, a 2-rank run JIT-stopped at step 5 and its 1-rank resume to the end. About 4 minutes on an idle 2-core
-machine.
+1-rank resume again (JIT-stopped at step 6), the 2-rank resume of that to the end; for ZeRO-3 a 2-rank
+reference, a 2-rank run JIT-stopped at step 5 and its 1-rank resume to the end; and per stage a 1-rank run
+stopped after step 4 and its 2-rank resume (ZeRO-2's over an IterableDataset, with its own 2-rank reference).
+About 5 minutes on an idle 2-core machine.
 
-What is exact and what is not: the global batch stays the same (2 ranks x 2 samples = 1 rank x 4 samples) and so
-does each step's batch content (accelerate shards the one seeded sampler's batches), so the number of samples
-consumed is the same. The fp32 master weights and Adam moments survive the conversion element for element. The
-loss of a step run on 1 rank is not bitwise the 2-rank run's: the loss and the gradients are averaged in another
-order (per rank then across ranks, or all at once); measured 2e-7 relative at step 6, and steps 7-8, back on 2
-ranks, bitwise equal. The bound is ``LOSS_REL_TOL``.
+What is exact and what is not: the global batch stays the same (2 ranks x 2 samples = 1 rank x 2 samples x
+accumulation 2) and so does each step's batch content (accelerate shards the one seeded sampler's batches), so the
+number of samples consumed is the same. The fp32 master weights and Adam moments survive the conversion element for
+element. The loss of a step run on another world size need not be bitwise the uninterrupted run's: the loss and
+the gradients are summed in another order. Measured: ZeRO-2 bitwise equal in both directions (halving is exact in
+binary floating point); ZeRO-3 up to 3e-7 relative at the first resumed step, growing to 2e-5 two steps later. The
+bounds are ``FIRST_RESUMED_REL_TOL`` (the issue's) and ``LOSS_REL_TOL`` after it.
 """
 
 from __future__ import annotations
@@ -29,22 +34,27 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from jit_helpers import START_TIMEOUT_S, losses, run_demo, start_demo, wait_for_path
+from jit_helpers import START_TIMEOUT_S, final_losses, losses, run_demo, start_demo, wait_for_path
 
 from slurm_jit import local_ranks, timing
 from slurm_jit.checkpoint import elastic_plan, protocol
 from slurm_jit.checkpoint import manifest as manifest_file
-from slurm_jit.train import elastic, refusals
+from slurm_jit.train import elastic, keep_batch, refusals, resume_path
+from slurm_jit.train.jit_config import JitConfig
 
 LLAMA = ["--model", "llama", "--vocab", "96", "--width", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2",
          "--lr", "3e-3", "--kill-wait", "0", "--max-steps", "8", "--zero-stage", "2"]
-PER_RANK_BATCH = 2  # demo_train's default --batch-size on 2 ranks; 1 rank takes both ranks' share
+PER_RANK_BATCH = 2  # demo_train's default --batch-size on 2 ranks; 1 rank accumulates both ranks' share
+KEPT_2_TO_1 = "world size 2 -> 1: gradient accumulation 1 -> 2, 4 samples per optimizer step kept"
 STOP_AT = 4  # the 2-rank run signals itself after this step: its JIT checkpoint is checkpoint-5
 # The 1-rank resume signals itself after this step and stops at once (no peer's round to wait for: checkpoint-6).
 ONE_RANK_STOP_AT = 6
-# The issue's bound; reduction order only (see the module docstring): measured 2e-7 relative.
+# Reduction order only (see the module docstring): the issue's bound on the first resumed step, and a looser one on
+# the rest of the run, where the difference may grow (docs/elastic-resume.md has what was measured).
+FIRST_RESUMED_REL_TOL = 1e-5
 LOSS_REL_TOL = 1e-4
 ZERO3 = [*LLAMA[:-1], "3"]
+ITERABLE = [*LLAMA, "--iterable"]
 # From the rank's death until its converter is gone: the kernel sends the parent-death signal at once (or the
 # converter, started just before, sees that its parent is gone); an orphan would finish the conversion in about
 # 2 s meanwhile. This covers the scheduling of a loaded 2-core machine.
@@ -74,7 +84,7 @@ def killed_then_one_rank(stopped: Path, tmp_path_factory: pytest.TempPathFactory
     returned), then run again until its own JIT stop at step 6. Returns (out, ckpt-check after the kill, log)."""
     out = tmp_path_factory.mktemp("elastic-1") / "out"
     subprocess.run(["cp", "-a", str(stopped), str(out)], check=True)
-    one_rank = [*LLAMA, "--batch-size", str(2 * PER_RANK_BATCH), "--resume"]
+    one_rank = [*LLAMA, "--resume"]  # the same command: the JitTrainer doubles the accumulation
     ckpt = out / f"checkpoint-{STOP_AT + 1}"
     universal = ckpt / elastic_plan.UNIVERSAL_DIR_NAME
     ranks = start_demo(out, one_rank, 1)
@@ -138,6 +148,11 @@ def test_sigkill_during_conversion_leaves_the_original_and_converts_again(
     # The next start says what it does, removes the half conversion and converts again.
     assert "world size 2 -> 1: written by 2 ranks, resumed on 1: ZeRO-2 shards will be converted" in log, log[-3000:]
     assert "removing the unfinished conversion" in log, log[-3000:]
+    assert log.count(KEPT_2_TO_1) == 1, log[-3000:]  # rank 0's one line
+    kept = [r for r in timing.read_records(out) if r["event"] == "batch"]
+    assert len(kept) == 1 and kept[0]["accumulation_to"] == 2 and kept[0]["samples_per_step"] == 4, kept
+    one_rank_ckpt, _ = manifest_file.read(out / f"checkpoint-{ONE_RANK_STOP_AT}")
+    assert one_rank_ckpt is not None and one_rank_ckpt[keep_batch.MANIFEST_KEY]["accumulation_to"] == 2
     assert elastic_plan.universal_complete(ckpt, STOP_AT + 1)
     assert protocol.inspect(ckpt, STOP_AT + 1, deep=True).status is protocol.Status.COMPLETE
     # The conversion's time and bytes are in the timing log (rank 0's, once).
@@ -146,14 +161,19 @@ def test_sigkill_during_conversion_leaves_the_original_and_converts_again(
     assert converts[0]["world_size"] == 1 and converts[0]["step"] == STOP_AT + 1 and converts[0]["dur_s"] > 0
 
 
-def _assert_continues(resumed: list[tuple[int, float]], reference: list[tuple[int, float]]) -> None:
-    """The same steps as the uninterrupted run; bitwise up to the step after the stop, within LOSS_REL_TOL after."""
+def _assert_continues(resumed: list[tuple[int, float]], reference: list[tuple[int, float]],
+                      bitwise_until: int = STOP_AT + 1, first_resumed: int = STOP_AT + 2) -> None:
+    """The same steps as the uninterrupted run; bitwise up to ``bitwise_until`` (the steps the same world size
+    ran), the first resumed step within FIRST_RESUMED_REL_TOL, the rest within LOSS_REL_TOL."""
     assert [s for s, _ in resumed] == [s for s, _ in reference], resumed
+    drift = {step: abs(got - want) / abs(want) for (step, got), (_, want) in zip(resumed, reference, strict=True)}
+    print(f"relative loss difference per step: {drift}")  # what docs/elastic-resume.md reports
     for (step, got), (_, want) in zip(resumed, reference, strict=True):
-        if step <= STOP_AT + 1:
+        if step <= bitwise_until:
             assert got == want, f"step {step} (before the stop): {got!r} != {want!r}"
         else:
-            assert abs(got - want) <= LOSS_REL_TOL * abs(want), f"step {step}: {got!r} vs {want!r}"
+            tol = FIRST_RESUMED_REL_TOL if step == first_resumed else LOSS_REL_TOL
+            assert drift[step] <= tol, f"step {step}: {got!r} vs {want!r}"
 
 
 def _flat_partitions(ckpt: Path, key: str) -> list[torch.Tensor]:
@@ -199,6 +219,44 @@ def test_two_ranks_to_one_to_two_continues_the_loss_curve(
     _assert_continues(losses(out), reference)
 
 
+def _trainer(world_size: int, per_device: int, accumulation: int, auto_find: bool = False,
+             keep: bool = True) -> SimpleNamespace:
+    """What resume_path.batch_to_keep reads of a JitTrainer."""
+    args = SimpleNamespace(world_size=world_size, per_device_train_batch_size=per_device,
+                           gradient_accumulation_steps=accumulation, auto_find_batch_size=auto_find)
+    return SimpleNamespace(args=args, jit_config=JitConfig(keep_global_batch=keep))
+
+
+def test_a_requeue_on_the_same_ranks_after_a_shrink_keeps_the_accumulation(
+        killed_then_one_rank: tuple[Path, str, str], stopped: Path) -> None:
+    """The chain 2 -> 1 -> 1: checkpoint-6 was written on 1 rank with the accumulation changed 1 -> 2; the same
+    command on 1 rank again (a plain same-size resume) must train with 2 again, not the command's 1. Its manifest
+    says so; a checkpoint without that record is a same-size resume as upstream's (the command is the user's)."""
+    ckpt = killed_then_one_rank[0] / f"checkpoint-{ONE_RANK_STOP_AT}"
+    manifest, _ = manifest_file.read(ckpt)
+    assert manifest is not None
+    same = elastic_plan.plan(ckpt, 1, manifest)
+    assert same.action == elastic_plan.SAME
+    kept, refusal = resume_path.batch_to_keep(_trainer(1, PER_RANK_BATCH, 1), str(ckpt), manifest, same)
+    assert refusal is None and kept is not None and (kept.accumulation_from, kept.accumulation_to) == (1, 2)
+    # auto_find_batch_size: the per-device batch is the one the checkpoint's run found (its trainer state's)
+    kept, refusal = resume_path.batch_to_keep(_trainer(1, 8, 1, auto_find=True), str(ckpt), manifest, same)
+    assert refusal is None and kept is not None and kept.accumulation_to == 2, refusal
+    kept, refusal = resume_path.batch_to_keep(_trainer(1, 8, 1), str(ckpt), manifest, same)
+    assert kept is None and refusal is not None and "per_device_train_batch_size 1, 2, 4 on 1 ranks" in refusal
+    kept, refusal = resume_path.batch_to_keep(_trainer(1, PER_RANK_BATCH, 1, keep=False), str(ckpt), manifest, same)
+    assert kept is None and refusal is not None and "HINT: keep per_device_train_batch_size" in refusal
+    two_rank = stopped / f"checkpoint-{STOP_AT + 1}"
+    manifest, _ = manifest_file.read(two_rank)
+    assert manifest is not None and keep_batch.MANIFEST_KEY not in manifest
+    other_command = _trainer(2, PER_RANK_BATCH, 4)
+    assert resume_path.batch_to_keep(other_command, str(two_rank), manifest, elastic_plan.plan(two_rank, 2)) == (
+        None, None)
+    three = elastic_plan.plan(two_rank, 3, manifest)  # 4 samples on 3 ranks: no integer accumulation
+    kept, refusal = resume_path.batch_to_keep(_trainer(3, PER_RANK_BATCH, 1), str(two_rank), manifest, three)
+    assert kept is None and refusal is not None and "resume on a number of ranks that divides 4 (1, 2, 4)" in refusal
+
+
 def test_same_world_size_is_no_conversion(stopped: Path) -> None:
     ckpt = stopped / f"checkpoint-{STOP_AT + 1}"
     assert elastic_plan.plan(ckpt, 2).action == elastic_plan.SAME
@@ -219,7 +277,7 @@ def zero3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[tu
     run_demo(stopped, [*ZERO3, "--signal-self-at-step", str(STOP_AT)], 2)
     check = _ckpt_check(stopped, "--world-size", "1").stdout
     subprocess.run(["cp", "-a", str(stopped), str(resumed)], check=True)
-    log = run_demo(resumed, [*ZERO3, "--batch-size", str(2 * PER_RANK_BATCH), "--resume"], 1)
+    log = run_demo(resumed, [*ZERO3, "--resume"], 1)  # the same command: the accumulation doubles
     return stopped, resumed, losses(root / "ref"), check, log
 
 
@@ -248,6 +306,7 @@ def test_zero3_two_ranks_to_one_keeps_masters_and_moments_and_continues_the_loss
     stopped, resumed, reference, check, log = zero3
     assert "on 1 ranks: yes (convert)" in check, check
     assert "world size 2 -> 1: written by 2 ranks, resumed on 1: ZeRO-3 shards will be converted" in log, log[-3000:]
+    assert KEPT_2_TO_1 in log, log[-3000:]
     tag = stopped / f"checkpoint-{STOP_AT + 1}" / f"global_step{STOP_AT + 1}"
     universal = resumed / f"checkpoint-{STOP_AT + 1}" / elastic_plan.UNIVERSAL_DIR_NAME / tag.name / "zero"
     compared = 0
@@ -258,6 +317,37 @@ def test_zero3_two_ranks_to_one_keeps_masters_and_moments_and_continues_the_loss
             compared += want.numel()
     assert compared > 3 * 10_000, compared
     _assert_continues(losses(resumed), reference)
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
+def grown(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, int]:
+    """One command (per-device batch 2, accumulation 2) started on 1 rank, JIT-stopped after step 4, and resumed
+    on 2 ranks to the end (the accumulation halves); under ZeRO-2 the samples are an IterableDataset (no sampler:
+    accelerate dispatches each global batch from rank 0, and the resume skips the batches it consumed). Returns
+    (out, the resume's log, the step it resumed from: 4 or 5, as the 1-rank run read its stop rounds, blocking or
+    overlapped, by its step time)."""
+    command = [*ITERABLE, "--grad-accum", "2"] if request.param == 2 else [*ZERO3, "--grad-accum", "2"]
+    out = tmp_path_factory.mktemp(f"elastic-grow-z{request.param}") / "out"
+    run_demo(out, [*command, "--signal-self-at-step", str(STOP_AT)], 1)
+    stopped_at = [int(c.name.split("-")[1]) for c in out.glob("checkpoint-*") if (c / protocol.MANIFEST_NAME).is_file()]
+    assert len(stopped_at) == 1 and stopped_at[0] in (STOP_AT, STOP_AT + 1), stopped_at
+    return out, run_demo(out, [*command, "--resume"], 2), stopped_at[0]
+
+
+def test_one_rank_to_two_halves_the_accumulation_and_continues_the_loss(
+        grown: tuple[Path, str, int], request: pytest.FixtureRequest) -> None:
+    """Against the 2-rank reference of the same stage and dataset (the same samples in each optimizer step: 1 rank
+    x 2 x 2 = 2 ranks x 2 x 1): no step needs to be bitwise (the 1-rank steps sum in another order too)."""
+    out, log, stopped_at = grown
+    zero2 = "zero2" in request.node.callspec.id
+    if zero2:  # the uninterrupted run of the same IterableDataset on 2 ranks
+        reference_out = request.getfixturevalue("tmp_path") / "iterable-ref"
+        run_demo(reference_out, ITERABLE, 2)
+        reference = losses(reference_out)
+    else:
+        reference = request.getfixturevalue("zero3")[2]
+    assert "world size 1 -> 2: gradient accumulation 2 -> 1, 4 samples per optimizer step kept" in log, log[-3000:]
+    _assert_continues(final_losses(out), reference, bitwise_until=0, first_resumed=stopped_at + 1)
 
 
 def test_zero3_offload_and_frozen_parameters_are_refused_with_one_line_each(

@@ -25,7 +25,8 @@ def test_jit_config_rejects_bad_values(kwargs: dict) -> None:
     {"kill_wait_s": 1e300},  # accepted, then time.sleep overflowed on the stop path: no JIT checkpoint
     {"kill_wait_s": float("inf")}, {"kill_wait_s": "3"}, {"kill_wait_s": True}, {"kill_wait_s": None},
     {"side_group_timeout_s": 0}, {"side_group_timeout_s": float("nan")}, {"side_group_timeout_s": -5},
-    {"convert_timeout_s": 0}, {"convert_timeout_s": float("inf")},
+    {"convert_timeout_s": 0}, {"convert_timeout_s": float("inf")}, {"keep_global_batch": "no"},
+    {"keep_global_batch": None},
     {"signals": "TERM"}, {"signals": ("TERM", "SIGTERM")}, {"signals": ("USR1", 10)}, {"signals": (99,)},
     {"signals": ("CHLD",)}, {"signals": ("SEGV",)}, {"signals": ("STOP",)}, {"signals": ("",)},
     {"signals": (None,)},

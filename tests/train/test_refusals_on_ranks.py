@@ -29,12 +29,17 @@ def _refused(tmp_path: Path, out: Path, args: list[str], ranks_n: int = 1) -> st
 def test_resume_with_another_world_size_is_refused_before_training(tmp_path: Path, copy_run,
                                                                    jit_zero2_run: Path) -> None:
     """Item 8 (issue 13): a 2-rank checkpoint resumed by 1 rank with the same per-device batch, i.e. half the
-    samples per step: one line with a HINT, nothing trained, nothing touched, nothing converted (1 rank with
-    twice the batch is converted and resumed: tests/train/test_elastic.py)."""
+    samples per step, under JitConfig(keep_global_batch=False); and by 3 ranks, where no integer accumulation keeps
+    4 samples (issue 21): one line with a HINT each, nothing trained, nothing touched, nothing converted (by
+    default 1 rank doubles the accumulation, converts and resumes: tests/train/test_elastic.py)."""
     out = copy_run(jit_zero2_run)
     before = losses(out)
-    line = _refused(tmp_path, out, ["--max-steps", "10", "--resume"])
+    line = _refused(tmp_path, out, ["--max-steps", "10", "--resume", "--refuse-batch-change"])
     assert "4 samples per optimizer step when written, 2 in this run" in line, line
+    assert "HINT: keep per_device_train_batch_size x gradient_accumulation_steps x world size at 4" in line, line
+    line = _refused(tmp_path / "three-ranks", out, ["--max-steps", "10", "--resume"], ranks_n=3)  # its own log
+    assert "4 samples per optimizer step when written, 6 in this run" in line, line
+    assert "HINT: no per-device batch does on 3 ranks: resume on a number of ranks that divides 4 (1, 2, 4)" in line
     assert losses(out) == before and _dirs(out) == ["checkpoint-3", "checkpoint-6"]
     assert not (out / "checkpoint-6" / "universal").exists()
 

@@ -30,7 +30,7 @@ Every Trainer method JitTrainer overrides, and why (signatures are transformers 
 checks the private ones at construction):
 
 ==================================  ============================================================================
-``train``                           install the signal latch; lock, pick and refuse (resume_path); stop record
+``train``                           signal latch; lock, pick, refuse, keep the global batch; stop record
 ``_get_dataloader``                 DataLoader workers ignore the stop signals, and are born with them blocked
 ``_maybe_log_save_evaluate``        the step boundary: the stop round, then the JIT save and stop (stop_path)
 ``_evaluate``                       an evaluation aborted by a stop leaves it owed (evaluation)
@@ -68,6 +68,7 @@ from slurm_jit.train import (
     evaluation,
     exact_resume,
     frozen_weights,
+    keep_batch,
     output_lock,
     resume_path,
     save_path,
@@ -134,6 +135,8 @@ class JitTrainer(transformers.Trainer):
         self.jit_stopped = False  # after train(): did it stop for a JIT checkpoint?
         self._drop_upstream_jit()
         refusal = refused_settings(save_on_each_node=bool(self.args.save_on_each_node), ds_config=self._ds_config())
+        if refusal is None and self.is_deepspeed_enabled:
+            refusal = keep_batch.accumulation_refusal(self.accelerator.state.deepspeed_plugin.hf_ds_config)
         if refusal:
             raise JitRefusal(f"slurm_jit: {refusal}")
         self.add_callback(_JitCallback(self))
@@ -225,6 +228,8 @@ class JitTrainer(transformers.Trainer):
         run.timing = TimingLog(out_dir, int(self.args.process_index), int(self.args.world_size), run_id)
         if run.conversion and self._is_rank0:
             run.timing.conversion(**run.conversion)
+        if run.kept_batch and self._is_rank0:
+            run.timing.kept_batch(run.kept_batch)
         if self._is_rank0:
             stop_record.write(out_dir, "running", step=None, resumed_from=resume)
         return resume
