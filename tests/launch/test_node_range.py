@@ -1,0 +1,92 @@
+"""sbatch's ``--nodes MIN-MAX`` on the launcher's side, without Slurm: the parsing (one line with a HINT for bad
+ranges), the plan's words, and what JitExecutor writes into the batch script for a range."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from slurm_jit.launch import JitExecutor, node_range
+from slurm_jit.launch.executor import JitExecutorError
+
+
+@pytest.mark.parametrize(("value", "lowest", "highest"), [
+    (2, 2, 2), ("2", 2, 2), ("1-2", 1, 2), (" 2-4 ", 2, 4), ("3-3", 3, 3),
+])
+def test_a_count_or_a_range_is_taken(value: object, lowest: int, highest: int) -> None:
+    span = node_range.parse(value)
+    assert (span.min_nodes, span.max_nodes) == (lowest, highest)
+    assert span.elastic == (lowest != highest)
+    assert span.sbatch_value() == (f"{lowest}-{highest}" if span.elastic else highest)
+
+
+@pytest.mark.parametrize(("value", "words"), [
+    (0, "--nodes 0: must be a whole number, 1 or more"),
+    ("0-2", "--nodes 0-2: must be a whole number, 1 or more"),
+    ("2-1", "--nodes 2-1: MIN 2 is above MAX 1. HINT: --nodes 1-2"),
+    ("1.5", "not a node count or a MIN-MAX range"),
+    ("1-", "not a node count or a MIN-MAX range"),
+    ("-2", "not a node count or a MIN-MAX range"),
+    ("1,2,4", "not a node count or a MIN-MAX range"),  # sbatch's size list: counts the plan never named
+    ("1-16:4", "not a node count or a MIN-MAX range"),
+    ("two", "not a node count or a MIN-MAX range"),
+    (True, "not a node count"),
+    (2.0, "not a node count"),
+])
+def test_a_bad_range_is_one_line_with_a_hint(value: object, words: str) -> None:
+    with pytest.raises(ValueError) as info:
+        node_range.parse(value)
+    assert words in str(info.value) and "HINT" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_the_plan_says_a_requeue_may_come_back_on_fewer_nodes_and_what_the_trainer_does() -> None:
+    assert node_range.plan_line(node_range.parse(2), 4) is None  # a fixed count: nothing to say
+    line = node_range.plan_line(node_range.parse("1-2"), 4)
+    assert line is not None
+    assert "gets 1 to 2 nodes, so 4 or 8 ranks; a requeue may come back on fewer" in line
+    assert "keeps the global batch" in line and "gradient accumulation (8 -> 4 ranks: x2)" in line
+    assert "signal lead is sized for 8 ranks: an optimizer step on 4 takes up to 2x as long" in line
+    uneven = node_range.plan_line(node_range.parse("2-3"), 1)
+    assert uneven is not None and "(3 -> 2" not in uneven  # no integer factor to promise
+    assert "on 2 ranks only where the samples per optimizer step divide" in uneven
+
+
+@pytest.fixture
+def ex(tmp_path: Path) -> JitExecutor:
+    return JitExecutor(folder=tmp_path / "logs" / "%j", output_dir=tmp_path / "out", signal_lead_s=60)
+
+
+def test_the_executor_takes_a_range_and_the_script_counts_this_starts_ranks(ex: JitExecutor) -> None:
+    ex.update_parameters(timeout_min=10, nodes="1-2", tasks_per_node=2)
+    assert (ex.nodes.min_nodes, ex.nodes.max_nodes, ex.world_size) == (1, 2, 4)
+    script = ex.submission_text()
+    lines = script.splitlines()
+    assert "#SBATCH --nodes=1-2" in lines
+    assert "SLURM_JIT_WORLD_SIZE=$((SLURM_JOB_NUM_NODES * 2))" in lines
+    gate = next(line for line in lines if "slurm_jit.launch.gate" in line)
+    assert '--world-size "$SLURM_JIT_WORLD_SIZE"' in gate
+    assert lines.index("SLURM_JIT_WORLD_SIZE=$((SLURM_JOB_NUM_NODES * 2))") < lines.index(gate)
+    finish = lines[-1]
+    assert finish.startswith("exec ") and '--tasks "$SLURM_JIT_WORLD_SIZE"' in finish
+
+
+def test_a_fixed_count_keeps_its_script(ex: JitExecutor) -> None:
+    ex.update_parameters(timeout_min=10, nodes="2", tasks_per_node=2)
+    script = ex.submission_text()
+    assert "#SBATCH --nodes=2" in script.splitlines() and "SLURM_JIT_WORLD_SIZE" not in script
+    assert "--world-size 4" in script and "--tasks 4" in script
+
+
+@pytest.mark.parametrize(("params", "words"), [
+    ({"nodes": "2-1"}, "nodes='2-1': MIN 2 is above MAX 1"),
+    ({"nodes": "1,2"}, "nodes='1,2': not a node count or a MIN-MAX range"),
+    ({"nodes": 1.5}, "nodes=1.5: a whole number, 1 or more, or sbatch's range"),
+    ({"nodes": "1-2", "slurm_additional_parameters": {"ntasks": 4}},
+     "a fixed task count cannot hold on a node count that changes between restarts"),
+])
+def test_the_executor_refuses_a_bad_range_in_one_line(ex: JitExecutor, params: dict[str, object],
+                                                      words: str) -> None:
+    with pytest.raises(JitExecutorError) as info:
+        ex.update_parameters(timeout_min=10, **params)
+    assert words in str(info.value) and "HINT" in str(info.value) and "\n" not in str(info.value)

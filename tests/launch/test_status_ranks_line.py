@@ -1,0 +1,38 @@
+"""``python launch/submit.py status OUT_DIR`` shows the world size of each restart, from the real timing log the
+JitTrainer's :class:`TimingLog` writes (rank 0's start records); no job recorded, so no Slurm call."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from slurm_jit import timing
+from slurm_jit.launch import status
+
+
+def _start(out: Path, monkeypatch: pytest.MonkeyPatch, job: str, restart: str, world_size: int) -> None:
+    """One run's start, as the JitTrainer's ranks write it (every rank; status reads rank 0's)."""
+    monkeypatch.setenv("SLURM_JOB_ID", job)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", restart)
+    for rank in range(world_size):
+        timing.TimingLog(out, rank=rank, world_size=world_size, run_id=f"{job}-{restart}").close()
+
+
+def test_status_shows_the_world_size_of_each_restart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _start(tmp_path, monkeypatch, "7", "0", 2)
+    _start(tmp_path, monkeypatch, "7", "1", 1)
+    _start(tmp_path, monkeypatch, "9", "0", 2)
+    assert "ranks:    job 7: restart 0 on 2 ranks, restart 1 on 1 rank; job 9: restart 0 on 2 ranks" \
+        in status.report(str(tmp_path), None)
+
+
+def test_a_long_chain_shows_its_newest_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for restart in range(status.MAX_RUNS_SHOWN + 2):
+        _start(tmp_path, monkeypatch, "7", str(restart), 1)
+    line = next(line for line in status.report(str(tmp_path), None) if line.startswith("ranks:"))
+    assert line.startswith("ranks:    2 older run(s); job 7: restart 2 on 1 rank,") and "restart 1 " not in line
+
+
+def test_no_timing_log_no_ranks_line(tmp_path: Path) -> None:
+    assert not [line for line in status.report(str(tmp_path), None) if line.startswith("ranks:")]
