@@ -16,10 +16,13 @@ global rank, so ranks never contend for a lock, and kept across restarts: every 
     {"v": 1, "event": "stop", ..., "step": 14, "dur_s": 5.2, "signal_step": 14, "mode": "blocking",
      "kill_wait_s": 3.0, "signal_to_save_s": 3.0, "save_s": 1.9, "teardown_s": 0.3, "signal_time": 1.7e9,
      "save_start_time": 1.7e9, "end_time": 1.7e9}
+    {"v": 1, "event": "batch", ..., "dur_s": 0, "from_world_size": 2, "to_world_size": 1,
+     "accumulation_from": 1, "accumulation_to": 2, "samples_per_step": 4}
 
 ``agreement`` (once per run, after warm-up): how the ranks read their stop rounds from then on (``dur_s``: the
 agreed cost of one blocking round); ``stop`` (on a JIT stop): ``dur_s`` from this rank's first signal until
-``train()`` returned, and where that time went. The grace calculator reads both.
+``train()`` returned, and where that time went. The grace calculator reads both. ``batch`` (rank 0, at a resume
+on another world size): the gradient accumulation changed to keep the global batch (train/keep_batch.py).
 
 The first ``WARMUP_STEPS`` steps of every run are marked ``warmup`` (they include one-time compilation and
 allocation) and are left out of the step statistics. This module imports no torch.
@@ -111,6 +114,10 @@ class TimingLog:
         """Rank 0: an elastic resume's conversion to DeepSpeed's universal format (before the first step)."""
         self._write({"event": "convert", "step": step, "dur_s": dur_s, "bytes": bytes,
                      "from_world_size": from_world_size})
+
+    def kept_batch(self, record: dict[str, int]) -> None:
+        """Rank 0: the gradient accumulation changed to keep the global batch on another world size."""
+        self._write({**record, "event": "batch", "dur_s": 0.0})
 
     def evaluation(self, step: int, dur_s: float, aborted: bool) -> None:
         self._write({"event": "eval", "step": step, "dur_s": dur_s, "aborted": aborted})

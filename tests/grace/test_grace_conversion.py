@@ -113,3 +113,32 @@ def test_given_times_size_a_job_whose_output_dir_has_checkpoints_but_no_timing_l
     assert "the next start on 1 ranks converts" in given.stdout and "time unknown" in given.stdout, given.stdout
     alone = grace_calc("--from", str(out), "--world-size", "1", "--no-slurm")
     assert alone.returncode == 2 and "no timing log" in alone.stderr and "HINT" in alone.stderr, alone.stderr
+
+
+def test_a_job_on_fewer_ranks_than_the_log_scales_its_step_and_save_and_says_so(tmp_path: Path) -> None:
+    """After a shrink (2 ranks -> 1, the global batch kept) each rank runs twice the micro-batches of a step: the
+    2-rank log's step and save are scaled by 2, with a warning that the step time of 1 rank is not 2 ranks'."""
+    out = tmp_path / "out"
+    log = timing.TimingLog(out, rank=0, world_size=2, run_id="r1")
+    for step in range(1, 30):
+        log.step(step, 1.5)
+    log.save(29, "jit", 4.0, 123_456)
+    log.close()
+    sized = grace_calc("--from", str(out), "--world-size", "1", "--no-slurm", "--json")
+    assert sized.returncode == 0, sized.stderr
+    report = json.loads(sized.stdout)
+    terms = {t["name"]: t["seconds"] for t in report["terms"]}
+    assert terms["save"] == 8.0 and max(v for k, v in terms.items() if k.startswith("step")) >= 3.0, terms
+    assert any("world size 1 is not 2" in t["source"] for t in report["terms"]), report["terms"]
+    assert any("no step at world size 1" in w and "HINT:" in w for w in report["warnings"]), report["warnings"]
+    grown = grace_calc("--from", str(out), "--world-size", "4", "--no-slurm")  # more ranks: not estimated
+    assert grown.returncode == 2 and "give --step-time and --save-time" in grown.stderr, grown.stderr
+
+
+def test_shrunk_terms_scale_step_and_save_by_the_ratio_of_world_sizes() -> None:
+    measured = grace.Measured(step_s=2.0, step_source="max", latency_steps=1, latency_source="", save_s=5.0,
+                              save_source="longest", eval_s=None, eval_source="", kill_wait_s=3.0, teardown_s=None,
+                              teardown_source="", warnings=())
+    shrunk = grace.shrunk_terms(measured, 4, 1)
+    assert (shrunk.step_s, shrunk.save_s, shrunk.kill_wait_s) == (8.0, 20.0, 3.0)
+    assert len(shrunk.warnings) == 1 and "scaled by 4" in shrunk.warnings[0]

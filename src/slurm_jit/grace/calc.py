@@ -52,6 +52,7 @@ from slurm_jit.grace.estimates import (  # noqa: F401
     format_bytes,
     measured_terms,
     select_world_size,
+    shrunk_terms,
 )
 from slurm_jit.grace.formula import (  # noqa: F401
     GraceInputs,

@@ -167,17 +167,38 @@ def _measured(args: argparse.Namespace, world_size: int | None) -> tuple[grace.M
     try:
         selected = grace.select_world_size(timing.read_records(args.from_dir), world_size)
     except (GraceError, timing.TimingLogError):
+        shrunk = _shrunk(args, world_size)
+        if shrunk is not None:
+            return shrunk
         if args.step_time is None or args.save_time is None:
             raise
         # another world size's log (an elastic resume's new job), or none (checkpoints copied to a new OUT_DIR):
         # the given times stand alone; --from still says what the next start converts
         return None, {}
     summary = timing.summarize(selected)
-    samples = {"steps": summary.n_steps, "runs": summary.n_runs, "evals": summary.n_evals,
-               "saves": {k: v.count for k, v in summary.saves.items()},
-               "world_sizes": sorted(summary.world_sizes), "stops": summary.n_stops,
-               "agreement_modes": sorted(summary.steps_by_mode)}
-    return grace.measured_terms(summary, step_stat=args.step_stat), samples
+    return grace.measured_terms(summary, step_stat=args.step_stat), _samples(summary)
+
+
+def _samples(summary: timing.TimingSummary) -> dict[str, Any]:
+    return {"steps": summary.n_steps, "runs": summary.n_runs, "evals": summary.n_evals,
+            "saves": {k: v.count for k, v in summary.saves.items()},
+            "world_sizes": sorted(summary.world_sizes), "stops": summary.n_stops,
+            "agreement_modes": sorted(summary.steps_by_mode)}
+
+
+def _shrunk(args: argparse.Namespace, world_size: int | None) -> tuple[grace.Measured, dict[str, Any]] | None:
+    """A job on fewer ranks than every run in --from's timing log (an elastic resume after a shrink): the terms of
+    the nearest larger world size, scaled (grace.shrunk_terms); None otherwise (a growth, or no log)."""
+    try:
+        records = timing.read_records(args.from_dir)
+    except timing.TimingLogError:
+        return None
+    sizes = sorted({r["world_size"] for r in records if isinstance(r.get("world_size"), int)})
+    if world_size is None or not sizes or sizes[0] <= world_size:
+        return None
+    summary = timing.summarize(grace.select_world_size(records, sizes[0]))
+    measured = grace.measured_terms(summary, step_stat=args.step_stat)
+    return grace.shrunk_terms(measured, sizes[0], world_size), {**_samples(summary), "scaled_from_world_size": sizes[0]}
 
 
 def _term(value: float | None, source: str) -> _Term | None:

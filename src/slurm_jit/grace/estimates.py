@@ -6,7 +6,7 @@ elastic resume's conversion, paid at the start of the next job. Pure: the timing
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from slurm_jit import timing
@@ -110,6 +110,27 @@ def measured_terms(summary: timing.TimingSummary, *, step_stat: str = "max") -> 
         teardown_s=summary.teardown_max_s,
         teardown_source=teardown_source,
         warnings=tuple(warnings),
+    )
+
+
+def shrunk_terms(measured: Measured, from_world_size: int, world_size: int) -> Measured:
+    """The terms of a job on ``world_size`` ranks estimated from a run on more (``from_world_size``), the global
+    batch kept (train/keep_batch.py): each rank runs from/to times the micro-batches of a step, and under ZeRO
+    writes up to from/to times the optimizer shard, so step and save are scaled by from/to (compute and write
+    bound: an upper estimate; communication, which shrinks with fewer ranks, is not subtracted)."""
+    scale = from_world_size / world_size
+    why = (f"x {scale:g}: world size {world_size} is not {from_world_size}; each rank runs {scale:g}x the "
+           "micro-batches of a step, the global batch kept")
+    warning = (f"the timing log has no step at world size {world_size}: the step and save times of world size "
+               f"{from_world_size} are scaled by {scale:g}, an estimate. HINT: size again from this job's timing log "
+               f"once it has run on {world_size} ranks")
+    return replace(
+        measured,
+        step_s=measured.step_s * scale if measured.step_s is not None else None,
+        step_source=f"{measured.step_source}, {why}",
+        save_s=measured.save_s * scale if measured.save_s is not None else None,
+        save_source=f"{measured.save_source}, {why}",
+        warnings=(*measured.warnings, warning),
     )
 
 

@@ -45,7 +45,7 @@ from slurm_jit.checkpoint.elastic_plan import (
     universal_complete,
     universal_dir,
 )
-from slurm_jit.train import elastic_unheld, output_lock
+from slurm_jit.train import elastic_unheld, keep_batch, output_lock
 
 logger = logging.getLogger(__name__)
 
@@ -244,7 +244,7 @@ Prepared = tuple[str | None, str | None, dict[str, Any] | None]  # (load from, r
 def prepare(ckpt_dir: str, args: Any, manifest: dict[str, Any], convert_timeout_s: float,
             heartbeat: Callable[[float], None] = lambda _s: None, frozen_now: Sequence[str] = (),
             unheld_now: Sequence[elastic_unheld.Held] = (), strict: bool = True,
-            held_now: Sequence[elastic_unheld.Held] = ()) -> Prepared:
+            held_now: Sequence[elastic_unheld.Held] = (), batch_checked: bool = False) -> Prepared:
     """Rank 0, before the resume with ``args`` (TrainingArguments): the directory the Trainer loads from when it
     is not ``ckpt_dir``, the refusal, and what a conversion done now took (for the timing log: step, dur_s, bytes,
     from_world_size). Logs one line when the world size changed; converts when it must, within
@@ -254,7 +254,8 @@ def prepare(ckpt_dir: str, args: Any, manifest: dict[str, Any], convert_timeout_
     what this run's optimizer will not hold (elastic_unheld.unheld_names), ``held_now`` of what it will
     (held_names);
     ``strict``: the Trainer's load_module_strict (False for PEFT models: what the checkpoint lacks keeps the built
-    value, as in upstream's load)."""
+    value, as in upstream's load); ``batch_checked``: the caller has checked the samples per optimizer step (the
+    JitTrainer, with keep_batch.decide: it may change this run's accumulation to keep them)."""
     world_size = int(args.world_size)
     decided = plan(ckpt_dir, world_size, manifest)
     if decided.action == SAME:
@@ -263,7 +264,7 @@ def prepare(ckpt_dir: str, args: Any, manifest: dict[str, Any], convert_timeout_
     if decided.action in (DIRECT, REFUSED):
         return None, None if decided.resumable else decided.reason, None
     written_by = int(decided.written_by or 0)  # not SAME: the plan knows who wrote it
-    refusal = _batch_refusal(Path(ckpt_dir), args, manifest, written_by)
+    refusal = None if batch_checked else _batch_refusal(Path(ckpt_dir), args, manifest, written_by)
     zero3 = decided.zero_stage == 3
     if refusal is None and zero3:
         refusal = _zero3_refusal(Path(ckpt_dir), args, manifest, written_by, frozen_now)
@@ -289,13 +290,10 @@ def prepare(ckpt_dir: str, args: Any, manifest: dict[str, Any], convert_timeout_
 def _batch_refusal(ckpt_dir: Path, args: Any, manifest: dict[str, Any], written_by: int) -> str | None:
     global_batch = int(args.per_device_train_batch_size) * int(args.gradient_accumulation_steps) * int(
         args.world_size)
-    written_batch = _global_batch(ckpt_dir, manifest, written_by)
+    written_batch = written_global_batch(ckpt_dir, manifest, written_by)
     if written_batch is None or written_batch == global_batch:
         return None
-    return (f"{ckpt_dir}: {written_batch} samples per optimizer step when written, {global_batch} in this run: the "
-            "Trainer skips global_step batches on resume, so the data position (samples consumed) and the "
-            "learning-rate schedule would not carry over. HINT: keep per_device_train_batch_size x "
-            f"gradient_accumulation_steps x world size at {written_batch}")
+    return keep_batch.refusal(str(ckpt_dir), written_batch, global_batch, int(args.world_size))
 
 
 def heartbeat_every(interval_s: float, send: Callable[[float], None]) -> Callable[[float], None]:
@@ -379,7 +377,7 @@ def _unheld_refusal(ckpt_dir: Path, manifest: dict[str, Any], unheld_now: Sequen
             "checkpoint was written with")
 
 
-def _global_batch(ckpt_dir: Path, manifest: dict[str, Any], written_by: int) -> int | None:
+def written_global_batch(ckpt_dir: Path, manifest: dict[str, Any], written_by: int) -> int | None:
     """Samples per optimizer step of the run that wrote the checkpoint, from the DeepSpeed config the engine saves
     in its model states file and in each ZeRO shard (memory-mapped: no tensor is read); None when it cannot be
     told (then logged: not checked, not refused)."""

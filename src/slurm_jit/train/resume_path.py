@@ -10,12 +10,14 @@ best model at the end. Every rank learns rank 0's verdict by one broadcast. The 
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import _is_peft_model
 
 from slurm_jit.checkpoint import elastic_plan, protocol
@@ -24,6 +26,7 @@ from slurm_jit.train import (
     elastic,
     elastic_unheld,
     frozen_weights,
+    keep_batch,
     model_match,
     output_lock,
     slim_save,
@@ -63,6 +66,9 @@ def resolve(trainer: JitTrainer, resume_from_checkpoint: str | bool | None) -> s
         run.owed_eval_step = carried.get("owed_evaluation_step")
         run.load_from, run.conversion = carried.get("load_from"), carried.get("conversion")
         run.frozen_refusal = carried.get("frozen_refusal")
+        run.kept_batch = carried.get("kept_batch")
+        if run.kept_batch:
+            _keep_batch(trainer, keep_batch.Kept(**run.kept_batch))
         if run.load_from:
             elastic.install_universal_load()
     return path
@@ -116,6 +122,14 @@ def prepare_load(trainer: JitTrainer, path: str, manifest: dict[str, Any], carri
     if refusal:  # a slim save's own words where it has them (its weights are only in the shards)
         return slim_save.resume_refusal(path, manifest, ds_config) or refusal
     decided = elastic_plan.plan(path, int(trainer.args.world_size), manifest)
+    # Also on the same world size when the checkpoint's run kept the global batch: the command's accumulation is
+    # still the one written for the first world size of the chain (a requeue on 1 rank after 2 -> 1).
+    if decided.resumable and (decided.action != elastic_plan.SAME or manifest.get(keep_batch.MANIFEST_KEY)):
+        written_by = int(decided.written_by or manifest.get("world_size") or 0)
+        kept, refusal = _batch_decision(trainer, path, manifest, written_by)
+        if refusal:
+            return refusal
+        carried["kept_batch"] = kept.record() if kept else None
     converting = decided.action in CONVERSIONS
     if converting and manifest.get("weights") in manifest_file.FROZEN_LEFT_OUT:
         return (f"slurm_jit: {path}: a PEFT checkpoint (frozen base left out, weights: {manifest['weights']}) on "
@@ -140,7 +154,44 @@ def prepare_elastic(trainer: JitTrainer, path: str, manifest: dict[str, Any]) ->
     unheld = elastic_unheld.unheld_names(model) if model is not None else []
     held = elastic_unheld.held_names(model) if model is not None else []
     return elastic.prepare(path, trainer.args, manifest, trainer.jit_config.convert_timeout_s, beat,
-                           frozen_now=frozen, unheld_now=unheld, strict=not _is_peft_model(model), held_now=held)
+                           frozen_now=frozen, unheld_now=unheld, strict=not _is_peft_model(model), held_now=held,
+                           batch_checked=True)
+
+
+def _batch_decision(trainer: JitTrainer, path: str, manifest: dict[str, Any],
+                    written_by: int) -> tuple[keep_batch.Kept | None, str | None]:
+    """Rank 0, on a resume by another number of ranks: the accumulation that keeps the checkpoint's samples per
+    optimizer step (keep_batch.decide), or why none does. Under auto_find_batch_size the per-device batch is the
+    one the checkpoint's run found (upstream's train() restores it from the trainer state)."""
+    written = elastic.written_global_batch(Path(path), manifest, written_by)
+    if written is None:  # logged there: not checked, not refused
+        return None, None
+    per_device = int(trainer.args.per_device_train_batch_size)
+    if trainer.args.auto_find_batch_size:
+        per_device = _found_batch_size(path) or per_device
+    return keep_batch.decide(written_batch=written, written_by=written_by, per_device=per_device,
+                             accumulation=int(trainer.args.gradient_accumulation_steps),
+                             world_size=int(trainer.args.world_size), keep=trainer.jit_config.keep_global_batch,
+                             where=path)
+
+
+def _found_batch_size(path: str) -> int | None:
+    """The trainer state's train_batch_size (what auto_find_batch_size settled on), None when unreadable."""
+    try:
+        state = json.loads((Path(path) / TRAINER_STATE_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    size = state.get("train_batch_size") if isinstance(state, dict) else None
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
+
+
+def _keep_batch(trainer: JitTrainer, kept: keep_batch.Kept) -> None:
+    """Every rank: train with ``kept``'s accumulation (args and DeepSpeed config), before upstream's train()."""
+    plugin = trainer.accelerator.state.deepspeed_plugin if trainer.is_deepspeed_enabled else None
+    configs = (getattr(plugin, "hf_ds_config", None), getattr(trainer.args, "hf_deepspeed_config", None))
+    keep_batch.apply(trainer.args, configs, kept)
+    if trainer._is_rank0:
+        logger.warning("slurm_jit: %s", kept.line())
 
 
 def load_best_model(trainer: JitTrainer, upstream: Callable[[], None]) -> None:

@@ -50,6 +50,7 @@ class Run:
     resumed_from: str | None = None  # kept by rotation until this run has written a newer checkpoint
     load_from: str | None = None  # what the Trainer loads when not resumed_from: its universal copy (elastic.py)
     conversion: dict[str, Any] | None = None  # rank 0: the conversion this start did, for the timing log
+    kept_batch: dict[str, int] | None = None  # the accumulation changed to keep the global batch (keep_batch.py)
     stop_recorded: bool = False  # rank 0 wrote jit_stop (right after the stop checkpoint's manifest)
     trackers_told: bool = False  # the trackers (W&B, TensorBoard) were told how this job ended
     trial: Any = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 from slurm_jit import slurm, timing
 from slurm_jit.grace import calc as grace
@@ -45,6 +46,11 @@ def assess(*, step_s: float, save_s: float | None, kill_wait_s: float, lead_s: f
     return warnings
 
 
+def this_world_size(records: list[dict[str, Any]], world_size: int | None) -> list[dict[str, Any]]:
+    """The records of ``world_size`` (all when None). Pure."""
+    return records if world_size is None else [r for r in records if r.get("world_size") == world_size]
+
+
 def _cluster_facts() -> grace.ClusterFacts | None:
     try:
         return grace.read_cluster_facts(
@@ -56,12 +62,14 @@ def _cluster_facts() -> grace.ClusterFacts | None:
         return None
 
 
-def check_and_warn(output_dir: str, kill_wait_s: float, when: str) -> list[str]:
-    """Log the warnings of :func:`assess` from the timing log; does nothing outside a Slurm job."""
+def check_and_warn(output_dir: str, kill_wait_s: float, when: str, world_size: int | None = None) -> list[str]:
+    """Log the warnings of :func:`assess` from the timing log (its records of ``world_size`` when given: after an
+    elastic resume the other world sizes' steps are not this run's); does nothing outside a Slurm job."""
     if "SLURM_JOB_ID" not in os.environ:
         return []
     try:
-        summary = timing.load_summary(output_dir)
+        records = list(timing.read_records(output_dir))
+        summary = timing.summarize(this_world_size(records, world_size))
     except timing.TimingLogError as exc:
         logger.info("slurm_jit: grace check skipped: %s", exc)
         return []
@@ -76,6 +84,10 @@ def check_and_warn(output_dir: str, kill_wait_s: float, when: str) -> list[str]:
     warnings = assess(step_s=measured.step_s, save_s=measured.save_s, kill_wait_s=kill_wait_s, lead_s=lead_s,
                       facts=_cluster_facts(), latency_steps=measured.latency_steps,
                       teardown_s=measured.teardown_s or 0.0)
+    others = sorted({r.get("world_size") for r in records} - {world_size, None}) if world_size else []
+    if others:  # the step time of this world size is not the others': say which one the need was sized from
+        warnings = [f"{w} (sized from world size {world_size}'s steps; world size {others} steps, from before "
+                    "the elastic resume, are not this run's)" for w in warnings]
     for warning in warnings:
         logger.warning("slurm_jit grace check (%s): %s", when, warning)
     return warnings

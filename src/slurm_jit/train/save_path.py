@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from slurm_jit.checkpoint import protocol
-from slurm_jit.train import frozen_weights, save_errors, slim_save, stop_path
+from slurm_jit.train import frozen_weights, keep_batch, save_errors, slim_save, stop_path
 
 if TYPE_CHECKING:
     from slurm_jit.train.trainer import JitTrainer
@@ -84,6 +84,7 @@ def save_checkpoint(trainer: JitTrainer, model: Any, trial: Any, upstream: Upstr
         nbytes = write_manifest(trainer, ckpt, step, kind, {
             "contents": contents, "weights": weights, "run_id": run.lineage if run and run.lineage else None,
             "owed_evaluation": bool(run and run.eval_owed),
+            **({keep_batch.MANIFEST_KEY: run.kept_batch} if run and run.kept_batch else {}),
         })
     if run is not None:
         run.saved_step, run.saved_contents = step, contents

@@ -350,4 +350,5 @@ def run_due_grace_checks(trainer: JitTrainer) -> None:
         if not trainer.jit_config.grace_check or when in run.grace_checked or not trainer._is_rank0:
             continue
         run.grace_checked.add(when)
-        runtime_grace.check_and_warn(str(trainer.args.output_dir), trainer.jit_config.kill_wait_s, when)
+        runtime_grace.check_and_warn(str(trainer.args.output_dir), trainer.jit_config.kill_wait_s, when,
+                                     world_size=int(trainer.args.world_size))

@@ -225,6 +225,8 @@ class JitTrainer(transformers.Trainer):
         run.timing = TimingLog(out_dir, int(self.args.process_index), int(self.args.world_size), run_id)
         if run.conversion and self._is_rank0:
             run.timing.conversion(**run.conversion)
+        if run.kept_batch and self._is_rank0:
+            run.timing.kept_batch(run.kept_batch)
         if self._is_rank0:
             stop_record.write(out_dir, "running", step=None, resumed_from=resume)
         return resume

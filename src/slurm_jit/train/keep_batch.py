@@ -1,0 +1,99 @@
+"""Keep the global batch across a world-size change: the gradient accumulation that gives this run the
+checkpoint's samples per optimizer step.
+
+A requeued job runs the same command on whatever nodes it gets: per-device batch and accumulation stay as they were,
+so on another world size the samples per optimizer step would change, and with them the data position (the Trainer
+skips global_step x accumulation batches on resume) and the meaning of the LR schedule. DeepSpeed's own elasticity
+keeps the global batch by choosing the accumulation; so does this, before the engine, the dataloader and max_steps
+are computed (``JitTrainer.train`` applies it between the resume pick and upstream's ``train``).
+
+The calculator (:func:`decide`) is pure; :func:`apply` sets the TrainingArguments and the DeepSpeed config on
+every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+MANIFEST_KEY = "kept_global_batch"  # in the manifest of every later save of a run that changed the accumulation
+TIMING_EVENT = "batch"  # the timing-log record of the change (rank 0, once per train())
+# The mismatch transformers records at TrainingArguments creation for an explicit DeepSpeed train_batch_size that
+# was the global batch on the old world size (HfTrainerDeepSpeedConfig.fill_match's wording)
+TRAIN_BATCH_MISMATCH = "- ds train_batch_size={} "
+
+
+@dataclass(frozen=True, kw_only=True)
+class Kept:
+    """A change of gradient accumulation that keeps the checkpoint's samples per optimizer step."""
+
+    from_world_size: int  # the ranks that wrote the checkpoint
+    to_world_size: int  # this run's
+    accumulation_from: int  # this run's command's (TrainingArguments.gradient_accumulation_steps)
+    accumulation_to: int  # what this run trains with
+    samples_per_step: int  # the checkpoint's, kept
+
+    def line(self) -> str:
+        return (f"world size {self.from_world_size} -> {self.to_world_size}: gradient accumulation "
+                f"{self.accumulation_from} -> {self.accumulation_to}, {self.samples_per_step} samples per optimizer "
+                "step kept")
+
+    def record(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def decide(*, written_batch: int, written_by: int, per_device: int, accumulation: int, world_size: int,
+           keep: bool, where: str) -> tuple[Kept | None, str | None]:
+    """(the change, None), (None, None) when none is needed, or (None, one line with a HINT) when no integer
+    accumulation keeps ``written_batch`` samples per optimizer step with ``per_device`` on ``world_size`` ranks,
+    or ``keep`` is False (JitConfig.keep_global_batch). ``where``: the checkpoint, to name in the refusal. Pure."""
+    now = per_device * accumulation * world_size
+    if now == written_batch:
+        return None, None
+    per_step = per_device * world_size
+    if keep and written_batch % per_step == 0:
+        return Kept(from_world_size=written_by, to_world_size=world_size, accumulation_from=accumulation,
+                    accumulation_to=written_batch // per_step, samples_per_step=written_batch), None
+    return None, refusal(where, written_batch, now, world_size, keep)
+
+
+def refusal(where: str, written_batch: int, now: int, world_size: int, keep: bool = False) -> str:
+    """The one line for a resume whose samples per optimizer step would differ from the checkpoint's."""
+    head = (f"{where}: {written_batch} samples per optimizer step when written, {now} in this run: the Trainer "
+            "skips global_step batches on resume, so the data position (samples consumed) and the learning-rate "
+            "schedule would not carry over.")
+    if not keep:
+        return (f"{head} HINT: keep per_device_train_batch_size x gradient_accumulation_steps x world size at "
+                f"{written_batch}")
+    hint = _hint(written_batch, world_size)
+    return f"{head} No integer gradient accumulation keeps it on {world_size} ranks. HINT: {hint}"
+
+
+def _hint(written_batch: int, world_size: int) -> str:
+    if written_batch % world_size:
+        sizes = ", ".join(str(n) for n in divisors(written_batch))
+        return (f"no per-device batch does on {world_size} ranks: resume on a number of ranks that divides "
+                f"{written_batch} ({sizes})")
+    batches = ", ".join(str(n) for n in divisors(written_batch // world_size))
+    return f"per_device_train_batch_size {batches} on {world_size} ranks keeps it"
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def apply(args: Any, hf_ds_configs: tuple[Any, ...], kept: Kept) -> None:
+    """Every rank, before upstream's train(): ``args.gradient_accumulation_steps`` and each DeepSpeed config
+    (transformers' HfTrainerDeepSpeedConfig: its "auto" values were filled when TrainingArguments was made) set
+    consistently: gradient_accumulation_steps, and train_batch_size where it is given. An explicit
+    train_batch_size equal to the kept global batch no longer counts as a mismatch (it was one on this world size
+    with the command's accumulation); other mismatches (an accumulation in the DeepSpeed config that is not the
+    TrainingArguments') stay, and transformers refuses them as it would without a resume."""
+    args.gradient_accumulation_steps = kept.accumulation_to
+    for hf_config in {id(c): c for c in hf_ds_configs if c is not None}.values():
+        config = hf_config.config
+        config["gradient_accumulation_steps"] = kept.accumulation_to
+        if "train_batch_size" in config:
+            config["train_batch_size"] = kept.samples_per_step
+        stale = TRAIN_BATCH_MISMATCH.format(kept.samples_per_step)
+        hf_config.mismatches = [m for m in getattr(hf_config, "mismatches", []) if not m.startswith(stale)]

@@ -1,0 +1,92 @@
+"""The global batch kept across a world-size change (train/keep_batch.py): the pure calculator, and what it sets
+in a real TrainingArguments and transformers' DeepSpeed config (no engine: cheap)."""
+
+from __future__ import annotations
+
+import pytest
+
+from slurm_jit.train import keep_batch
+from slurm_jit.train.keep_batch import Kept
+
+
+def _decide(written: int, written_by: int, per_device: int, accumulation: int, world: int,
+            keep: bool = True) -> tuple[Kept | None, str | None]:
+    return keep_batch.decide(written_batch=written, written_by=written_by, per_device=per_device,
+                             accumulation=accumulation, world_size=world, keep=keep, where="ckpt-33")
+
+
+def test_shrink_doubles_and_grow_halves_the_accumulation() -> None:
+    kept, refusal = _decide(8, 2, per_device=2, accumulation=2, world=1)
+    assert refusal is None and kept is not None and kept.accumulation_to == 4
+    assert kept.line() == "world size 2 -> 1: gradient accumulation 2 -> 4, 8 samples per optimizer step kept"
+    kept, refusal = _decide(8, 1, per_device=2, accumulation=4, world=2)
+    assert refusal is None and kept is not None and kept.accumulation_to == 2
+    assert kept.record() == {"from_world_size": 1, "to_world_size": 2, "accumulation_from": 4,
+                             "accumulation_to": 2, "samples_per_step": 8}
+
+
+def test_the_same_samples_per_step_need_no_change() -> None:
+    assert _decide(8, 2, per_device=4, accumulation=2, world=1) == (None, None)
+    assert _decide(8, 2, per_device=2, accumulation=2, world=2) == (None, None)
+
+
+def test_a_world_size_that_divides_nothing_is_refused_naming_what_works() -> None:
+    kept, refusal = _decide(8, 2, per_device=2, accumulation=2, world=3)
+    assert kept is None and refusal is not None and "\n" not in refusal
+    assert "8 samples per optimizer step when written, 12 in this run" in refusal
+    assert "HINT: no per-device batch does on 3 ranks: resume on a number of ranks that divides 8 (1, 2, 4, 8)" \
+        in refusal, refusal
+
+
+def test_a_per_device_batch_that_divides_nothing_is_refused_naming_the_batches_that_work() -> None:
+    kept, refusal = _decide(12, 2, per_device=4, accumulation=1, world=2)  # 12 = 4 x a x 2 has no integer a
+    assert kept is None and refusal is not None
+    assert refusal.endswith("HINT: per_device_train_batch_size 1, 2, 3, 6 on 2 ranks keeps it"), refusal
+    kept, refusal = _decide(8, 2, per_device=4, accumulation=2, world=4)  # 4 x 4 = 16 > 8: no accumulation
+    assert kept is None and refusal is not None and "per_device_train_batch_size 1, 2 on 4 ranks" in refusal
+
+
+def test_keep_global_batch_false_keeps_todays_refusal() -> None:
+    kept, refusal = _decide(8, 2, per_device=2, accumulation=2, world=1, keep=False)
+    assert kept is None and refusal is not None
+    assert refusal.endswith("HINT: keep per_device_train_batch_size x gradient_accumulation_steps x world size at 8")
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_apply_sets_the_args_and_a_real_deepspeed_config_consistently(explicit: bool) -> None:
+    """An "auto" DeepSpeed config (filled when TrainingArguments was made) and an explicit one written for the
+    old world size: both end consistent, and transformers' own mismatch check passes."""
+    from transformers import TrainingArguments
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+              "train_batch_size": 8 if explicit else "auto", "zero_optimization": {"stage": 2}}
+    args = TrainingArguments(output_dir="unused", per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                             report_to=[], use_cpu=True)
+    hf_config = HfTrainerDeepSpeedConfig(config)
+    hf_config.trainer_config_process(args)  # what TrainingArguments(deepspeed=...) does, on 1 rank
+    assert bool(hf_config.mismatches) is explicit  # the explicit 8 was the old world size's
+    kept, _ = _decide(8, 2, per_device=2, accumulation=2, world=1)
+    assert kept is not None
+    keep_batch.apply(args, (hf_config, hf_config, None), kept)
+    assert args.gradient_accumulation_steps == 4
+    assert hf_config.config["gradient_accumulation_steps"] == 4 and hf_config.config["train_batch_size"] == 8
+    assert hf_config.mismatches == []
+    again = HfTrainerDeepSpeedConfig(hf_config.config)  # transformers re-checks it (auto_find_batch_size)
+    again.trainer_config_process(args)
+    assert again.mismatches == []
+
+
+def test_apply_leaves_an_accumulation_set_in_the_deepspeed_config_only_to_transformers_refusal() -> None:
+    from transformers import TrainingArguments
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    args = TrainingArguments(output_dir="unused", per_device_train_batch_size=2, report_to=[], use_cpu=True)
+    hf_config = HfTrainerDeepSpeedConfig({"gradient_accumulation_steps": 2, "train_micro_batch_size_per_gpu": 2})
+    hf_config.trainer_config_process(args)
+    before = list(hf_config.mismatches)
+    assert before and "gradient_accumulation_steps=2" in before[0]  # refused by transformers, resume or not
+    kept, _ = _decide(4, 2, per_device=2, accumulation=1, world=1)
+    assert kept is not None
+    keep_batch.apply(args, (hf_config,), kept)
+    assert hf_config.mismatches == before
