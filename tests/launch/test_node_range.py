@@ -69,6 +69,12 @@ def test_the_executor_takes_a_range_and_the_script_counts_this_starts_ranks(ex: 
     assert lines.index("SLURM_JIT_WORLD_SIZE=$((SLURM_JOB_NUM_NODES * 2))") < lines.index(gate)
     finish = lines[-1]
     assert finish.startswith("exec ") and '--tasks "$SLURM_JIT_WORLD_SIZE"' in finish
+    # sbatch would turn --ntasks-per-node=2 into --ntasks=1*2, and 2 tasks never get 2 nodes: the allocation asks
+    # one task per node with both ranks' CPUs, srun starts 2 tasks on each node it got
+    assert not [line for line in lines if line.startswith("#SBATCH --ntasks")]
+    assert "#SBATCH --cpus-per-task=2" in lines
+    srun = next(line for line in lines if line.startswith("srun "))
+    assert "--ntasks-per-node=2 --cpus-per-task=1 " in srun
 
 
 def test_a_fixed_count_keeps_its_script(ex: JitExecutor) -> None:
@@ -76,6 +82,7 @@ def test_a_fixed_count_keeps_its_script(ex: JitExecutor) -> None:
     script = ex.submission_text()
     assert "#SBATCH --nodes=2" in script.splitlines() and "SLURM_JIT_WORLD_SIZE" not in script
     assert "--world-size 4" in script and "--tasks 4" in script
+    assert "#SBATCH --ntasks-per-node=2" in script.splitlines() and "srun --ntasks" not in script
 
 
 @pytest.mark.parametrize(("params", "words"), [

@@ -308,6 +308,21 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
                 'echo "slurm-jit: ${SLURM_JIT_WORLD_SIZE} ranks on ${SLURM_JOB_NUM_NODES} node(s) '
                 f'(--nodes={self.nodes.sbatch_value()})"']
 
+    def _range_allocation(self, params: dict[str, Any]) -> list[str]:
+        """With a node range, move the tasks per node from sbatch to srun (``params`` changed in place; srun's
+        options returned). sbatch turns ``--ntasks-per-node=K`` into ``--ntasks=MIN*K``, and a job of MIN*K tasks
+        never gets more than MIN nodes (measured on Slurm 22.05: ``--nodes=1-2 --ntasks-per-node=1`` ran on one of
+        two idle nodes). So the allocation asks one task per node holding the K ranks' CPUs, and srun starts K
+        tasks on every node it got."""
+        if not self.nodes.elastic:
+            return []
+        params.pop("ntasks_per_node", None)
+        per_task = params.get("cpus_per_task")
+        if self.tasks_per_node == 1:
+            return [f"--ntasks-per-node={self.tasks_per_node}"]
+        params["cpus_per_task"] = self.tasks_per_node * int(per_task or 1)
+        return [f"--ntasks-per-node={self.tasks_per_node}", f"--cpus-per-task={int(per_task or 1)}"]
+
     def _teardown_lines(self) -> list[str]:
         out, quarantine = '"$OUT_DIR"', " --quarantine" if self.quarantine else ""
         return [
@@ -332,11 +347,11 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
         lead_s = self.signal_lead()
         additional = {**(params.pop("additional_parameters", None) or {}), "signal": f"TERM@{lead_s}",
                       "requeue": True}
+        srun_args = [KILL_ON_BAD_EXIT, *self._range_allocation(params), *(params.pop("srun_args", None) or [])]
         text = str(_make_sbatch_string(
             command=command, folder=_pattern_folder(str(self.folder)),
             setup=[*(params.pop("setup", None) or []), *self._setup_lines(lead_s)],
-            teardown=self._teardown_lines(), additional_parameters=additional,
-            srun_args=[KILL_ON_BAD_EXIT, *(params.pop("srun_args", None) or [])], **params))
+            teardown=self._teardown_lines(), additional_parameters=additional, srun_args=srun_args, **params))
         return "\n".join(line for line in text.split("\n") if not line.startswith("#SBATCH --job-name=")) + "\n"
 
     def submission_text(self, what: object = None) -> str:
