@@ -57,6 +57,13 @@ def timing_path(output_dir: str | os.PathLike[str], rank: int) -> Path:
     return timing_dir(output_dir) / f"timing-rank{rank}.jsonl"
 
 
+def _restart(job_id: str | None) -> int | None:
+    """This run's restart of its Slurm job (status shows each restart's world size); Slurm sets
+    SLURM_RESTART_COUNT only from the first restart on, so a job's first run is 0; None outside Slurm."""
+    restart = os.environ.get("SLURM_RESTART_COUNT", "")
+    return int(restart) if restart.isdigit() else (0 if job_id else None)
+
+
 class TimingLog:
     """Appends one rank's timing records; cheap enough to call every step."""
 
@@ -73,9 +80,8 @@ class TimingLog:
             self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         except OSError as exc:  # no inode left, a quota of files: as a full disk later on, never the training
             self._give_up(exc)
-        restart = os.environ.get("SLURM_RESTART_COUNT", "")  # status shows each restart's world size
-        self._write({"event": "start", "job_id": os.environ.get("SLURM_JOB_ID"),
-                     "restart": int(restart) if restart.isdigit() else None, "time": time.time()})
+        job_id = os.environ.get("SLURM_JOB_ID")
+        self._write({"event": "start", "job_id": job_id, "restart": _restart(job_id), "time": time.time()})
         self.flush()
 
     def _write(self, record: dict[str, Any]) -> None:

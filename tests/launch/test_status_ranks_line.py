@@ -12,9 +12,13 @@ from slurm_jit.launch import status
 
 
 def _start(out: Path, monkeypatch: pytest.MonkeyPatch, job: str, restart: str, world_size: int) -> None:
-    """One run's start, as the JitTrainer's ranks write it (every rank; status reads rank 0's)."""
+    """One run's start, as the JitTrainer's ranks write it (every rank; status reads rank 0's). Slurm sets
+    SLURM_RESTART_COUNT from the first restart on: a job's first run has none."""
     monkeypatch.setenv("SLURM_JOB_ID", job)
-    monkeypatch.setenv("SLURM_RESTART_COUNT", restart)
+    if restart == "0":
+        monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    else:
+        monkeypatch.setenv("SLURM_RESTART_COUNT", restart)
     for rank in range(world_size):
         timing.TimingLog(out, rank=rank, world_size=world_size, run_id=f"{job}-{restart}").close()
 
@@ -32,6 +36,13 @@ def test_a_long_chain_shows_its_newest_runs(tmp_path: Path, monkeypatch: pytest.
         _start(tmp_path, monkeypatch, "7", str(restart), 1)
     line = next(line for line in status.report(str(tmp_path), None) if line.startswith("ranks:"))
     assert line.startswith("ranks:    2 older run(s); job 7: restart 2 on 1 rank,") and "restart 1 " not in line
+
+
+def test_a_run_outside_slurm_is_counted_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    timing.TimingLog(tmp_path, rank=0, world_size=2, run_id="a").close()
+    assert "ranks:    outside Slurm: run 1 on 2 ranks" in status.report(str(tmp_path), None)
 
 
 def test_no_timing_log_no_ranks_line(tmp_path: Path) -> None:

@@ -76,13 +76,14 @@ def _ranks_line(out_dir: str) -> list[str]:
         restart = start.get("restart")
         label = f"restart {restart}" if isinstance(restart, int) else f"run {number}"
         size = start.get("world_size")
-        jobs.setdefault(str(start.get("job_id")), []).append(f"{label} on {size} rank{'' if size == 1 else 's'}")
+        job = f"job {start['job_id']}" if start.get("job_id") else "outside Slurm"
+        jobs.setdefault(job, []).append(f"{label} on {size} rank{'' if size == 1 else 's'}")
     runs = [(job, run) for job, listed in jobs.items() for run in listed][-MAX_RUNS_SHOWN:]
     shown: dict[str, list[str]] = {}
     for job, run in runs:
         shown.setdefault(job, []).append(run)
     older = f"{len(starts) - len(runs)} older run(s); " if len(starts) > len(runs) else ""
-    return ["ranks:    " + older + "; ".join(f"job {job}: {', '.join(listed)}" for job, listed in shown.items())]
+    return ["ranks:    " + older + "; ".join(f"{job}: {', '.join(listed)}" for job, listed in shown.items())]
 
 
 MAX_LOG_LINES = 8  # per-task log paths printed; a 512-rank job lists the first ones and the pattern
