@@ -315,9 +315,10 @@ def build_job(args: argparse.Namespace) -> Launch:
 def _parameters(args: argparse.Namespace) -> dict[str, Any]:
     """The options as submitit's raw parameters (each task's stderr in its log: one log per task, as the single
     log before)."""
+    # wckey None: submitit's default wckey "submitit"; the CLI's jobs never had one
     params: dict[str, Any] = {"nodes": args.nodes.sbatch_value(), "ntasks_per_node": args.ntasks_per_node,
                               "time": str(args.time), "job_name": args.job_name or "slurm-jit",
-                              "stderr_to_stdout": True, "wckey": None}  # submitit's default wckey "submitit": the CLI's jobs never had one
+                              "stderr_to_stdout": True, "wckey": None}
     for name in ("cpus_per_task", "mem", "gpus_per_node", "partition", "account", "qos"):
         if getattr(args, name) is not None:
             params[name] = getattr(args, name)
