@@ -50,6 +50,9 @@ def test_the_plan_says_a_requeue_may_come_back_on_fewer_nodes_and_what_the_train
     uneven = node_range.plan_line(node_range.parse("2-3"), 1)
     assert uneven is not None and "(3 -> 2" not in uneven  # no integer factor to promise
     assert "on 2 ranks only where the samples per optimizer step divide" in uneven
+    wide = node_range.plan_line(node_range.parse("1-99999999999"), 1)  # said by its ends, never listed
+    assert wide is not None and "so 1 to 99999999999 ranks" in wide
+    assert "on the counts between 1 and 99999999999 that do not divide 99999999999 ranks only where" in wide
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 # sbatch(1) --nodes: "<minnodes>[-maxnodes]" (newer Slurm also takes a size list "1,4,8" or "1-16:4", which
 # would let a job resume on counts the plan never named: refused here).
 _RANGE = re.compile(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?")
+MAX_LISTED = 8  # node counts the plan lists one by one; a wider range is said as its ends
 HINT = "HINT: a node count (--nodes 2) or sbatch's range MIN-MAX with 1 <= MIN <= MAX (--nodes 1-2)"
 
 
@@ -37,7 +38,10 @@ class NodeRange:
         return f"{self.min_nodes}-{self.max_nodes}" if self.elastic else self.max_nodes
 
     def world_sizes(self, per_node: int) -> list[int]:
-        """Every world size a start may get, fewest first."""
+        """The world sizes a start may get, fewest first: every one for up to MAX_LISTED node counts, else the
+        fewest and the most (a range of a million nodes is not listed)."""
+        if self.max_nodes - self.min_nodes >= MAX_LISTED:
+            return [self.min_nodes * per_node, self.max_nodes * per_node]
         return [nodes * per_node for nodes in range(self.min_nodes, self.max_nodes + 1)]
 
 
@@ -71,19 +75,24 @@ def plan_line(nodes: NodeRange, per_node: int) -> str | None:
         return None
     sizes = nodes.world_sizes(per_node)
     most = sizes[-1]
-    uneven = [size for size in sizes if most % size]
+    listed = nodes.max_nodes - nodes.min_nodes < MAX_LISTED
+    ranks = _either(sizes) if listed else f"{sizes[0]} to {most}"
+    uneven = (_either([size for size in sizes if most % size]) if listed
+              else f"the counts between {sizes[0]} and {most} that do not divide {most}")
     factor = f" ({most} -> {sizes[0]} ranks: x{most // sizes[0]})" if not most % sizes[0] else ""
     line = (f"--nodes {nodes.min_nodes}-{nodes.max_nodes}: each start (the first and every requeue) gets "
-            f"{nodes.min_nodes} to {nodes.max_nodes} nodes, so {_either(sizes)} ranks; a requeue may "
+            f"{nodes.min_nodes} to {nodes.max_nodes} nodes, so {ranks} ranks; a requeue may "
             "come back on fewer (or more) nodes than the run before, and the JitTrainer then keeps the global "
             f"batch (per-device batch x accumulation x ranks) by setting the gradient accumulation{factor}")
     if uneven:
-        line += (f"; on {_either(uneven)} ranks only where the samples per optimizer step divide by "
-                 "ranks x per-device batch (else it refuses to resume, naming batches that would)")
+        line += (f"; on {uneven} ranks only where the samples per optimizer step divide by ranks x per-device "
+                 "batch (else it refuses to resume, naming batches that would)")
     return line + (f"; the signal lead is sized for {most} ranks: an optimizer step on {sizes[0]} takes up to "
                    f"{most / sizes[0]:g}x as long (--step-time of the smallest allocation to size for it)")
 
 
 def _either(sizes: list[int]) -> str:
     """``1 or 2``, ``4, 8 or 12``."""
+    if not sizes:
+        return ""
     return " or ".join([", ".join(map(str, sizes[:-1])), str(sizes[-1])] if len(sizes) > 1 else [str(sizes[0])])
