@@ -31,6 +31,17 @@ def test_status_shows_the_world_size_of_each_restart(tmp_path: Path, monkeypatch
         in status.report(str(tmp_path), None)
 
 
+def test_status_shows_the_accumulation_the_trainer_set(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _start(tmp_path, monkeypatch, "7", "0", 2)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    log = timing.TimingLog(tmp_path, rank=0, world_size=1, run_id="7-1")
+    log.kept_batch({"from_world_size": 2, "to_world_size": 1, "accumulation_from": 2, "accumulation_to": 4,
+                    "samples_per_step": 8})  # as train/keep_batch.py records it
+    log.close()
+    assert "ranks:    job 7: restart 0 on 2 ranks, restart 1 on 1 rank (accumulation 2 -> 4)" \
+        in status.report(str(tmp_path), None)
+
+
 def test_a_long_chain_shows_its_newest_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for restart in range(status.MAX_RUNS_SHOWN + 2):
         _start(tmp_path, monkeypatch, "7", str(restart), 1)

@@ -64,20 +64,26 @@ MAX_RUNS_SHOWN = 12  # the newest runs of a long requeue chain; older ones are c
 
 def _ranks_line(out_dir: str) -> list[str]:
     """The world size of each restart, from rank 0's start records in the timing log (a run with a node range
-    may come back on fewer nodes): ``job 7: restart 0 on 2 ranks, restart 1 on 1 rank``."""
+    may come back on fewer nodes), with the accumulation the trainer set to keep the global batch:
+    ``job 7: restart 0 on 2 ranks, restart 1 on 1 rank (accumulation 2 -> 4)``."""
     try:
-        starts = timing.starts(timing.read_records(out_dir)) if os.path.isdir(timing.timing_dir(out_dir)) else []
+        records = timing.read_records(out_dir) if os.path.isdir(timing.timing_dir(out_dir)) else []
     except (OSError, ValueError):  # the grace line says what is wrong with the log
         return []
+    starts = timing.starts(records)
     if not starts:
         return []
+    kept = {r.get("run_id"): r for r in records if r["event"] == "batch"}  # the trainer kept the global batch
     jobs: dict[str, list[str]] = {}
     for number, start in enumerate(starts, start=1):
         restart = start.get("restart")
         label = f"restart {restart}" if isinstance(restart, int) else f"run {number}"
         size = start.get("world_size")
+        batch = kept.get(start.get("run_id"))
+        accumulation = (f" (accumulation {batch.get('accumulation_from')} -> {batch.get('accumulation_to')})"
+                        if batch else "")
         job = f"job {start['job_id']}" if start.get("job_id") else "outside Slurm"
-        jobs.setdefault(job, []).append(f"{label} on {size} rank{'' if size == 1 else 's'}")
+        jobs.setdefault(job, []).append(f"{label} on {size} rank{'' if size == 1 else 's'}{accumulation}")
     runs = [(job, run) for job, listed in jobs.items() for run in listed][-MAX_RUNS_SHOWN:]
     shown: dict[str, list[str]] = {}
     for job, run in runs:
