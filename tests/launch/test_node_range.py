@@ -80,6 +80,14 @@ def test_the_executor_takes_a_range_and_the_script_counts_this_starts_ranks(ex: 
     assert "--ntasks-per-node=2 --cpus-per-task=1 " in srun
 
 
+def test_a_range_tells_after_step_its_fewest_nodes_for_the_hung_node_exclusion(tmp_path: Path) -> None:
+    ex = JitExecutor(folder=tmp_path / "logs", output_dir=tmp_path / "out", signal_lead_s=60, exclude_hung_node=True)
+    ex.update_parameters(timeout_min=10, nodes="2-4")
+    assert " --exclude-hung-node --min-nodes 2" in ex.submission_text()
+    ex.update_parameters(nodes=4)
+    assert " --exclude-hung-node" in ex.submission_text() and "--min-nodes" not in ex.submission_text()
+
+
 def test_a_fixed_count_keeps_its_script(ex: JitExecutor) -> None:
     ex.update_parameters(timeout_min=10, nodes="2", tasks_per_node=2)
     script = ex.submission_text()

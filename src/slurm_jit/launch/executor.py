@@ -339,7 +339,8 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
     def _hang_options(self) -> str:
         """after_step's hang options, only where they differ from its defaults (scripts stay as they were)."""
         budget = "" if self.retry_on_hang == DEFAULT_RETRY_ON_HANG else f" --retry-on-hang {self.retry_on_hang}"
-        return budget + (" --exclude-hung-node" if self.exclude_hung_node else "")
+        fewest = f" --min-nodes {self.nodes.min_nodes}" if self.exclude_hung_node and self.nodes.elastic else ""
+        return budget + (" --exclude-hung-node" if self.exclude_hung_node else "") + fewest
 
     def _make_submission_file_text(self, command: str, uid: str) -> str:
         params = dict(self.parameters)
