@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from slurm_jit import timing
 from slurm_jit.launch import JitExecutor, node_range
 from slurm_jit.launch.executor import JitExecutorError
 
@@ -46,7 +47,7 @@ def test_the_plan_says_a_requeue_may_come_back_on_fewer_nodes_and_what_the_train
     assert line is not None
     assert "gets 1 to 2 nodes, so 4 or 8 ranks; a requeue may come back on fewer" in line
     assert "keeps the global batch" in line and "gradient accumulation (8 -> 4 ranks: x2)" in line
-    assert "signal lead is sized for 8 ranks: an optimizer step on 4 takes up to 2x as long" in line
+    assert "the signal lead is sized for the fewest, 4 ranks, whose optimizer step is the longest (up to 2x" in line
     uneven = node_range.plan_line(node_range.parse("2-3"), 1)
     assert uneven is not None and "(3 -> 2" not in uneven  # no integer factor to promise
     assert "on 2 ranks only where the samples per optimizer step divide" in uneven
@@ -108,3 +109,24 @@ def test_the_executor_refuses_a_bad_range_in_one_line(ex: JitExecutor, params: d
     with pytest.raises(JitExecutorError) as info:
         ex.update_parameters(timeout_min=10, **params)
     assert words in str(info.value) and "HINT" in str(info.value) and "\n" not in str(info.value)
+
+
+def _lead_s(out: Path, nodes: str) -> int:
+    from slurm_jit.launch import submit
+
+    args = submit._merged(submit._parser().parse_args(
+        ["--output-dir", str(out), "--time", "60", "--nodes", nodes, "--", "python", "train.py"]))
+    return submit.build_job(args).grace.lead_s
+
+
+def test_the_signal_lead_of_a_range_is_sized_for_its_fewest_nodes(tmp_path: Path) -> None:
+    """A timing log of 2 ranks (step 10 s, save 20 s): --nodes 1-2 may run on 1 rank, whose optimizer step (the
+    global batch kept) is twice as long: the lead covers it."""
+    for rank in range(2):
+        log = timing.TimingLog(tmp_path, rank=rank, world_size=2, run_id="r")
+        for step in range(1, 6):
+            log.step(step, 10.0)
+        log.save(5, "jit", 20.0, 1000)
+        log.close()
+    fixed, ranged = _lead_s(tmp_path, "2"), _lead_s(tmp_path, "1-2")
+    assert ranged > fixed + 20  # step and save x2 (grace.shrunk_terms), not the 2-rank times

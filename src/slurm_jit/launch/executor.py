@@ -262,7 +262,7 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
             return self.signal_lead_s
         try:
             result, warnings = sbatch_options.signal_lead(
-                self.output_dir, world_size=self.world_size, nodes=self.nodes.max_nodes,
+                self.output_dir, world_size=self.nodes.min_nodes * self.tasks_per_node, nodes=self.nodes.min_nodes,
                 step_time=_opt(self.step_time_s), save_time=_opt(self.save_time_s))
         except GraceError as exc:
             raise JitExecutorError(f"--signal lead: {exc}".replace("--step-time", "step_time_s")

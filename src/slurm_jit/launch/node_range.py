@@ -87,8 +87,9 @@ def plan_line(nodes: NodeRange, per_node: int) -> str | None:
     if uneven:
         line += (f"; on {uneven} ranks only where the samples per optimizer step divide by ranks x per-device "
                  "batch (else it refuses to resume, naming batches that would)")
-    return line + (f"; the signal lead is sized for {most} ranks: an optimizer step on {sizes[0]} takes up to "
-                   f"{most / sizes[0]:g}x as long (--step-time of the smallest allocation to size for it)")
+    return line + (f"; the signal lead is sized for the fewest, {sizes[0]} ranks, whose optimizer step is the "
+                   f"longest (up to {most / sizes[0]:g}x the step on {most}: a timing log of more ranks is scaled, "
+                   "a given --step-time taken as theirs)")
 
 
 def _either(sizes: list[int]) -> str:

@@ -174,10 +174,12 @@ def _merged(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def _grace(args: argparse.Namespace, world_size: int) -> GraceResult:
-    """N from --signal-lead, or from the grace calculator (given times over the output dir's timing log)."""
+def _grace(args: argparse.Namespace) -> GraceResult:
+    """N from --signal-lead, or from the grace calculator (given times over the output dir's timing log), for the
+    fewest nodes a start may get: with the global batch kept, their optimizer step is the longest."""
     result, warnings = sbatch_options.signal_lead(
-        args.output_dir, world_size=world_size, nodes=args.nodes.max_nodes, step_time=args.step_time,
+        args.output_dir, world_size=args.nodes.min_nodes * args.ntasks_per_node, nodes=args.nodes.min_nodes,
+        step_time=args.step_time,
         save_time=args.save_time, eval_time=args.eval_time, kill_wait=args.kill_wait, margin=args.margin,
         given_lead_s=None if args.signal_lead is None else int(args.signal_lead), from_dir=args.from_dir)
     sbatch_options.warn(PROG, warnings)
@@ -292,7 +294,7 @@ def build_job(args: argparse.Namespace) -> Launch:
     _check_values(args)
     sbatch_options.check_extra_args(args.sbatch_arg or [])
     sbatch_options.check_environment(os.environ)
-    result = _grace(args, args.nodes.max_nodes * args.ntasks_per_node)
+    result = _grace(args)
     if limit_s is not None and result.lead_s >= limit_s:
         raise ValueError(f"--signal lead {result.lead_s} s is not shorter than --time {args.time} ({limit_s} s). "
                          f"HINT: a longer --time, or a faster step/save")
