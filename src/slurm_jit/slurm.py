@@ -206,13 +206,13 @@ def hostnames(expression: str) -> list[str]:
     return run(["scontrol", "show", "hostnames", expression]).split()
 
 
-def _exclusion_blocks(job: dict[str, str], node: str) -> str | None:
+def _exclusion_blocks(job: dict[str, str], node: str, min_nodes: int | None = None) -> str | None:
     """Why excluding ``node`` would leave the job no way to start (pending forever: BadConstraints) or cannot be done
     (not a node of its partition), or None when it can, or when Slurm does not say enough to tell (the exclusion is
-    then made, as asked)."""
+    then made, as asked). ``min_nodes``: a job of a node range, whose NumNodes while it runs is the count it got."""
     if node in hostnames(job.get("ReqNodeList", "")):
         return f"the job requires it (ReqNodeList={job['ReqNodeList']})"
-    needed = re.match(r"\d+", job.get("NumNodes", ""))
+    needed = re.match(r"\d+", str(min_nodes) if min_nodes else job.get("NumNodes", ""))
     partitions = [name for name in job.get("Partition", "").split(",") if name]
     pool = {name for part in partitions for name in hostnames(show_partition(part).get("Nodes", ""))}
     if needed is None or not pool:
@@ -226,7 +226,7 @@ def _exclusion_blocks(job: dict[str, str], node: str) -> str | None:
             f"left without it: it would stay pending forever")
 
 
-def requeue_excluding(job_id: str, node: str) -> str | None:
+def requeue_excluding(job_id: str, node: str, min_nodes: int | None = None) -> str | None:
     """Requeue the job so that it never runs on ``node`` again (added to its ``ExcNodeList``).
 
     A running job's ExcNodeList cannot be changed ("Job is no longer pending execution"), so: ``scontrol
@@ -239,7 +239,7 @@ def requeue_excluding(job_id: str, node: str) -> str | None:
     """
     job = show_job(job_id)  # now: after the requeuehold, our scontrols get TERM
     try:
-        blocked = _exclusion_blocks(job, node)
+        blocked = _exclusion_blocks(job, node, min_nodes)
     except SlurmError:  # the partition or a hostlist unreadable: exclude, as asked
         blocked = None
     if blocked is not None:

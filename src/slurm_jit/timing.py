@@ -3,7 +3,8 @@
 The JitTrainer appends one JSON object per line to ``OUT_DIR/slurm-jit/timing-rank<R>.jsonl`` (one file per
 global rank, so ranks never contend for a lock, and kept across restarts: every run appends). Records::
 
-    {"v": 1, "event": "start", "rank": 0, "world_size": 2, "run_id": "...", "job_id": "123", "time": 1.7e9}
+    {"v": 1, "event": "start", "rank": 0, "world_size": 2, "run_id": "...", "job_id": "123", "restart": 0,
+     "time": 1.7e9}
     {"v": 1, "event": "step",  "rank": 0, "world_size": 2, "run_id": "...", "step": 12, "dur_s": 0.21,
      "warmup": false}
     {"v": 1, "event": "save",  "rank": 0, "world_size": 2, "run_id": "...", "step": 12, "dur_s": 3.4,
@@ -56,6 +57,13 @@ def timing_path(output_dir: str | os.PathLike[str], rank: int) -> Path:
     return timing_dir(output_dir) / f"timing-rank{rank}.jsonl"
 
 
+def _restart(job_id: str | None) -> int | None:
+    """This run's restart of its Slurm job (status shows each restart's world size); Slurm sets
+    SLURM_RESTART_COUNT only from the first restart on, so a job's first run is 0; None outside Slurm."""
+    restart = os.environ.get("SLURM_RESTART_COUNT", "")
+    return int(restart) if restart.isdigit() else (0 if job_id else None)
+
+
 class TimingLog:
     """Appends one rank's timing records; cheap enough to call every step."""
 
@@ -72,7 +80,8 @@ class TimingLog:
             self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         except OSError as exc:  # no inode left, a quota of files: as a full disk later on, never the training
             self._give_up(exc)
-        self._write({"event": "start", "job_id": os.environ.get("SLURM_JOB_ID"), "time": time.time()})
+        job_id = os.environ.get("SLURM_JOB_ID")
+        self._write({"event": "start", "job_id": job_id, "restart": _restart(job_id), "time": time.time()})
         self.flush()
 
     def _write(self, record: dict[str, Any]) -> None:
@@ -334,6 +343,11 @@ def conversions(records: Iterable[dict[str, Any]]) -> list[tuple[float, int]]:
     """(seconds, bytes written) of every elastic-resume conversion recorded (any world size); bytes 0 (unknown)
     where the record's are not a plain count of bytes (true, a float, negative, beyond any file)."""
     return [(float(r["dur_s"]), _recorded_bytes(r.get("bytes"))) for r in records if r["event"] == "convert"]
+
+
+def starts(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rank 0's start record of every run, in the order the runs started (each run appends to rank 0's file)."""
+    return [r for r in records if r["event"] == "start" and r.get("rank") == 0]
 
 
 def _recorded_bytes(value: Any) -> int:

@@ -160,6 +160,15 @@ def test_an_exclusion_that_leaves_enough_nodes_is_made(tmp_path: Path, monkeypat
     assert ["scontrol", "update", "JobId=42", "ExcNodeList=node2"] in gateway.acts()
 
 
+def test_a_node_range_job_excludes_a_node_while_its_fewest_are_left(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job of --nodes 1-2 runs on both nodes (NumNodes=2 while running): the exclusion leaves it 1, its MIN."""
+    gateway = SmallCluster(2)
+    monkeypatch.setattr(slurm, "runner", gateway)
+    assert _run(tmp_path, _hung(tmp_path, ranks=RANKS[:1]), "--exclude-hung-node", "--min-nodes", "1") == 0
+    assert ["scontrol", "update", "JobId=42", "ExcNodeList=node2"] in gateway.acts()
+
+
 @pytest.mark.parametrize("node", [None, "node2 ExcNodeList=node1", "node[1-2]", "", 7])
 def test_exclude_hung_node_with_no_usable_node_requeues_and_says_none_was_excluded(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], node: object) -> None:

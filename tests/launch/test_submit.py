@@ -26,6 +26,7 @@ CMD = ["--", "python", "train.py", "--lr", "3e-4"]
 CASES = {
     "minimal": [*BASE, *CMD],
     "nodes": [*BASE, "--nodes", "2", "--ntasks-per-node", "4", *CMD],
+    "nodes-range": [*BASE, "--nodes", "1-2", "--ntasks-per-node", "4", *CMD],
     "resources": [*BASE, "--cpus-per-task", "8", "--mem", "64G", "--gpus-per-node", "4", *CMD],
     "accounting": [*BASE, "--partition", "gpu", "--account", "proj-1", "--qos", "high", *CMD],
     "time-hms": ["--output-dir", OUT, "--python", "python", "--time", "4:00:00", "--signal-lead", "300", *CMD],
@@ -64,6 +65,16 @@ def test_config_file_gives_the_same_script_and_the_command_line_wins(tmp_path: P
     assert proc.stdout == (GOLDEN / "submit-nodes.sbatch").read_text()
 
 
+def test_a_node_range_from_the_config_gives_the_same_script(tmp_path: Path) -> None:
+    config = tmp_path / "job.toml"
+    config.write_text('nodes = "1-2"\nntasks_per_node = 4\n')
+    proc = submit("--config", str(config), *BASE, *CMD)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == (GOLDEN / "submit-nodes-range.sbatch").read_text()
+    assert "plan: 1-2 node(s) x 4 task(s) = 4-8 ranks" in proc.stderr
+    assert "  nodes:    --nodes 1-2: each start (the first and every requeue) gets 1 to 2 nodes" in proc.stderr
+
+
 def test_plan_names_grace_terms_signal_policy_and_resume_point() -> None:
     proc = submit(*CASES["grace-calc"])
     plan = proc.stderr
@@ -87,6 +98,9 @@ def test_plan_names_grace_terms_signal_policy_and_resume_point() -> None:
     # Hostile input found by attacking the launcher (each accepted, silently changed or a traceback before):
     ([*BASE, "--nodes", "0", *CMD], "--nodes 0: must be a whole number, 1 or more"),  # was taken for 1
     ([*BASE, "--ntasks-per-node", "0", *CMD], "--ntasks-per-node 0: must be"),  # was taken for 1
+    ([*BASE, "--nodes", "2-1", *CMD], "--nodes 2-1: MIN 2 is above MAX 1"),
+    ([*BASE, "--nodes", "1.5", *CMD], "--nodes 1.5: not a node count or a MIN-MAX range"),
+    ([*BASE, "--nodes", "1,2", *CMD], "--nodes 1,2: not a node count or a MIN-MAX range"),
     ([*BASE, "--max-requeues", "-1", *CMD], "--max-requeues -1: must be a whole number, 0 or more"),
     ([*BASE, "--retry-on-failure", "-1", *CMD], "--retry-on-failure -1: must be"),
     ([*BASE, "--job-name", "", *CMD], "--job-name is empty"),
@@ -110,6 +124,7 @@ def test_bad_input_is_one_line_with_a_hint(args: list[str], message: str, tmp_pa
 
 @pytest.mark.parametrize(("line", "message"), [
     ('nodes = "two"', "nodes = 'two' is not an integer"),
+    ('nodes = "1-2-3"', "nodes = '1-2-3' is not an integer"),
     ("nodes = true", "nodes = True is not an integer"),
     ("output_dir = 5", "output-dir = 5 is not a string"),  # was a TypeError traceback
     ('quarantine = "no"', "quarantine = 'no' is not true or false"),  # was bool("no"): quarantine on

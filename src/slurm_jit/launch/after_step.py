@@ -3,7 +3,7 @@
 Run by the batch script after ``srun`` returns (every rank has exited)::
 
     python -m slurm_jit.launch.after_step OUT_DIR --srun-exit $? --max-requeues 5 [--retry-on-failure K]
-        [--retry-on-hang K] [--exclude-hung-node]
+        [--retry-on-hang K] [--exclude-hung-node [--min-nodes N]]
 
 It reads the stop record of *this* job id and restart, runs the ``ckpt-check`` gate, reads the job's state through
 the Slurm gateway, decides with :mod:`slurm_jit.launch.policy`, records the step in
@@ -173,15 +173,15 @@ def _withdrawn(job_id: str) -> str | None:
     return None
 
 
-def _requeue(job_id: str, exclude_node: str | None) -> str | None:
-    """``scontrol requeue`` (which ends this batch shell), excluding ``exclude_node`` when given; None when Slurm
-    took it, else why not."""
+def _requeue(job_id: str, exclude_node: str | None, min_nodes: int | None = None) -> str | None:
+    """``scontrol requeue`` (which ends this batch shell), excluding ``exclude_node`` when given (a job of a node
+    range needs ``min_nodes``, not the count it runs on); None when Slurm took it, else why not."""
     try:
         if exclude_node is None:
             slurm.requeue(job_id)
             return None
         print(f"slurm-jit: requeue excluding node {exclude_node} (--exclude-hung-node)", flush=True)
-        warning = slurm.requeue_excluding(job_id, exclude_node)
+        warning = slurm.requeue_excluding(job_id, exclude_node, min_nodes=min_nodes)
     except slurm.SlurmError as exc:
         return f"requeue failed: {exc}"
     if warning is not None:
@@ -200,6 +200,9 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"requeues after hangs and lost peers (default {policy.DEFAULT_RETRY_ON_HANG})")
     p.add_argument("--exclude-hung-node", action="store_true",
                    help="the requeued job excludes the hung rank's (or lost peer's) node")
+    p.add_argument("--min-nodes", type=int, default=None, metavar="N",
+                   help="a job of a node range (--nodes N-MAX): the fewest nodes it may be requeued on, so that "
+                        "--exclude-hung-node excludes a node where N are left (default: the nodes it runs on)")
     p.add_argument("--quarantine", action="store_true", help="the gate quarantines non-resumable checkpoints")
     return p
 
@@ -245,14 +248,14 @@ def _decide_and_act(args: argparse.Namespace, env: Mapping[str, str]) -> int:
               "how Slurm logs its signal reaching the step, not a cancel: the ranks answered it with this JIT stop",
               flush=True)
     if decision.requeue:
-        return _act(args.out_dir, job_id, saved, facts, decision, withdrawn)
+        return _act(args.out_dir, job_id, saved, facts, decision, withdrawn, args.min_nodes)
     if decision.cause == policy.CAUSE_FINISHED:
         return 0
     return args.srun_exit or 1
 
 
 def _act(out_dir: str, job_id: str, saved: dict[str, Any], facts: policy.Facts, decision: policy.Decision,
-         withdrawn: str | None) -> int:
+         withdrawn: str | None, min_nodes: int | None = None) -> int:
     """Requeue, unless withdrawn (checked again: a scancel may have come while the record was written); what did
     not happen replaces the record's "requeued"."""
     if withdrawn is None:
@@ -263,7 +266,7 @@ def _act(out_dir: str, job_id: str, saved: dict[str, Any], facts: policy.Facts, 
         print(f"slurm-jit: {withdrawn}; never requeued after a cancel. HINT: to go on, resubmit (the checkpoint "
               "is kept)", flush=True)
         return 1
-    failed = _requeue(job_id, decision.exclude_node)
+    failed = _requeue(job_id, decision.exclude_node, min_nodes)
     if failed is None:
         return 0
     _remember(out_dir, job_id, saved, facts, decision, failed)

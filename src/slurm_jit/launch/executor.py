@@ -32,7 +32,7 @@ from typing import Any
 from slurm_jit import slurm
 from slurm_jit.grace.calc import LEAD_ENV_VAR, GraceError
 from slurm_jit.grace.sbatch_script import ScriptError, parse_time_limit
-from slurm_jit.launch import gate, output_claim, sbatch_options, submitit_hooks
+from slurm_jit.launch import gate, node_range, output_claim, sbatch_options, submitit_hooks
 from slurm_jit.launch.command import Command
 from slurm_jit.launch.policy import DEFAULT_RETRY_ON_HANG
 
@@ -82,13 +82,14 @@ def _refuse_owned_option(where: str, name: str, owned: tuple[str, ...], hint: st
 
 def check_shapes(params: Mapping[str, Any]) -> None:
     """Refuse (one line, HINT) values whose type the script or the world size cannot take (raw submitit names)."""
-    for name in ("nodes", "ntasks_per_node"):
-        value = params.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise JitExecutorError(f"{name}={value!r}: a whole number, 1 or more. HINT: e.g. {name}=2")
+    value = params.get("ntasks_per_node")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise JitExecutorError(f"ntasks_per_node={value!r}: a whole number, 1 or more. HINT: e.g. ntasks_per_node=2")
     extra = params.get("additional_parameters")
     if extra is not None and not isinstance(extra, Mapping):
         raise JitExecutorError("additional_parameters is not a dict. HINT: e.g. {'mail-type': 'END'}")
+    if params.get("nodes") is not None:
+        _check_nodes(params["nodes"], extra or {})
     job_name = params.get("job_name")
     if job_name is not None and (not isinstance(job_name, str) or not job_name.strip()):
         raise JitExecutorError(f"job_name={job_name!r}: empty or not a string. HINT: e.g. job_name='train-gpt'")
@@ -98,6 +99,23 @@ def check_shapes(params: Mapping[str, Any]) -> None:
             raise JitExecutorError(f"{key}={value!r} holds a line break or control character: in an #SBATCH line "
                                    "(or scontrol's one-line fields) it would read as another option. HINT: a "
                                    "printable value")
+
+
+def _check_nodes(nodes: object, extra: Mapping[str, Any]) -> None:
+    """A node count or sbatch's ``"MIN-MAX"``; a range with a fixed task count is refused: the ranks per node
+    would change with the node count, where the world size is nodes x ntasks_per_node."""
+    if isinstance(nodes, bool) or not isinstance(nodes, (int, str)) or isinstance(nodes, int) and nodes < 1:
+        raise JitExecutorError(f"nodes={nodes!r}: a whole number, 1 or more, or sbatch's range \"MIN-MAX\". "
+                               "HINT: e.g. nodes=2 or nodes=\"1-2\"")
+    try:
+        span = node_range.parse(nodes, where=f"nodes={nodes!r}")
+    except ValueError as exc:
+        raise JitExecutorError(str(exc)) from None
+    fixed = [str(key) for key in extra if str(key).lstrip("-").replace("_", "-") in ("ntasks", "n")]
+    if span.elastic and fixed:
+        raise JitExecutorError(f"nodes={nodes!r} with additional_parameters {fixed[0]!r}: a fixed task count "
+                               "cannot hold on a node count that changes between restarts. HINT: leave "
+                               f"{fixed[0]} out and give tasks_per_node; the world size is nodes x tasks_per_node")
 
 
 def check_owned(params: Mapping[str, Any]) -> None:
@@ -210,6 +228,8 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
         params = self._raw_parameters(kwargs)
         check_shapes(params)
         check_owned(params)
+        if params.get("nodes") is not None:  # "2" -> 2, "1-2" kept: the #SBATCH value
+            params["nodes"] = node_range.parse(params["nodes"]).sbatch_value()
         try:
             super()._internal_update_parameters(**params)  # submitit's own check (renders a script)
         except (TypeError, ValueError, AssertionError) as exc:
@@ -218,8 +238,22 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
 
     # --- the script -------------------------------------------------------------------------------------------
     @property
+    def nodes(self) -> node_range.NodeRange:
+        """The node counts a start may get (``nodes="1-2"``: sbatch's range)."""
+        return node_range.parse(self.parameters.get("nodes", 1))
+
+    @property
+    def tasks_per_node(self) -> int:
+        return max(1, int(self.parameters.get("ntasks_per_node", 1)))
+
+    @property
     def world_size(self) -> int:
-        return int(self._num_tasks())
+        """The ranks the job asks for (with a node range: on its most nodes, the count Slurm gives first)."""
+        return self.nodes.max_nodes * self.tasks_per_node
+
+    def _script_world_size(self) -> str:
+        """The ranks of this start in the batch script: fixed, or with a node range the nodes Slurm gave."""
+        return '"$SLURM_JIT_WORLD_SIZE"' if self.nodes.elastic else str(self.world_size)
 
     def signal_lead(self) -> int:
         """N of ``--signal=TERM@N``: given, or from the grace calculator (the one calculation ``python
@@ -228,7 +262,7 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
             return self.signal_lead_s
         try:
             result, warnings = sbatch_options.signal_lead(
-                self.output_dir, world_size=self.world_size, nodes=self.parameters.get("nodes", 1),
+                self.output_dir, world_size=self.nodes.min_nodes * self.tasks_per_node, nodes=self.nodes.min_nodes,
                 step_time=_opt(self.step_time_s), save_time=_opt(self.save_time_s))
         except GraceError as exc:
             raise JitExecutorError(f"--signal lead: {exc}".replace("--step-time", "step_time_s")
@@ -249,7 +283,7 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
     def _finish_line(self, *flags: str) -> str:
         kind = " --command" if self._kind == "command" else ""
         return (f"{self.python} -m slurm_jit.launch.runner finish {shlex.quote(str(self.folder))} "
-                f'"$OUT_DIR" --tasks {self.world_size}{kind} ' + " ".join(flags)).rstrip()
+                f'"$OUT_DIR" --tasks {self._script_world_size()}{kind} ' + " ".join(flags)).rstrip()
 
     def _setup_lines(self, lead_s: int) -> list[str]:
         out, quarantine = '"$OUT_DIR"', " --quarantine" if self.quarantine else ""
@@ -259,10 +293,35 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
             "# slurm-jit: the trainer's budget, N of --signal=TERM@N (no B:, so the warning reaches the ranks)",
             f"export {LEAD_ENV_VAR}={lead_s}",
             'echo "slurm-jit: job ${SLURM_JOB_ID} restart ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NODELIST}"',
+            *self._range_lines(),
             "# slurm-jit: the ckpt-check gate: no start when checkpoints exist but none is resumable",
-            f"{self.python} -m slurm_jit.launch.gate {out} --world-size {self.world_size}{quarantine} "
+            f"{self.python} -m slurm_jit.launch.gate {out} --world-size {self._script_world_size()}{quarantine} "
             f"|| {{ {self._finish_line('--gate-refused')}; exit 1; }}",
         ]
+
+    def _range_lines(self) -> list[str]:
+        """With a node range: this start's world size, from the nodes Slurm gave it."""
+        if not self.nodes.elastic:
+            return []
+        return [f"# slurm-jit: --nodes={self.nodes.sbatch_value()}: this start's ranks, nodes given x tasks per node",
+                f"SLURM_JIT_WORLD_SIZE=$((SLURM_JOB_NUM_NODES * {self.tasks_per_node}))",
+                'echo "slurm-jit: ${SLURM_JIT_WORLD_SIZE} ranks on ${SLURM_JOB_NUM_NODES} node(s) '
+                f'(--nodes={self.nodes.sbatch_value()})"']
+
+    def _range_allocation(self, params: dict[str, Any]) -> list[str]:
+        """With a node range, move the tasks per node from sbatch to srun (``params`` changed in place; srun's
+        options returned). sbatch turns ``--ntasks-per-node=K`` into ``--ntasks=MIN*K``, and a job of MIN*K tasks
+        never gets more than MIN nodes (measured on Slurm 22.05: ``--nodes=1-2 --ntasks-per-node=1`` ran on one of
+        two idle nodes). So the allocation asks one task per node holding the K ranks' CPUs, and srun starts K
+        tasks on every node it got."""
+        if not self.nodes.elastic:
+            return []
+        params.pop("ntasks_per_node", None)
+        per_task = params.get("cpus_per_task")
+        if self.tasks_per_node == 1:
+            return [f"--ntasks-per-node={self.tasks_per_node}"]
+        params["cpus_per_task"] = self.tasks_per_node * int(per_task or 1)
+        return [f"--ntasks-per-node={self.tasks_per_node}", f"--cpus-per-task={int(per_task or 1)}"]
 
     def _teardown_lines(self) -> list[str]:
         out, quarantine = '"$OUT_DIR"', " --quarantine" if self.quarantine else ""
@@ -280,7 +339,8 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
     def _hang_options(self) -> str:
         """after_step's hang options, only where they differ from its defaults (scripts stay as they were)."""
         budget = "" if self.retry_on_hang == DEFAULT_RETRY_ON_HANG else f" --retry-on-hang {self.retry_on_hang}"
-        return budget + (" --exclude-hung-node" if self.exclude_hung_node else "")
+        fewest = f" --min-nodes {self.nodes.min_nodes}" if self.exclude_hung_node and self.nodes.elastic else ""
+        return budget + (" --exclude-hung-node" if self.exclude_hung_node else "") + fewest
 
     def _make_submission_file_text(self, command: str, uid: str) -> str:
         params = dict(self.parameters)
@@ -288,11 +348,11 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
         lead_s = self.signal_lead()
         additional = {**(params.pop("additional_parameters", None) or {}), "signal": f"TERM@{lead_s}",
                       "requeue": True}
+        srun_args = [KILL_ON_BAD_EXIT, *self._range_allocation(params), *(params.pop("srun_args", None) or [])]
         text = str(_make_sbatch_string(
             command=command, folder=_pattern_folder(str(self.folder)),
             setup=[*(params.pop("setup", None) or []), *self._setup_lines(lead_s)],
-            teardown=self._teardown_lines(), additional_parameters=additional,
-            srun_args=[KILL_ON_BAD_EXIT, *(params.pop("srun_args", None) or [])], **params))
+            teardown=self._teardown_lines(), additional_parameters=additional, srun_args=srun_args, **params))
         return "\n".join(line for line in text.split("\n") if not line.startswith("#SBATCH --job-name=")) + "\n"
 
     def submission_text(self, what: object = None) -> str:
@@ -430,7 +490,8 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
             raise
         job_id = self._get_job_id_from_submission_command(output)
         JitJob.watcher.forget(job_id)
-        job = JitJob(folder=self.folder, job_id=job_id, tasks=list(range(self.world_size)))
+        # with a node range, the tasks every start has (a requeue on fewer nodes writes results for fewer)
+        job = JitJob(folder=self.folder, job_id=job_id, tasks=list(range(self.nodes.min_nodes * self.tasks_per_node)))
         job.paths.move_temporary_file(script_path, "submission_file", keep_as_symlink=True)
         return job
 

@@ -59,6 +59,39 @@ def _grace_line(out_dir: str) -> str:
     return f"grace:    {terms} = {result.needed_s:.1f} s -> --signal=TERM@{result.lead_s} (measured)"
 
 
+MAX_RUNS_SHOWN = 12  # the newest runs of a long requeue chain; older ones are counted
+
+
+def _ranks_line(out_dir: str) -> list[str]:
+    """The world size of each restart, from rank 0's start records in the timing log (a run with a node range
+    may come back on fewer nodes), with the accumulation the trainer set to keep the global batch:
+    ``job 7: restart 0 on 2 ranks, restart 1 on 1 rank (accumulation 2 -> 4)``."""
+    try:
+        records = timing.read_records(out_dir) if os.path.isdir(timing.timing_dir(out_dir)) else []
+    except (OSError, ValueError):  # the grace line says what is wrong with the log
+        return []
+    starts = timing.starts(records)
+    if not starts:
+        return []
+    kept = {r.get("run_id"): r for r in records if r["event"] == "batch"}  # the trainer kept the global batch
+    jobs: dict[str, list[str]] = {}
+    for number, start in enumerate(starts, start=1):
+        restart = start.get("restart")
+        label = f"restart {restart}" if isinstance(restart, int) else f"run {number}"
+        size = start.get("world_size")
+        batch = kept.get(start.get("run_id"))
+        accumulation = (f" (accumulation {batch.get('accumulation_from')} -> {batch.get('accumulation_to')})"
+                        if batch else "")
+        job = f"job {start['job_id']}" if start.get("job_id") else "outside Slurm"
+        jobs.setdefault(job, []).append(f"{label} on {size} rank{'' if size == 1 else 's'}{accumulation}")
+    runs = [(job, run) for job, listed in jobs.items() for run in listed][-MAX_RUNS_SHOWN:]
+    shown: dict[str, list[str]] = {}
+    for job, run in runs:
+        shown.setdefault(job, []).append(run)
+    older = f"{len(starts) - len(runs)} older run(s); " if len(starts) > len(runs) else ""
+    return ["ranks:    " + older + "; ".join(f"{job}: {', '.join(listed)}" for job, listed in shown.items())]
+
+
 MAX_LOG_LINES = 8  # per-task log paths printed; a 512-rank job lists the first ones and the pattern
 
 
@@ -66,7 +99,7 @@ def task_logs(script: str, job_id: str) -> list[str]:
     """The per-task log paths of a JitExecutor (or submit.py) job, from its batch script: srun's ``--output``
     pattern (submitit's ``%j_%t_log.out``) and ``--error`` for each of the ``--tasks N`` of the finish line.
     Empty for a script without them (the raw sbatch/ scripts: their log is sbatch's --output)."""
-    patterns, tasks = {}, None
+    patterns, tasks, counted = {}, None, None
     for line in script.splitlines():
         try:
             words = shlex.split(line)
@@ -75,10 +108,13 @@ def task_logs(script: str, job_id: str) -> list[str]:
         if words[:1] == ["srun"]:
             patterns = {flag: words[i + 1] for i, flag in enumerate(words[:-1]) if flag in ("--output", "--error")}
         if "slurm_jit.launch.runner" in words and "--tasks" in words[:-1]:
-            count = words[words.index("--tasks") + 1]
-            tasks = int(count) if count.isdigit() else None
-    if "--output" not in patterns or tasks is None:
+            counted = words[words.index("--tasks") + 1]
+            tasks = int(counted) if counted.isdigit() else None
+    if "--output" not in patterns or tasks is None and counted is None:
         return []
+    if tasks is None:  # "$SLURM_JIT_WORLD_SIZE": a node range, the ranks of each start differ
+        pattern = patterns["--output"].replace("%j", job_id).replace("%%", "%")
+        return [f"{pattern} (one per rank, %t the rank; with a node range each start has its own count)"]
     paths = []
     for task in range(min(tasks, MAX_LOG_LINES)):
         found = [p.replace("%j", job_id).replace("%t", str(task)).replace("%%", "%") for p in patterns.values()]
@@ -117,6 +153,7 @@ def report(out_dir: str, job_id: str | None) -> list[str]:
         lines.append(f"stopped:  {last.get('cause')}{step} (restart {last.get('restart')}), "
                      f"{verdict}: {last.get('reason')}")
     record = stop_record.read(out_dir)
+    lines.extend(_ranks_line(out_dir))
     lines.append("record:   " + (f"{record['state']} step={record.get('step')} job={record.get('job_id')} "
                                  f"restart={record.get('restart_count') or 0}" if record else "none"))
     said = stop_summary.phrase(record)

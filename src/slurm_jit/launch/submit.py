@@ -1,6 +1,7 @@
 """``python launch/submit.py``: size ``--signal=TERM@N``, print the plan, run the ckpt-check gate, submit.
 
     python launch/submit.py --nodes 2 --ntasks-per-node 4 --time 4:00:00 --output-dir out/ -- python train.py
+    python launch/submit.py --nodes 1-2 ...                    # each start (and requeue) on 1 or 2 nodes
     python launch/submit.py --config job.toml --dry-run        # print the generated sbatch script and exit
     python launch/submit.py status out/                        # or: status JOBID
 
@@ -30,7 +31,7 @@ from slurm_jit.checkpoint import elastic_plan
 from slurm_jit.grace import cli as grace_cli
 from slurm_jit.grace.calc import GraceError, GraceResult
 from slurm_jit.grace.sbatch_script import ScriptError, parse_time_limit
-from slurm_jit.launch import entry, gate, ops, output_claim, policy, sbatch_options, submitit_hooks, task
+from slurm_jit.launch import entry, gate, node_range, ops, output_claim, policy, sbatch_options, submitit_hooks, task
 from slurm_jit.launch.command import Command
 from slurm_jit.launch.executor import FailedSubmission, JitExecutor
 from slurm_jit.launch.status import status_main
@@ -50,7 +51,8 @@ CONFIG_KEYS = ("output-dir", "nodes", "ntasks-per-node", "cpus-per-task", "mem",
 # The TOML type of each config key (a wrong type is refused: TOML "no" is a string, and bool("no") is True).
 _STR, _INT, _BOOL, _STR_LIST, _STR_OR_NUMBER = "a string", "an integer", "true or false", "a list of strings", \
     "a string or a number"
-CONFIG_TYPES = {"output-dir": _STR, "nodes": _INT, "ntasks-per-node": _INT, "cpus-per-task": _INT,
+_NODES = 'an integer or a "MIN-MAX" range'
+CONFIG_TYPES = {"output-dir": _STR, "nodes": _NODES, "ntasks-per-node": _INT, "cpus-per-task": _INT,
                 "mem": _STR, "gpus-per-node": _STR_OR_NUMBER, "partition": _STR, "account": _STR, "qos": _STR,
                 "time": _STR_OR_NUMBER, "job-name": _STR, "max-requeues": _INT, "retry-on-failure": _INT,
                 "retry-on-hang": _INT, "exclude-hung-node": _BOOL,
@@ -65,6 +67,8 @@ def _type_ok(value: object, kind: str) -> bool:
         return isinstance(value, bool)
     if kind == _INT:
         return isinstance(value, int) and not isinstance(value, bool)
+    if kind == _NODES:
+        return _type_ok(value, _INT) or isinstance(value, str) and node_range.looks_like_range(value)
     if kind == _STR:
         return isinstance(value, str)
     if kind == _STR_LIST:
@@ -82,7 +86,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="a TOML file with any of the long options below (command = [argv...])")
     p.add_argument("--output-dir", help="the training's output directory (checkpoints, stop record)")
     s = p.add_argument_group("sbatch options (same names)")
-    s.add_argument("-N", "--nodes", type=int)
+    s.add_argument("-N", "--nodes", metavar="N|MIN-MAX",
+                   help="nodes; sbatch's range MIN-MAX lets each start (and requeue) run on fewer nodes, the "
+                        "trainer keeping the global batch")
     s.add_argument("--ntasks-per-node", type=int, help="one task per rank")
     s.add_argument("-c", "--cpus-per-task", type=int)
     s.add_argument("--mem")
@@ -168,10 +174,12 @@ def _merged(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def _grace(args: argparse.Namespace, world_size: int) -> GraceResult:
-    """N from --signal-lead, or from the grace calculator (given times over the output dir's timing log)."""
+def _grace(args: argparse.Namespace) -> GraceResult:
+    """N from --signal-lead, or from the grace calculator (given times over the output dir's timing log), for the
+    fewest nodes a start may get: with the global batch kept, their optimizer step is the longest."""
     result, warnings = sbatch_options.signal_lead(
-        args.output_dir, world_size=world_size, nodes=args.nodes, step_time=args.step_time,
+        args.output_dir, world_size=args.nodes.min_nodes * args.ntasks_per_node, nodes=args.nodes.min_nodes,
+        step_time=args.step_time,
         save_time=args.save_time, eval_time=args.eval_time, kill_wait=args.kill_wait, margin=args.margin,
         given_lead_s=None if args.signal_lead is None else int(args.signal_lead), from_dir=args.from_dir)
     sbatch_options.warn(PROG, warnings)
@@ -277,7 +285,7 @@ def build_job(args: argparse.Namespace) -> Launch:
         raise ValueError("no --time. HINT: the job's time limit, e.g. --time 4:00:00 (minutes alone work too)")
     limit_s = parse_time_limit(str(args.time))
     args.output_dir = sbatch_options.check_output_dir(args.output_dir)
-    args.nodes = _count(args.nodes, "--nodes", default=1, minimum=1)
+    args.nodes = node_range.parse(1 if args.nodes is None else args.nodes)
     args.ntasks_per_node = _count(args.ntasks_per_node, "--ntasks-per-node", default=1, minimum=1)
     args.max_requeues = _count(args.max_requeues, "--max-requeues", default=DEFAULT_MAX_REQUEUES, minimum=0)
     args.retry_on_failure = _count(args.retry_on_failure, "--retry-on-failure", default=0, minimum=0)
@@ -286,7 +294,7 @@ def build_job(args: argparse.Namespace) -> Launch:
     _check_values(args)
     sbatch_options.check_extra_args(args.sbatch_arg or [])
     sbatch_options.check_environment(os.environ)
-    result = _grace(args, args.nodes * args.ntasks_per_node)
+    result = _grace(args)
     if limit_s is not None and result.lead_s >= limit_s:
         raise ValueError(f"--signal lead {result.lead_s} s is not shorter than --time {args.time} ({limit_s} s). "
                          f"HINT: a longer --time, or a faster step/save")
@@ -309,9 +317,10 @@ def build_job(args: argparse.Namespace) -> Launch:
 def _parameters(args: argparse.Namespace) -> dict[str, Any]:
     """The options as submitit's raw parameters (each task's stderr in its log: one log per task, as the single
     log before)."""
-    params: dict[str, Any] = {"nodes": args.nodes, "ntasks_per_node": args.ntasks_per_node, "time": str(args.time),
-                              "job_name": args.job_name or "slurm-jit", "stderr_to_stdout": True,
-                              "wckey": None}  # submitit's default wckey "submitit": the CLI's jobs never had one
+    # wckey None: submitit's default wckey "submitit"; the CLI's jobs never had one
+    params: dict[str, Any] = {"nodes": args.nodes.sbatch_value(), "ntasks_per_node": args.ntasks_per_node,
+                              "time": str(args.time), "job_name": args.job_name or "slurm-jit",
+                              "stderr_to_stdout": True, "wckey": None}
     for name in ("cpus_per_task", "mem", "gpus_per_node", "partition", "account", "qos"):
         if getattr(args, name) is not None:
             params[name] = getattr(args, name)
@@ -362,10 +371,14 @@ def plan_lines(launch: Launch, checked: gate.GateResult) -> list[str]:
                + (", excluding the stuck node (where the partition has a spare one)" if ex.exclude_hung_node else "")
                + (f"; every requeue counts against the {ex.max_requeues} above: no more than {ex.max_requeues} "
                   "in all" if max(ex.retry_on_failure, ex.retry_on_hang) > ex.max_requeues else ""))
-    nodes, per_node = ex.parameters["nodes"], ex.parameters["ntasks_per_node"]
+    nodes, per_node = ex.nodes, ex.tasks_per_node
+    sizes = nodes.world_sizes(per_node)
+    ranks = f"{sizes[0]}-{sizes[-1]}" if nodes.elastic else str(launch.world_size)
+    elastic_nodes = node_range.plan_line(nodes, per_node)
     return [
-        f"plan: {nodes} node(s) x {per_node} task(s) = {launch.world_size} ranks, one srun task each; "
+        f"plan: {nodes.sbatch_value()} node(s) x {per_node} task(s) = {ranks} ranks, one srun task each; "
         f"--time={launch.time}",
+        *([f"  nodes:    {elastic_nodes}"] if elastic_nodes else []),
         f"  training: {what}",
         f"  python:   {launch.python} (the batch script's and every task's interpreter; --python to change)",
         f"  ops:      {ops.plan_line(ops.job_env(), gpus=bool(ex.parameters.get('gpus_per_node')))}",
