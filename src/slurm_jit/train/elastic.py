@@ -378,9 +378,12 @@ def _unheld_refusal(ckpt_dir: Path, manifest: dict[str, Any], unheld_now: Sequen
 
 
 def written_global_batch(ckpt_dir: Path, manifest: dict[str, Any], written_by: int) -> int | None:
-    """Samples per optimizer step of the run that wrote the checkpoint, from the DeepSpeed config the engine saves
-    in its model states file and in each ZeRO shard (memory-mapped: no tensor is read); None when it cannot be
-    told (then logged: not checked, not refused)."""
+    """Samples per optimizer step of the run that wrote the checkpoint: its manifest's record, else (a checkpoint
+    of an older version) the DeepSpeed config the engine saves in its model states file and in each ZeRO shard
+    (memory-mapped: no tensor is read); None when it cannot be told (then logged: not checked, not refused)."""
+    recorded = keep_batch.written_samples(manifest)
+    if recorded is not None:
+        return recorded
     tag_dir = ckpt_dir / str(manifest.get("deepspeed_tag") or "")
     for name in DS_CONFIG_FILES:
         config = _saved_ds_config(tag_dir / name)
@@ -388,8 +391,9 @@ def written_global_batch(ckpt_dir: Path, manifest: dict[str, Any], written_by: i
         accum = config.get("gradient_accumulation_steps")
         if isinstance(micro, int) and isinstance(accum, int):
             return micro * accum * written_by
-    logger.warning("slurm_jit: %s: the DeepSpeed config it was written with cannot be read: the samples per "
-                   "optimizer step are not checked", tag_dir)
+    logger.warning("slurm_jit: %s: neither its manifest (written before it recorded them) nor a DeepSpeed config "
+                   "says its samples per optimizer step: not checked, the gradient accumulation is not changed on "
+                   "another world size", ckpt_dir)
     return None
 
 

@@ -17,6 +17,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 MANIFEST_KEY = "kept_global_batch"  # in the manifest of every later save of a run that changed the accumulation
+# In the manifest of every save: per-device batch x accumulation x world size of the run that wrote it (a run
+# without DeepSpeed has no saved DeepSpeed config to tell it)
+SAMPLES_KEY = "samples_per_step"
 TIMING_EVENT = "batch"  # the timing-log record of the change (rank 0, once per train())
 # The mismatch transformers records at TrainingArguments creation for an explicit DeepSpeed train_batch_size that
 # was the global batch on the old world size (HfTrainerDeepSpeedConfig.fill_match's wording)
@@ -98,6 +101,20 @@ def apply(args: Any, hf_ds_configs: tuple[Any, ...], kept: Kept) -> None:
             config["train_batch_size"] = kept.samples_per_step
         stale = TRAIN_BATCH_MISMATCH.format(kept.samples_per_step)
         hf_config.mismatches = [m for m in getattr(hf_config, "mismatches", []) if not m.startswith(stale)]
+
+
+def samples_per_step(trainer: Any) -> int:
+    """This run's samples per optimizer step: the per-device batch it trains with (auto_find_batch_size's found
+    one) x gradient accumulation x world size."""
+    args = trainer.args
+    per_device = int(getattr(trainer, "_train_batch_size", None) or args.per_device_train_batch_size)
+    return per_device * int(args.gradient_accumulation_steps) * int(args.world_size)
+
+
+def written_samples(manifest: dict[str, Any]) -> int | None:
+    """The samples per optimizer step a manifest records (SAMPLES_KEY); None in a manifest without it."""
+    value = manifest.get(SAMPLES_KEY)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def accumulation_refusal(hf_ds_config: Any) -> str | None:

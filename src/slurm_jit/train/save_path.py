@@ -84,6 +84,7 @@ def save_checkpoint(trainer: JitTrainer, model: Any, trial: Any, upstream: Upstr
         nbytes = write_manifest(trainer, ckpt, step, kind, {
             "contents": contents, "weights": weights, "run_id": run.lineage if run and run.lineage else None,
             "owed_evaluation": bool(run and run.eval_owed),
+            keep_batch.SAMPLES_KEY: keep_batch.samples_per_step(trainer),
             **({keep_batch.MANIFEST_KEY: run.batch_record} if run and run.batch_record else {}),
         })
     if run is not None:
