@@ -101,6 +101,12 @@ def test_plan_names_grace_terms_signal_policy_and_resume_point() -> None:
     ([*BASE, "--nodes", "2-1", *CMD], "--nodes 2-1: MIN 2 is above MAX 1"),
     ([*BASE, "--nodes", "1.5", *CMD], "--nodes 1.5: not a node count or a MIN-MAX range"),
     ([*BASE, "--nodes", "1,2", *CMD], "--nodes 1,2: not a node count or a MIN-MAX range"),
+    # sbatch's own options, once taken for this launcher's longer ones (argparse's prefix matching): the job's
+    # total --ntasks 3 as 3 per node (3-6 ranks), --gpus 8 as 8 per node, --exclude NODE as --exclude-hung-node
+    # (NODE then began the training command: "no --output-dir")
+    ([*BASE, "--nodes", "1-2", "--ntasks", "3", *CMD], "unrecognized arguments: --ntasks"),
+    ([*BASE, "--nodes", "2", "--gpus", "8", *CMD], "unrecognized arguments: --gpus"),
+    ([*BASE, "--exclude", "node3", *CMD], "unrecognized arguments: --exclude"),
     ([*BASE, "--max-requeues", "-1", *CMD], "--max-requeues -1: must be a whole number, 0 or more"),
     ([*BASE, "--retry-on-failure", "-1", *CMD], "--retry-on-failure -1: must be"),
     ([*BASE, "--job-name", "", *CMD], "--job-name is empty"),

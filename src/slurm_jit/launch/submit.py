@@ -82,7 +82,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # No abbreviations: sbatch's own options would be taken for longer ones here (--ntasks 4, the job's total, as
+    # --ntasks-per-node 4; --gpus as --gpus-per-node; --exclude NODE as --exclude-hung-node)
+    p = _Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                allow_abbrev=False)
     p.add_argument("--config", help="a TOML file with any of the long options below (command = [argv...])")
     p.add_argument("--output-dir", help="the training's output directory (checkpoints, stop record)")
     s = p.add_argument_group("sbatch options (same names)")
