@@ -97,3 +97,27 @@ def test_an_accumulation_set_in_the_deepspeed_config_only_is_refused_in_one_line
     consistent = HfTrainerDeepSpeedConfig({"gradient_accumulation_steps": "auto"})
     consistent.trainer_config_process(args)
     assert keep_batch.accumulation_refusal(consistent) is None
+
+
+SHRINK = Kept(from_world_size=2, to_world_size=1, accumulation_from=1, accumulation_to=2, samples_per_step=4)
+
+
+def test_an_epoch_that_ends_on_a_full_global_batch_needs_no_warning() -> None:
+    assert keep_batch.epoch_warning(SHRINK, 24, drop_last=False) is None
+    assert keep_batch.epoch_warning(SHRINK, 24, drop_last=True) is None
+    assert keep_batch.epoch_warning(SHRINK, None, drop_last=True) is None  # an IterableDataset: no epoch end
+
+
+def test_a_short_epoch_end_is_one_warning_and_drop_last_names_the_other_epoch_length() -> None:
+    """Measured on real ranks (22 samples, per-device batch 2, ZeRO-2, num_train_epochs=2, 2 ranks stopped at step
+    5, resumed on 1): step 6, the epoch's last, was 3.7% off the uninterrupted run's loss (2 ranks pad it with the
+    epoch's first samples, 1 rank ends on a short accumulation); with dataloader_drop_last the uninterrupted run
+    had 5 steps per epoch (10 in all), the resumed one 6 (12 in all)."""
+    padded = keep_batch.epoch_warning(SHRINK, 22, drop_last=False)
+    assert padded is not None and "\n" not in padded
+    assert "the last optimizer step of each epoch holds other samples on 1 ranks than on 2" in padded, padded
+    assert padded.endswith("HINT: a dataset length that is a multiple of 4 keeps every step's samples"), padded
+    dropped = keep_batch.epoch_warning(SHRINK, 22, drop_last=True)
+    assert dropped is not None and "an epoch is 5 optimizer steps on 2 ranks and 6 on 1" in dropped, dropped
+    grow = Kept(from_world_size=1, to_world_size=2, accumulation_from=2, accumulation_to=1, samples_per_step=4)
+    assert "an epoch is 6 optimizer steps on 1 ranks and 5 on 2" in (keep_batch.epoch_warning(grow, 22, True) or "")

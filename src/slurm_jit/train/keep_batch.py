@@ -13,6 +13,7 @@ every rank.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -59,6 +60,41 @@ def decide(*, written_batch: int, written_by: int, per_device: int, accumulation
         return Kept(from_world_size=written_by, to_world_size=world_size, accumulation_from=accumulation,
                     accumulation_to=written_batch // per_step, samples_per_step=written_batch), None
     return None, refusal(where, written_batch, now, world_size, keep)
+
+
+def epoch_warning(kept: Kept, samples: int | None, drop_last: bool) -> str | None:
+    """One line when the epoch's end differs on the two world sizes, for a dataset of ``samples`` (None: no
+    length, no epochs); None when every optimizer step is a full global batch on both. Pure. Accelerate deals a
+    short epoch out per world size: it pads the ranks' last batches (or drops them, ``dataloader_drop_last``)
+    and the Trainer ends the epoch on a short accumulation, so the last step of each epoch holds other samples
+    on another world size; with drop_last the epoch even has another number of optimizer steps (and
+    num_train_epochs another max_steps)."""
+    if samples is None or samples % kept.samples_per_step == 0:
+        return None
+    per_device = kept.samples_per_step // (kept.accumulation_to * kept.to_world_size)
+    before = steps_per_epoch(samples, per_device, kept.from_world_size,
+                             kept.samples_per_step // (per_device * kept.from_world_size), drop_last)
+    after = steps_per_epoch(samples, per_device, kept.to_world_size, kept.accumulation_to, drop_last)
+    head = (f"the dataset's {samples} samples are not a multiple of the {kept.samples_per_step} samples per "
+            "optimizer step: ")
+    if before != after:
+        what = (f"an epoch is {before} optimizer steps on {kept.from_world_size} ranks and {after} on "
+                f"{kept.to_world_size} (dataloader_drop_last drops another remainder), so from the end of this "
+                "epoch on the steps hold other samples than the uninterrupted run's (and num_train_epochs gives "
+                "another max_steps)")
+    else:
+        what = (f"the last optimizer step of each epoch holds other samples on {kept.to_world_size} ranks than on "
+                f"{kept.from_world_size} (accelerate pads the ranks' last batches, the accumulation ends short), "
+                "so the losses differ from the uninterrupted run's from the end of this epoch on")
+    return (f"{head}{what}. HINT: a dataset length that is a multiple of {kept.samples_per_step} keeps every "
+            "step's samples")
+
+
+def steps_per_epoch(samples: int, per_device: int, world_size: int, accumulation: int, drop_last: bool) -> int:
+    """Optimizer steps in an epoch as the Trainer counts them (len(dataloader) per rank, even batches)."""
+    batches = samples // per_device // world_size if drop_last else math.ceil(math.ceil(samples / per_device) /
+                                                                              world_size)
+    return max(math.ceil(batches / accumulation), 1)
 
 
 def refusal(where: str, written_batch: int, now: int, world_size: int, keep: bool = False) -> str:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from transformers.trainer import TRAINER_STATE_NAME
-from transformers.trainer_utils import _is_peft_model
+from transformers.trainer_utils import _is_peft_model, has_length
 
 from slurm_jit.checkpoint import elastic_plan, protocol
 from slurm_jit.checkpoint import manifest as manifest_file
@@ -196,6 +196,11 @@ def _keep_batch(trainer: JitTrainer, kept: keep_batch.Kept) -> None:
     keep_batch.apply(trainer.args, configs, kept)
     if trainer._is_rank0:
         logger.warning("slurm_jit: %s", kept.line())
+        dataset = trainer.train_dataset
+        note = keep_batch.epoch_warning(kept, len(dataset) if has_length(dataset) else None,
+                                        bool(trainer.args.dataloader_drop_last))
+        if note:
+            logger.warning("slurm_jit: %s", note)
 
 
 def load_best_model(trainer: JitTrainer, upstream: Callable[[], None]) -> None:
