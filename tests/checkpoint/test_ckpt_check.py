@@ -374,3 +374,21 @@ def test_damaged_header_does_not_crash(plain_zero2_run: Path, copy_run: Callable
     assert proc.returncode == 0
     assert table_rows(proc) == [("6", "incomplete"), ("3", "unverified")]
     assert last_line(proc) == str(out / "checkpoint-3")
+
+
+@pytest.mark.deepspeed
+def test_a_world_size_that_cannot_keep_the_global_batch_is_refused_with_the_gate(jit_zero2_run: Path) -> None:
+    """The manifest's samples per optimizer step (2 ranks x 2 samples = 4): no per-device batch and accumulation
+    keep them on 3 ranks, so ckpt-check --world-size 3 and the launcher's gate say no before a job starts (a
+    requeue on 3 ranks of a --nodes range was passed as "convert", then its ranks refused); 1 rank still converts."""
+    from slurm_jit.launch import gate
+
+    hint = "HINT: no per-device batch does on 3 ranks: resume on a number of ranks that divides 4 (1, 2, 4)"
+    proc = ckpt_check("--world-size", "3", jit_zero2_run)
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("on 3 ranks:"))
+    assert line.startswith("on 3 ranks: no (refused):") and line.endswith(hint), proc.stdout
+    assert "4 samples per optimizer step when written" in line, line
+    checked = gate.check(jit_zero2_run, world_size=3)
+    assert not checked.ok and checked.message.endswith(hint), checked.message
+    assert gate.check(jit_zero2_run, world_size=1).ok
+    assert "on 1 ranks: yes (convert)" in ckpt_check("--world-size", "1", jit_zero2_run).stdout

@@ -188,7 +188,7 @@ def _on_world(resolution: protocol.Resolution, world_size: int | None) -> elasti
     """What resuming the chosen checkpoint on ``world_size`` ranks takes (None: not asked, or none chosen)."""
     if world_size is None or resolution.checkpoint is None:
         return None
-    return elastic_plan.plan(resolution.checkpoint.path, world_size)
+    return elastic_plan.plan(resolution.checkpoint.path, world_size, check_batch=True)
 
 
 def _exit_code(resolution: protocol.Resolution, on_world: elastic_plan.Plan | None = None) -> int:

@@ -34,6 +34,10 @@ PARENT_CONTENT_KEYS = ("files", "step", "world_size", "zero_stage", "deepspeed_t
 CONVERTIBLE_STAGES = (1, 2, 3)
 UNCONVERTED_STAGES: dict[int, str] = {}
 DIRECT, CONVERT, CONVERTED, SAME, REFUSED = "direct", "convert", "converted", "same", "refused"
+# The samples per optimizer step of the run that wrote a checkpoint (per-device batch x gradient accumulation x
+# world size), in its manifest (train/keep_batch.py): on another world size the JitTrainer keeps them by setting
+# the accumulation, possible only on a world size that divides them
+SAMPLES_KEY = "samples_per_step"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,8 +59,11 @@ def universal_dir(ckpt_dir: str | os.PathLike[str]) -> Path:
     return Path(ckpt_dir) / UNIVERSAL_DIR_NAME
 
 
-def plan(ckpt_dir: str | os.PathLike[str], world_size: int, manifest: dict[str, Any] | None = None) -> Plan:
-    """What a resume of ``ckpt_dir`` on ``world_size`` ranks takes (the manifest is read when not given)."""
+def plan(ckpt_dir: str | os.PathLike[str], world_size: int, manifest: dict[str, Any] | None = None,
+         check_batch: bool = False) -> Plan:
+    """What a resume of ``ckpt_dir`` on ``world_size`` ranks takes (the manifest is read when not given).
+    ``check_batch`` (ckpt-check, the launcher's gate): also refused where the recorded samples per optimizer step
+    do not divide by ``world_size`` (the JitTrainer checks them itself, naming the per-device batches)."""
     path = Path(ckpt_dir)
     if manifest is None and (path / protocol.MANIFEST_NAME).is_file():
         manifest, _ = manifest_file.read(path)
@@ -70,6 +77,12 @@ def plan(ckpt_dir: str | os.PathLike[str], world_size: int, manifest: dict[str, 
     if written_by is None or written_by == world_size:
         return made(SAME, "same world size: resumes directly")
     change = f"written by {written_by} ranks, resumed on {world_size}"
+    recorded = manifest.get(SAMPLES_KEY) if manifest is not None and check_batch else None
+    samples = recorded if isinstance(recorded, int) and not isinstance(recorded, bool) else 0
+    if samples > 0 and samples % world_size:
+        return made(REFUSED, f"{path}: {change}: {samples} samples per optimizer step when written, which no "
+                    f"per-device batch and gradient accumulation keep on {world_size} ranks (the JitTrainer would "
+                    f"refuse it). HINT: {no_batch_hint(samples, world_size)}")
     deepspeed = manifest.get("deepspeed_tag") is not None if manifest is not None else structure.has_deepspeed(path)
     if not deepspeed or stage == 0:
         return made(DIRECT, f"{change}: no ZeRO-partitioned state, loads directly (per-rank RNG "
@@ -89,6 +102,17 @@ def plan(ckpt_dir: str | os.PathLike[str], world_size: int, manifest: dict[str, 
                     f"universal format in {universal_dir(path)}: loads from there")
     return made(CONVERT, f"{change}: ZeRO-{stage} shards will be converted once to DeepSpeed's "
                 f"universal format ({universal_dir(path)}) and loaded from there")
+
+
+def no_batch_hint(samples: int, world_size: int) -> str:
+    """The HINT for ``samples`` per optimizer step on ``world_size`` ranks that do not divide them."""
+    sizes = ", ".join(str(n) for n in divisors(samples))
+    return (f"no per-device batch does on {world_size} ranks: resume on a number of ranks that divides {samples} "
+            f"({sizes})")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _written_by(path: Path, manifest: dict[str, Any] | None) -> int | None:

@@ -85,7 +85,7 @@ def check(out_dir: str | os.PathLike[str], quarantine: bool = False, world_size:
             f"ckpt-check gate: no resumable checkpoint in {out_dir}, only {'; '.join(newer)}"
             f"{'; ' + in_use if in_use else ''}. HINT: {hint}"))
     point = str(resolution.checkpoint.path) if resolution.checkpoint else None
-    elastic = elastic_plan.plan(point, world_size) if point and world_size else None
+    elastic = elastic_plan.plan(point, world_size, check_batch=True) if point and world_size else None
     if elastic is not None and not elastic.resumable:
         return GateResult(ok=False, resume_point=point, message=f"ckpt-check gate: {elastic.reason}", elastic=elastic)
     if elastic is not None and elastic.action == elastic_plan.SAME:

@@ -17,10 +17,12 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from slurm_jit.checkpoint import elastic_plan
+
 MANIFEST_KEY = "kept_global_batch"  # in the manifest of every later save of a run that changed the accumulation
 # In the manifest of every save: per-device batch x accumulation x world size of the run that wrote it (a run
 # without DeepSpeed has no saved DeepSpeed config to tell it)
-SAMPLES_KEY = "samples_per_step"
+SAMPLES_KEY = elastic_plan.SAMPLES_KEY
 TIMING_EVENT = "batch"  # the timing-log record of the change (rank 0, once per train())
 # The mismatch transformers records at TrainingArguments creation for an explicit DeepSpeed train_batch_size that
 # was the global batch on the old world size (HfTrainerDeepSpeedConfig.fill_match's wording)
@@ -111,15 +113,9 @@ def refusal(where: str, written_batch: int, now: int, world_size: int, keep: boo
 
 def _hint(written_batch: int, world_size: int) -> str:
     if written_batch % world_size:
-        sizes = ", ".join(str(n) for n in divisors(written_batch))
-        return (f"no per-device batch does on {world_size} ranks: resume on a number of ranks that divides "
-                f"{written_batch} ({sizes})")
-    batches = ", ".join(str(n) for n in divisors(written_batch // world_size))
+        return elastic_plan.no_batch_hint(written_batch, world_size)
+    batches = ", ".join(str(n) for n in elastic_plan.divisors(written_batch // world_size))
     return f"per_device_train_batch_size {batches} on {world_size} ranks keeps it"
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def apply(args: Any, hf_ds_configs: tuple[Any, ...], kept: Kept) -> None:
