@@ -211,6 +211,7 @@ def test_a_lora_checkpoint_on_another_world_size_is_refused_in_one_line(
     assert ranks.wait(START_TIMEOUT_S) == [2], ranks.log(0)[-4000:]
     refusals = [line for line in ranks.log(0).splitlines() if "a PEFT checkpoint" in line]
     assert len(refusals) == 1 and "HINT: resume it on 2 ranks" in refusals[0], ranks.log(0)[-4000:]
+    assert refusals[0].startswith(f"demo_train: slurm_jit: {ckpt}: a PEFT checkpoint"), refusals  # one prefix
     assert "Traceback" not in ranks.log(0)
     assert _files_of(ckpt) == before
 

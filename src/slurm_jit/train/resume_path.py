@@ -131,7 +131,7 @@ def prepare_load(trainer: JitTrainer, path: str, manifest: dict[str, Any], carri
     carried["batch_record"] = manifest.get(keep_batch.MANIFEST_KEY)  # the chain keeps checking, changed now or not
     converting = decided.action in CONVERSIONS
     if converting and manifest.get("weights") in manifest_file.FROZEN_LEFT_OUT:
-        return (f"slurm_jit: {path}: a PEFT checkpoint (frozen base left out, weights: {manifest['weights']}) on "
+        return (f"{path}: a PEFT checkpoint (frozen base left out, weights: {manifest['weights']}) on "
                 f"another world size ({decided.written_by} -> {trainer.args.world_size} ranks) is not supported: "
                 f"its conversion is untested. HINT: resume it on {decided.written_by} ranks")
     refusal = model_match.pick_refusal(path, trainer.model) if converting else None
