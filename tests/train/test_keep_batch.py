@@ -3,6 +3,8 @@ in a real TrainingArguments and transformers' DeepSpeed config (no engine: cheap
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from slurm_jit.train import keep_batch
@@ -121,3 +123,20 @@ def test_a_short_epoch_end_is_one_warning_and_drop_last_names_the_other_epoch_le
     assert dropped is not None and "an epoch is 5 optimizer steps on 2 ranks and 6 on 1" in dropped, dropped
     grow = Kept(from_world_size=1, to_world_size=2, accumulation_from=2, accumulation_to=1, samples_per_step=4)
     assert "an epoch is 6 optimizer steps on 1 ranks and 5 on 2" in (keep_batch.epoch_warning(grow, 22, True) or "")
+
+
+@pytest.mark.deepspeed
+def test_a_manifest_without_the_samples_per_step_falls_back_to_the_saved_deepspeed_config(
+        jit_zero2_run: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A checkpoint of an older version (no samples_per_step in its manifest) still tells them under DeepSpeed,
+    from the config the engine saved; without DeepSpeed it cannot, and says so in one warning."""
+    from slurm_jit.checkpoint import manifest as manifest_file
+    from slurm_jit.train import elastic
+
+    ckpt = jit_zero2_run / "checkpoint-6"
+    manifest, _ = manifest_file.read(ckpt)
+    assert manifest is not None and manifest[keep_batch.SAMPLES_KEY] == 4  # 2 ranks x 2 samples x 1
+    older = {key: value for key, value in manifest.items() if key != keep_batch.SAMPLES_KEY}
+    assert elastic.written_global_batch(ckpt, older, 2) == 4
+    assert elastic.written_global_batch(ckpt, {**older, "deepspeed_tag": None}, 2) is None  # as DDP's
+    assert "says its samples per optimizer step: not checked" in caplog.text
