@@ -120,10 +120,12 @@ class TimingLog:
         """Rank 0: an elastic resume's conversion to DeepSpeed's universal format (before the first step)."""
         self._write({"event": "convert", "step": step, "dur_s": dur_s, "bytes": bytes,
                      "from_world_size": from_world_size})
+        self.flush()  # once per run, and what grace-calc sizes the next conversion by: kept if the run is killed
 
     def kept_batch(self, record: dict[str, int]) -> None:
         """Rank 0: the gradient accumulation changed to keep the global batch on another world size."""
         self._write({**record, "event": "batch", "dur_s": 0.0})
+        self.flush()  # status names this run's accumulation even when it is killed before its first flush
 
     def evaluation(self, step: int, dur_s: float, aborted: bool) -> None:
         self._write({"event": "eval", "step": step, "dur_s": dur_s, "aborted": aborted})

@@ -42,3 +42,17 @@ def test_timing_log_errors(tmp_path: Path) -> None:
     path.write_text(json.dumps({"event": "step", "dur_s": -1}) + "\n")
     with pytest.raises(timing.TimingLogError, match="bad dur_s"):
         timing.load_summary(tmp_path)
+
+
+def test_a_conversion_and_a_kept_batch_are_on_disk_before_the_first_step(tmp_path: Path) -> None:
+    """Once per run, before its first step: a run SIGKILLed in its first steps (a time limit eaten by the
+    conversion) must still leave them, for grace-calc's conversion estimate and status's accumulation line.
+    Measured: a 2 -> 1 resume killed after its first step left neither (buffered); its rerun reused the
+    conversion, so the timing log held no conversion at all."""
+    log = timing.TimingLog(tmp_path, 0, 1, "run")
+    log.conversion(step=5, dur_s=4.0, bytes=1176933, from_world_size=2)
+    log.kept_batch({"from_world_size": 2, "to_world_size": 1, "accumulation_from": 1, "accumulation_to": 2,
+                    "samples_per_step": 4})
+    on_disk = [r["event"] for r in timing.read_records(tmp_path)]  # not closed: as a killed process leaves it
+    assert on_disk == ["start", "convert", "batch"], on_disk
+    log.close()
