@@ -135,6 +135,28 @@ def test_a_job_on_fewer_ranks_than_the_log_scales_its_step_and_save_and_says_so(
     assert grown.returncode == 2 and "give --step-time and --save-time" in grown.stderr, grown.stderr
 
 
+def test_a_shrunk_run_that_never_saved_takes_the_larger_world_sizes_save_scaled(tmp_path: Path) -> None:
+    """A 2 -> 1 resume that ran (its steps are in the log) but never saved (stopped by a crash, or no periodic
+    saves before its end): its own steps, and the 2-rank save scaled by 2. Before: 'a checkpoint of N MiB but no
+    write bandwidth' (found with a real DDP 2 -> 1 resume), so the requeue of such a job could not be sized."""
+    out = tmp_path / "out"
+    two = timing.TimingLog(out, rank=0, world_size=2, run_id="r1")
+    for step in range(1, 30):
+        two.step(step, 1.5)
+    two.save(29, "jit", 4.0, 123_456)
+    two.close()
+    one = timing.TimingLog(out, rank=0, world_size=1, run_id="r2")
+    for step in range(30, 60):
+        one.step(step, 2.5)
+    one.close()
+    sized = grace_calc("--from", str(out), "--world-size", "1", "--no-slurm", "--json")
+    assert sized.returncode == 0, sized.stderr
+    report = json.loads(sized.stdout)
+    terms = {t["name"]: t["seconds"] for t in report["terms"]}
+    assert terms["save"] == 8.0 and max(v for k, v in terms.items() if k.startswith("step")) == 2.5, terms
+    assert any("no save at world size 1: world size 2's is scaled" in w for w in report["warnings"]), report
+
+
 def test_shrunk_terms_scale_step_and_save_by_the_ratio_of_world_sizes() -> None:
     measured = grace.Measured(step_s=2.0, step_source="max", latency_steps=1, latency_source="", save_s=5.0,
                               save_source="longest", eval_s=None, eval_source="", kill_wait_s=3.0, teardown_s=None,

@@ -165,7 +165,8 @@ def _measured(args: argparse.Namespace, world_size: int | None) -> tuple[grace.M
     if args.from_dir is None:
         return None, {}
     try:
-        selected = grace.select_world_size(timing.read_records(args.from_dir), world_size)
+        records = timing.read_records(args.from_dir)
+        selected = grace.select_world_size(records, world_size)
     except (GraceError, timing.TimingLogError):
         shrunk = _shrunk(args, world_size)
         if shrunk is not None:
@@ -176,7 +177,27 @@ def _measured(args: argparse.Namespace, world_size: int | None) -> tuple[grace.M
         # the given times stand alone; --from still says what the next start converts
         return None, {}
     summary = timing.summarize(selected)
-    return grace.measured_terms(summary, step_stat=args.step_stat), _samples(summary)
+    measured = grace.measured_terms(summary, step_stat=args.step_stat)
+    if measured.save_s is None and world_size is not None:
+        measured = _save_of_more_ranks(records, measured, world_size, args.step_stat)
+    return measured, _samples(summary)
+
+
+def _save_of_more_ranks(records: list[dict[str, Any]], measured: grace.Measured, world_size: int,
+                        step_stat: str) -> grace.Measured:
+    """A log with steps but no save at ``world_size`` (a shrunk run that ended or was stopped before it saved):
+    the save of the nearest larger world size that has one, scaled as after a shrink (grace.shrunk_terms); else
+    ``measured`` as it is."""
+    for size in sorted({r["world_size"] for r in records if isinstance(r.get("world_size"), int)}):
+        if size <= world_size:
+            continue
+        larger = grace.measured_terms(timing.summarize(grace.select_world_size(records, size)), step_stat=step_stat)
+        if larger.save_s is not None:
+            scaled = grace.shrunk_terms(larger, size, world_size)
+            return replace(measured, save_s=scaled.save_s, save_source=scaled.save_source, warnings=(
+                *measured.warnings, f"the timing log has no save at world size {world_size}: world size {size}'s "
+                "is scaled, an estimate. HINT: size again once a run on this many ranks has saved"))
+    return measured
 
 
 def _samples(summary: timing.TimingSummary) -> dict[str, Any]:
