@@ -631,3 +631,20 @@ def test_check_errors_on_scripts_it_cannot_judge() -> None:
 def test_a_need_over_slurms_largest_signal_lead_is_refused_with_a_hint() -> None:
     with pytest.raises(GraceError, match=r"exceeds Slurm's largest --signal lead 65535 s.*HINT"):
         compute_grace(GraceInputs(step_s=40_000, save_s=30_000, kill_wait_s=3, margin=Margin(fraction=0, floor_s=0)))
+
+
+def test_a_node_range_warns_that_its_fewest_nodes_need_their_own_lead() -> None:
+    header = "#SBATCH --signal=TERM@300\n#SBATCH --time=60\n#SBATCH -N 1-2\n"
+    code, text = verdict(script("export SLURM_JIT_SIGNAL_LEAD_S=300", "srun python t.py", header=header))
+    assert code == 0 and "warn: t.sbatch: #SBATCH --nodes=1-2: a start (a requeue too) may get 1 node(s)" in text, text
+    assert "HINT: check it for the fewest: --world-size <ranks on 1 node(s)>" in text, text
+    fixed = verdict(script("export SLURM_JIT_SIGNAL_LEAD_S=300", "srun python t.py",
+                           header=header.replace("1-2", "2")))[1]
+    assert "--nodes" not in fixed, fixed
+
+
+@pytest.mark.parametrize("value", ["2-1", "0", "1-16:4"])
+def test_a_node_range_sbatch_refuses_is_refused_in_one_line(value: str) -> None:
+    with pytest.raises(ScriptError, match=rf"^t.sbatch:4: #SBATCH --nodes={value}: .* HINT: "):
+        parse_script(script("srun python t.py", header=f"#SBATCH --signal=TERM@300\n#SBATCH --time=60\n"
+                                                        f"#SBATCH --nodes={value}\n"), "t.sbatch")

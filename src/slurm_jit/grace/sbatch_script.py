@@ -24,6 +24,8 @@ from slurm_jit.grace.calc import (
     GraceResult,
     cluster_notes,
 )
+from slurm_jit.launch import node_range
+from slurm_jit.launch.node_range import NodeRange
 
 SBATCH_PREFIX = "#SBATCH"
 # sbatch(1) --signal: "If a sig_num is specified without any sig_time, the default time will be 60 seconds."
@@ -84,6 +86,7 @@ class SbatchScript:
     side_launches: tuple[Launch, ...]  # python run by the batch shell beside an srun training: pre/post steps
     traps_signal: bool  # the script sets a `trap ... TERM` (or the --signal's own name)
     exported_lead: str | None  # the value of `export SLURM_JIT_SIGNAL_LEAD_S=...` as written, None if absent
+    nodes: NodeRange | None = None  # --nodes / -N, None when not given
 
 
 def signal_name(sig: str) -> str:
@@ -289,6 +292,7 @@ def parse_script(text: str, path: str = "<script>") -> SbatchScript:
     signal_lineno: int | None = None
     time_limit_s: int | None = None
     partition: str | None = None
+    nodes: NodeRange | None = None
     for lineno, options in directives:
         for value in _option_values(options, "--signal", None):
             signal_spec, signal_lineno = parse_signal(value), lineno
@@ -296,6 +300,8 @@ def parse_script(text: str, path: str = "<script>") -> SbatchScript:
             time_limit_s = parse_time_limit(value)
         for value in _option_values(options, "--partition", "-p"):
             partition = value
+        for value in _option_values(options, "--nodes", "-N"):
+            nodes = _parse_nodes(value, path, lineno)
 
     training, other_steps, trapped, exported = _parse_body(body)
     wanted = {"TERM"} | ({signal_spec.name} if signal_spec else set())
@@ -315,7 +321,15 @@ def parse_script(text: str, path: str = "<script>") -> SbatchScript:
         side_launches=tuple(side),
         traps_signal=bool(trapped & wanted),
         exported_lead=exported,
+        nodes=nodes,
     )
+
+
+def _parse_nodes(value: str, path: str, lineno: int) -> NodeRange:
+    try:
+        return node_range.parse(value, where=f"{path}:{lineno}: #SBATCH --nodes={value}")
+    except ValueError as exc:
+        raise ScriptError(str(exc)) from None
 
 
 def read_script(path: str | os.PathLike[str]) -> SbatchScript:
@@ -482,9 +496,22 @@ def check_script(script: SbatchScript, result: GraceResult, facts: ClusterFacts)
     findings += [Finding(level="ok", message=(
         f"line {side.lineno}: `{_short(side.text)}` runs in the batch shell and gets no signal; taken as a "
         "pre/post step, not the training")) for side in script.side_launches]
-    findings += _check_export(script, sig)
+    findings += _check_export(script, sig) + _check_node_range(script)
     findings += [Finding(level="warn", message=w) for w in cluster_notes(result, facts)[1]]
     return CheckReport(script=script, findings=tuple(findings))
+
+
+def _check_node_range(script: SbatchScript) -> list[Finding]:
+    """A node range: a start (a requeue too) may get its fewest nodes, whose optimizer steps are the longest once
+    the JitTrainer keeps the global batch; the lead checked above is sized for the ranks the times came from."""
+    if script.nodes is None or not script.nodes.elastic:
+        return []
+    return [Finding(level="warn", message=(
+        f"{script.path}: #SBATCH --nodes={script.nodes.sbatch_value()}: a start (a requeue too) may get "
+        f"{script.nodes.min_nodes} node(s), and its steps are longer (the global batch is kept by more gradient "
+        "accumulation); the lead above is sized for the world size of the times given. HINT: check it for the "
+        f"fewest: --world-size <ranks on {script.nodes.min_nodes} node(s)> with --from OUT_DIR (scaled as after a "
+        "shrink), or submit through launch/submit.py, which sizes a range for its fewest nodes"))]
 
 
 def _fixed_signal_plain(result: GraceResult) -> str:
