@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,7 +113,9 @@ def no_batch_hint(samples: int, world_size: int) -> str:
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """Every divisor of ``n``, ascending (up to its square root and their pairs: a manifest's number may be big)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
 
 
 def _written_by(path: Path, manifest: dict[str, Any] | None) -> int | None:
