@@ -10,7 +10,10 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from slurm_jit import slurm
+
 SUBMIT = Path(__file__).resolve().parents[2] / "launch" / "submit.py"
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL"}
 
 
 def submit_training(out: Path, jobs: list[str], program: Sequence[str], *options: str, train: Sequence[str] = (),
@@ -43,3 +46,26 @@ def until(check: Callable[[], object], timeout_s: float, poll_s: float) -> objec
             return value
         time.sleep(poll_s)
     return None
+
+
+def tasks_log(out: Path, job_id: str) -> str:
+    """Every task's log (submitit's, one per task; task 0's holds the batch script's lines), in task order."""
+    paths = sorted((out / "slurm-jit" / "logs").glob(f"{job_id}_*_log.out"),
+                   key=lambda p: int(p.name.split("_")[1]))
+    return "".join(p.read_text(errors="replace") for p in paths)
+
+
+def until_job(what: str, check: Callable[[], object], out: Path, job_id: str, timeout_s: float,
+              poll_s: float = 1.0) -> object:
+    """``until(check)``, else fail naming ``what``, the job's state and the end of its tasks' logs."""
+    value = until(check, timeout_s, poll_s)
+    if value:
+        return value
+    raise AssertionError(f"job {job_id}: {what} not within {timeout_s} s; "
+                         f"{slurm.show_job(job_id).get('JobState')}\n{tasks_log(out, job_id)[-3000:]}")
+
+
+def ended(job_id: str) -> dict[str, str] | None:
+    """The job, once Slurm says it ended; None before."""
+    job = slurm.show_job(job_id)
+    return job if slurm.job_state(job) in ENDED else None

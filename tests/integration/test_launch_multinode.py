@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from jit_helpers import ckpt_check, losses, run_to_end
-from submit_jobs import until
+from submit_jobs import ended, tasks_log, until_job
 
 from slurm_jit import slurm
 from slurm_jit.train import stop_record
@@ -33,32 +33,10 @@ MAX_STEPS = 400  # at >= 0.4 s a step the first run cannot finish before the lat
 STEP_SLEEP_S = 0.4
 RESUMED_TIME_LIMIT_MIN = 8  # the requeued run gets time to finish: the loop is under test, not a second warning
 JOB_DEADLINE_S = 420  # a hang detector for each phase
-POLL_S = 1.0
-ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL"}
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 # Each rank says where it runs and what the task entry set, then becomes the training (exec: still the srun task).
 SAY_RANK = 'echo "RANK $RANK of $WORLD_SIZE on $SLURMD_NODENAME MASTER_ADDR=$MASTER_ADDR ' \
            'LOCAL_WORLD_SIZE=$LOCAL_WORLD_SIZE"; exec "$@"'
-
-
-def _log(out: Path, job_id: str) -> str:
-    """Every task's log (submitit's, one per task; task 0's holds the batch script's lines), in task order."""
-    paths = sorted((out / "slurm-jit" / "logs").glob(f"{job_id}_*_log.out"),
-                   key=lambda p: int(p.name.split("_")[1]))
-    return "".join(p.read_text(errors="replace") for p in paths)
-
-
-def _until(what: str, check, out: Path, job_id: str):  # type: ignore[no-untyped-def]
-    value = until(check, JOB_DEADLINE_S, POLL_S)
-    if value:
-        return value
-    raise AssertionError(f"job {job_id}: {what} not within {JOB_DEADLINE_S} s; "
-                         f"{slurm.show_job(job_id).get('JobState')}\n{_log(out, job_id)[-3000:]}")
-
-
-def _ended(job_id: str) -> dict[str, str] | None:
-    job = slurm.show_job(job_id)
-    return job if slurm.job_state(job) in ENDED else None
 
 
 @pytest.mark.timeout(3 * JOB_DEADLINE_S)
@@ -80,11 +58,11 @@ def test_two_nodes_through_submit_time_limit_jit_requeue_resume_finish(
     reference = tmp_path / "reference"  # meanwhile: the same training, uninterrupted, 2 local ranks
     assert run_to_end(reference, train, env=ONE_THREAD) == [0, 0]
 
-    _until("the requeue", lambda: slurm.show_job(job_id).get("Restarts", "0") != "0", out, job_id)
+    until_job("the requeue", lambda: slurm.show_job(job_id).get("Restarts", "0") != "0", out, job_id, JOB_DEADLINE_S)
     slurm.run(["scontrol", "update", f"JobId={job_id}", f"TimeLimit={RESUMED_TIME_LIMIT_MIN}"])
-    job = _until("the end", lambda: _ended(job_id), out, job_id)
+    job = until_job("the end", lambda: ended(job_id), out, job_id, JOB_DEADLINE_S)
 
-    log = _log(out, job_id)
+    log = tasks_log(out, job_id)
     assert (job["JobState"], job["Restarts"], job["NodeList"]) == ("COMPLETED", "1", "node[1-2]"), log[-4000:]
     master = slurm.node_address("node1")
     ranks = {line for line in log.splitlines() if line.startswith("RANK ")}

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from jit_helpers import ckpt_check
-from submit_jobs import until
+from submit_jobs import ended, tasks_log, until_job
 
 from slurm_jit import slurm
 from slurm_jit.train import stop_record
@@ -28,8 +28,6 @@ DRAINED = "node2"
 MAX_STEPS = 30
 STOP_AT_STEP = 4  # the first run is signalled once its timing log has this step (0.5 s a step: far from the end)
 JOB_DEADLINE_S = 300  # a hang detector for each phase
-POLL_S = 1.0
-ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL"}
 
 
 @pytest.fixture
@@ -42,29 +40,11 @@ def drain(two_node_jobs: list[str]) -> Iterator[None]:
     assert "DRAIN" not in slurm.run(["sinfo", "-h", "-n", DRAINED, "-o", "%T"]).upper()
 
 
-def _log(out: Path, job_id: str) -> str:
-    paths = sorted((out / "slurm-jit" / "logs").glob(f"{job_id}_*_log.out"), key=lambda p: int(p.name.split("_")[1]))
-    return "".join(p.read_text(errors="replace") for p in paths)
-
-
-def _until(what: str, check, out: Path, job_id: str):  # type: ignore[no-untyped-def]
-    value = until(check, JOB_DEADLINE_S, POLL_S)
-    if value:
-        return value
-    raise AssertionError(f"job {job_id}: {what} not within {JOB_DEADLINE_S} s; "
-                         f"{slurm.show_job(job_id).get('JobState')}\n{_log(out, job_id)[-3000:]}")
-
-
 def _stepped(out: Path) -> bool:
     path = out / "slurm-jit" / "timing-rank0.jsonl"
     lines = path.read_text(errors="replace").splitlines() if path.exists() else []
     steps = [json.loads(line).get("step", -1) for line in lines if '"event": "step"' in line]
     return max(steps, default=-1) >= STOP_AT_STEP
-
-
-def _ended(job_id: str) -> dict[str, str] | None:
-    job = slurm.show_job(job_id)
-    return job if slurm.job_state(job) in ENDED else None
 
 
 @pytest.mark.timeout(3 * JOB_DEADLINE_S)
@@ -83,15 +63,15 @@ def test_a_node_range_job_comes_back_on_one_node_and_keeps_its_global_batch(
     job_id = proc.stdout.split("submitted job ")[1].split(";")[0]
     two_node_jobs.append(job_id)
 
-    _until(f"step {STOP_AT_STEP}", lambda: _stepped(out), out, job_id)
-    assert slurm.show_job(job_id)["NodeList"] == "node[1-2]", _log(out, job_id)[-3000:]
+    until_job(f"step {STOP_AT_STEP}", lambda: _stepped(out), out, job_id, JOB_DEADLINE_S)
+    assert slurm.show_job(job_id)["NodeList"] == "node[1-2]", tasks_log(out, job_id)[-3000:]
     # drained before the stop: the requeue is eligible again within ~11 s here, and must not find node2 free
     slurm.run(["scontrol", "update", f"nodename={DRAINED}", "state=drain", "reason=slurm-jit node-range test"])
     slurm.cancel(job_id, signal_name="TERM")  # to the ranks, as --signal sends it: a JIT stop
-    _until("the requeue", lambda: slurm.show_job(job_id).get("Restarts", "0") != "0", out, job_id)
-    job = _until("the end", lambda: _ended(job_id), out, job_id)
+    until_job("the requeue", lambda: slurm.show_job(job_id).get("Restarts", "0") != "0", out, job_id, JOB_DEADLINE_S)
+    job = until_job("the end", lambda: ended(job_id), out, job_id, JOB_DEADLINE_S)
 
-    log = _log(out, job_id)
+    log = tasks_log(out, job_id)
     assert (job["JobState"], job["Restarts"], job["NodeList"]) == ("COMPLETED", "1", "node1"), log[-4000:]
     assert "slurm-jit: 2 ranks on 2 node(s) (--nodes=1-2)" in log and \
         "slurm-jit: 1 ranks on 1 node(s) (--nodes=1-2)" in log, log[-4000:]
