@@ -18,7 +18,8 @@ from slurm_jit.checkpoint import protocol
 from slurm_jit.grace import calc as grace
 from slurm_jit.grace import cli as grace_cli
 from slurm_jit.grace.calc import ClusterFacts, Event, GraceError, GraceInputs, Margin, compute_grace
-from slurm_jit.grace.sbatch_script import ScriptError, check_script, parse_script, parse_signal, parse_time_limit
+from slurm_jit.grace.sbatch_script import ScriptError, parse_script, parse_signal, parse_time_limit
+from slurm_jit.grace.script_check import check_script
 
 DOCS = GraceInputs(step_s=120, save_s=120, margin=Margin(fraction=0, floor_s=0))  # the transformers docs
 LOCAL = ClusterFacts(kill_wait_s=30, kill_wait_source="test", partition="debug", grace_time_s=20,

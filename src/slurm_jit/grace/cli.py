@@ -24,14 +24,8 @@ from typing import Any, NoReturn
 from slurm_jit import slurm, timing
 from slurm_jit.grace import calc as grace
 from slurm_jit.grace.calc import ClusterFacts, GraceError, GraceInputs, GraceResult
-from slurm_jit.grace.sbatch_script import (
-    CheckReport,
-    Finding,
-    SbatchScript,
-    check_script,
-    parse_script,
-    read_script,
-)
+from slurm_jit.grace.sbatch_script import SbatchScript, parse_script, read_script
+from slurm_jit.grace.script_check import CheckReport, Finding, check_script
 
 PROG = "grace-calc"
 EXIT_OK, EXIT_NOT_ENOUGH, EXIT_ERROR = 0, 1, 2
