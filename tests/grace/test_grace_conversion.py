@@ -115,18 +115,27 @@ def test_given_times_size_a_job_whose_output_dir_has_checkpoints_but_no_timing_l
     assert alone.returncode == 2 and "no timing log" in alone.stderr and "HINT" in alone.stderr, alone.stderr
 
 
-def test_a_job_on_fewer_ranks_than_the_log_scales_its_step_and_save_and_says_so(tmp_path: Path) -> None:
-    """After a shrink (2 ranks -> 1, the global batch kept) each rank runs twice the micro-batches of a step: the
-    2-rank log's step and save are scaled by 2, with a warning that the step time of 1 rank is not 2 ranks'."""
-    out = tmp_path / "out"
+def _two_rank_log(out: Path) -> None:
+    """A 2-rank run's timing log: 29 steps of 1.5 s, then a 4 s JIT save."""
     log = timing.TimingLog(out, rank=0, world_size=2, run_id="r1")
     for step in range(1, 30):
         log.step(step, 1.5)
     log.save(29, "jit", 4.0, 123_456)
     log.close()
+
+
+def _sized_for_one_rank(out: Path) -> dict:
     sized = grace_calc("--from", str(out), "--world-size", "1", "--no-slurm", "--json")
     assert sized.returncode == 0, sized.stderr
-    report = json.loads(sized.stdout)
+    return json.loads(sized.stdout)
+
+
+def test_a_job_on_fewer_ranks_than_the_log_scales_its_step_and_save_and_says_so(tmp_path: Path) -> None:
+    """After a shrink (2 ranks -> 1, the global batch kept) each rank runs twice the micro-batches of a step: the
+    2-rank log's step and save are scaled by 2, with a warning that the step time of 1 rank is not 2 ranks'."""
+    out = tmp_path / "out"
+    _two_rank_log(out)
+    report = _sized_for_one_rank(out)
     terms = {t["name"]: t["seconds"] for t in report["terms"]}
     assert terms["save"] == 8.0 and max(v for k, v in terms.items() if k.startswith("step")) >= 3.0, terms
     assert any("world size 1 is not 2" in t["source"] for t in report["terms"]), report["terms"]
@@ -140,18 +149,12 @@ def test_a_shrunk_run_that_never_saved_takes_the_larger_world_sizes_save_scaled(
     saves before its end): its own steps, and the 2-rank save scaled by 2. Before: 'a checkpoint of N MiB but no
     write bandwidth' (found with a real DDP 2 -> 1 resume), so the requeue of such a job could not be sized."""
     out = tmp_path / "out"
-    two = timing.TimingLog(out, rank=0, world_size=2, run_id="r1")
-    for step in range(1, 30):
-        two.step(step, 1.5)
-    two.save(29, "jit", 4.0, 123_456)
-    two.close()
+    _two_rank_log(out)
     one = timing.TimingLog(out, rank=0, world_size=1, run_id="r2")
     for step in range(30, 60):
         one.step(step, 2.5)
     one.close()
-    sized = grace_calc("--from", str(out), "--world-size", "1", "--no-slurm", "--json")
-    assert sized.returncode == 0, sized.stderr
-    report = json.loads(sized.stdout)
+    report = _sized_for_one_rank(out)
     terms = {t["name"]: t["seconds"] for t in report["terms"]}
     assert terms["save"] == 8.0 and max(v for k, v in terms.items() if k.startswith("step")) == 2.5, terms
     assert any("no save at world size 1: world size 2's is scaled" in w for w in report["warnings"]), report
