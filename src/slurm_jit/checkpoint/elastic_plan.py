@@ -78,9 +78,8 @@ def plan(ckpt_dir: str | os.PathLike[str], world_size: int, manifest: dict[str, 
     if written_by is None or written_by == world_size:
         return made(SAME, "same world size: resumes directly")
     change = f"written by {written_by} ranks, resumed on {world_size}"
-    recorded = manifest.get(SAMPLES_KEY) if manifest is not None and check_batch else None
-    samples = recorded if isinstance(recorded, int) and not isinstance(recorded, bool) else 0
-    if samples > 0 and samples % world_size:
+    samples = recorded_samples(manifest) if manifest is not None and check_batch else None
+    if samples is not None and samples % world_size:
         return made(REFUSED, f"{path}: {change}: {samples} samples per optimizer step when written, which no "
                     f"per-device batch and gradient accumulation keep on {world_size} ranks (the JitTrainer would "
                     f"refuse it). HINT: {no_batch_hint(samples, world_size)}")
@@ -103,6 +102,13 @@ def plan(ckpt_dir: str | os.PathLike[str], world_size: int, manifest: dict[str, 
                     f"universal format in {universal_dir(path)}: loads from there")
     return made(CONVERT, f"{change}: ZeRO-{stage} shards will be converted once to DeepSpeed's "
                 f"universal format ({universal_dir(path)}) and loaded from there")
+
+
+def recorded_samples(manifest: dict[str, Any]) -> int | None:
+    """The samples per optimizer step a manifest records (SAMPLES_KEY); None in a manifest without them (an older
+    version's) or with a value that is not a positive whole number."""
+    value = manifest.get(SAMPLES_KEY)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def no_batch_hint(samples: int, world_size: int) -> str:

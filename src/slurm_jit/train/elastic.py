@@ -42,6 +42,7 @@ from slurm_jit.checkpoint.elastic_plan import (
     converter_version,
     parent_digest,
     plan,
+    recorded_samples,
     universal_complete,
     universal_dir,
 )
@@ -381,7 +382,7 @@ def written_global_batch(ckpt_dir: Path, manifest: dict[str, Any], written_by: i
     """Samples per optimizer step of the run that wrote the checkpoint: its manifest's record, else (a checkpoint
     of an older version) the DeepSpeed config the engine saves in its model states file and in each ZeRO shard
     (memory-mapped: no tensor is read); None when it cannot be told (then logged: not checked, not refused)."""
-    recorded = keep_batch.written_samples(manifest)
+    recorded = recorded_samples(manifest)
     if recorded is not None:
         return recorded
     tag_dir = ckpt_dir / str(manifest.get("deepspeed_tag") or "")

@@ -143,12 +143,6 @@ def samples_per_step(trainer: Any) -> int:
     return per_device * int(args.gradient_accumulation_steps) * int(args.world_size)
 
 
-def written_samples(manifest: dict[str, Any]) -> int | None:
-    """The samples per optimizer step a manifest records (SAMPLES_KEY); None in a manifest without it."""
-    value = manifest.get(SAMPLES_KEY)
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
-
-
 def accumulation_refusal(hf_ds_config: Any) -> str | None:
     """One line when the DeepSpeed config sets a gradient accumulation that TrainingArguments does not (transformers
     records the mismatch when TrainingArguments is made and raises it as a ValueError at the engine's creation,
