@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
 import signal
 import socket
@@ -18,11 +19,24 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# MASTER_PORT from below Linux's ephemeral range (32768-60999): rank 0 binds it seconds after it was found free
+# (imports first), and on a shared host any outgoing connection (another test's gloo sockets among them) may take
+# an ephemeral port meanwhile (seen: EADDRINUSE, rank 1 gone, rank 0 waiting forever). Below the range only an
+# explicit bind can collide; the system RNG, so that processes started in the same instant pick apart.
+QUIET_PORTS = (20000, 30000)
+_PORT_RNG = random.SystemRandom()
+
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port nothing on 127.0.0.1 is bound to now, below the ephemeral range (QUIET_PORTS)."""
+    while True:
+        port = _PORT_RNG.randrange(*QUIET_PORTS)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
 
 
 @dataclass

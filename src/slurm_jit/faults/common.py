@@ -5,10 +5,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,10 +22,6 @@ START_TIMEOUT_S = 600  # a hang detector: a 2-rank run of the tiny model takes ~
 CHECK_TIMEOUT_S = 120  # one ckpt-check (an interpreter start and a walk of a few checkpoints)
 POLL_S = 0.005  # how often a kill waits for the moment it is aimed at
 WORLD_SIZE = 2
-# MASTER_PORT from below Linux's ephemeral range (32768-60999): rank 0 binds it seconds after it was found free
-# (imports first), and on a shared host any outgoing connection may take an ephemeral port meanwhile (seen:
-# EADDRINUSE, rank 1 gone, rank 0 waiting forever). Below the range only an explicit bind can collide.
-QUIET_PORTS = (20000, 30000)
 PORT_IN_USE = "EADDRINUSE"  # in a rank's log when the rendezvous port was taken all the same: the run is retried
 
 
@@ -84,19 +78,8 @@ def start(out: Path, args: Sequence[str], env: dict[str, str] | None = None,
           world_size: int = WORLD_SIZE) -> local_ranks.Ranks:
     """Start the demo training's ranks (each its own process group); logs under :func:`log_dir`."""
     return local_ranks.start(["-m", "slurm_jit.demo_train", "--output-dir", str(out), *args], world_size,
-                             log_dir(out), env=env, port=quiet_port())
+                             log_dir(out), env=env, port=local_ranks.free_port())
 
-
-def quiet_port() -> int:
-    """A free port below the ephemeral range (see QUIET_PORTS)."""
-    while True:
-        port = random.randrange(*QUIET_PORTS)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return port
 
 
 def log_size(out: Path) -> list[int]:
