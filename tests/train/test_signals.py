@@ -8,12 +8,16 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
+import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from slurm_jit.signal_names import parse_signal
-from slurm_jit.train.signals import IgnoreSignalsInWorker, SignalLatch, StartWorkersMasked
+from slurm_jit.train.signals import IgnoreSignalsInWorker, SignalLatch, StartWorkersMasked, worker_deaths_held
 
 
 def test_latch_records_first_signal_only_and_restores() -> None:
@@ -120,3 +124,68 @@ def test_latch_with_a_signal_named_twice_restores_the_original_handler() -> None
         assert seen == [signal.SIGUSR1] and latch.count == 1
     finally:
         signal.signal(signal.SIGUSR1, original)
+
+
+class WorkerKilled(RuntimeError):
+    """What torch's DataLoader SIGCHLD handler raises (torch/utils/data/_utils/signal_handling.py)."""
+
+
+def _raising_sigchld_handler(signum: int, frame: object) -> None:
+    raise WorkerKilled("DataLoader worker (pid 1) is killed by signal: Terminated.")
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat", encoding="utf-8") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0]
+
+
+def _write_while_a_child_dies(path: str) -> None:
+    """Write a record in two halves while a real child process exits in between (its SIGCHLD comes then)."""
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write('{"state": ')
+        child = subprocess.Popen([sys.executable, "-c", "pass"])
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _state(child.pid) != "Z":  # a zombie: it exited, SIGCHLD is sent
+            time.sleep(0.01)
+        time.sleep(0.05)  # the handler runs at the next bytecode boundary of the main thread
+        handle.write('"failed"}')
+        handle.flush()
+        os.fsync(handle.fileno())
+    child.wait(timeout=30)  # SIG_DFL, not SIG_IGN: the child is still there to be reaped
+
+
+def test_a_worker_death_inside_the_hold_does_not_cut_the_write_short(tmp_path: Path) -> None:
+    previous = signal.signal(signal.SIGCHLD, _raising_sigchld_handler)
+    try:
+        with worker_deaths_held():
+            assert signal.getsignal(signal.SIGCHLD) == signal.SIG_DFL
+            _write_while_a_child_dies(str(tmp_path / "record"))
+        assert signal.getsignal(signal.SIGCHLD) is _raising_sigchld_handler  # the DataLoader's handler is back
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
+    assert (tmp_path / "record").read_text() == '{"state": "failed"}'
+
+
+def test_control_without_the_hold_the_worker_death_raises_inside_the_write(tmp_path: Path) -> None:
+    previous = signal.signal(signal.SIGCHLD, _raising_sigchld_handler)
+    try:
+        with pytest.raises(WorkerKilled):
+            _write_while_a_child_dies(str(tmp_path / "record"))
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
+    assert (tmp_path / "record").read_text() == '{"state": '  # the half the CI failure left
+
+
+def test_the_hold_is_a_no_op_off_the_main_thread() -> None:
+    seen: list[object] = []
+    previous = signal.signal(signal.SIGCHLD, _raising_sigchld_handler)
+    try:
+        def off_main() -> None:
+            with worker_deaths_held():
+                seen.append(signal.getsignal(signal.SIGCHLD))
+        thread = threading.Thread(target=off_main)
+        thread.start()
+        thread.join(timeout=30)
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
+    assert seen == [_raising_sigchld_handler]

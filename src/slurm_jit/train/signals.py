@@ -6,9 +6,11 @@ No I/O, no locks, no collectives run inside the handler; the training loop reads
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
 from typing import Any
 
@@ -90,3 +92,25 @@ class StartWorkersMasked:
             return self.get_iterator()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+@contextlib.contextmanager
+def worker_deaths_held() -> Iterator[None]:
+    """No SIGCHLD handler inside the block: what is written there is written whole.
+
+    torch's DataLoader installs a SIGCHLD handler in the main process that raises ``RuntimeError: DataLoader worker
+    (pid N) is killed by signal`` from whatever the main thread runs when a worker dies: inside a checkpoint's
+    fsync or the stop record's write, that error left a half-written save or no record at all (seen: Slurm's step
+    signal ending the workers while rank 0 wrote ``failed``). The saves and records run with the default action
+    (SIG_DFL, not SIG_IGN, which would reap every child and break ``waitpid``); the previous handler is back
+    after, and the DataLoader still finds a dead worker on its next fetch. Main thread only (Python installs
+    handlers nowhere else); a handler installed from C (``getsignal`` says None) is left alone.
+    """
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGCHLD) is None:
+        yield
+        return
+    previous = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGCHLD, previous)

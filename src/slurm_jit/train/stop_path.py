@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from slurm_jit.timing import WARMUP_STEPS
-from slurm_jit.train import lost_peers, runtime_grace, stop_record, subclassing, trackers, watchdog
+from slurm_jit.train import lost_peers, runtime_grace, signals, stop_record, subclassing, trackers, watchdog
 from slurm_jit.train.agreement import Decision
 from slurm_jit.train.run_state import Run, StopBeforeFirstStep, signal_name
 from slurm_jit.train.trackers import log_stop_to_trackers
@@ -236,6 +236,7 @@ def _unreported(trainer: JitTrainer, reports: list[dict[str, Any]]) -> list[dict
     return [{"rank": rank, "node": nodes[rank]} for rank in range(world) if rank not in seen]
 
 
+@signals.worker_deaths_held()  # a DataLoader worker's death must not cut the record short
 def record_stop(trainer: JitTrainer) -> None:
     """Rank 0 records ``jit_stop`` as soon as the stop checkpoint is complete (nothing slow in between)."""
     run = trainer._jit_run
@@ -262,6 +263,7 @@ def announce_stop(trainer: JitTrainer, run: Run) -> None:
                    save, since)
 
 
+@signals.worker_deaths_held()  # a DataLoader worker's death must not cut the record short
 def record_end(trainer: JitTrainer, run: Run) -> None:
     """``train()`` returned: the trackers and (rank 0) the stop record say ``jit_stop`` or ``finished``."""
     state = "jit_stop" if run.stopped else "finished"
@@ -275,6 +277,7 @@ def record_end(trainer: JitTrainer, run: Run) -> None:
                               checkpoint=run.checkpoint, signal=signal_name(run.latch.first_signum))
 
 
+@signals.worker_deaths_held()  # a DataLoader worker's death must not cut the record short
 def record_failure(trainer: JitTrainer, run: Run, exc: BaseException) -> None:
     if _lost_peer(trainer, run, exc):
         return
