@@ -50,6 +50,10 @@ class JitConfig:
     # A step (or evaluation batch) longer than this is a hang: stacks to the log, stop record ``hung``, exit 87
     # (train/watchdog.py). "auto": max(10 x the longest step, 300 s) after warm-up; None: no watchdog.
     hang_timeout_s: float | str | None = watchdog.AUTO
+    # torch.save's CRC-32 of every zip record in this trainer's saves: 1-1.3 s per GB per core, half a ZeRO-2
+    # save's time (docs/benchmarks.md). The manifest's xxh3-128 of every file guards the bytes; torch.load,
+    # DeepSpeed and zero_to_fp32.py do not check the CRC (zipfile and `unzip -t` report it). True: torch's default
+    zip_crc32: bool = False
 
     def __post_init__(self) -> None:
         for name in ("kill_wait_s", "side_group_timeout_s", "convert_timeout_s"):

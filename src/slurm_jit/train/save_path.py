@@ -9,16 +9,19 @@ means is :mod:`slurm_jit.checkpoint.protocol`'s.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from torch.utils.serialization import config as torch_serialization
+
 from slurm_jit.checkpoint import protocol
-from slurm_jit.train import frozen_weights, keep_batch, save_errors, slim_save, stop_path
+from slurm_jit.train import frozen_weights, keep_batch, save_errors, signals, slim_save, stop_path
 
 if TYPE_CHECKING:
     from slurm_jit.train.trainer import JitTrainer
@@ -59,6 +62,7 @@ def leaves_out_weights(trainer: JitTrainer, output_dir: str | None, internal_cal
     return True
 
 
+@signals.worker_deaths_held()  # a DataLoader worker's death must not cut the save short (signals.py)
 def save_checkpoint(trainer: JitTrainer, model: Any, trial: Any, upstream: Upstream) -> None:
     """One checkpoint of this step, complete by the protocol's definition before anything rotates."""
     run = trainer._jit_run
@@ -73,7 +77,8 @@ def save_checkpoint(trainer: JitTrainer, model: Any, trial: Any, upstream: Upstr
     stop_path.feed(trainer, "save")  # the hang watchdog gives a save its long bound
     _begin(trainer, ckpt, step, kind)
     with save_errors.disk_full_is_one_line(ckpt):  # one clear line; the sentinel stays, nothing rotates
-        contents, weights = upstream_save(trainer, model, trial, kind, upstream)
+        with zip_crc32(trainer.jit_config.zip_crc32):
+            contents, weights = upstream_save(trainer, model, trial, kind, upstream)
         # Callbacks run on every save (JIT too) before the manifest: what they add or rewrite is in it.
         trainer.control = trainer._upstream_on_save(trainer.args, trainer.state, trainer.control)
         fault_sleep_s = float(os.environ.get(FAULT_SAVE_SLEEP_ENV, "0") or 0)
@@ -96,6 +101,18 @@ def save_checkpoint(trainer: JitTrainer, model: Any, trial: Any, upstream: Upstr
         rotate_checkpoints_safely(trainer, run_dir, just_written=ckpt)
     trainer._agreement.barrier()
     _done(trainer, step, kind, ckpt, time.monotonic() - t0, nbytes)
+
+
+@contextlib.contextmanager
+def zip_crc32(enabled: bool) -> Iterator[None]:
+    """torch.save computes each zip record's CRC-32 inside the block only when ``enabled`` (JitConfig.zip_crc32);
+    torch's own setting is back after."""
+    before = torch_serialization.save.compute_crc32
+    torch_serialization.save.compute_crc32 = enabled
+    try:
+        yield
+    finally:
+        torch_serialization.save.compute_crc32 = before
 
 
 def _begin(trainer: JitTrainer, ckpt: Path, step: int, kind: str) -> None:
