@@ -11,21 +11,24 @@ from pathlib import Path
 
 import jit_helpers
 import pytest
+import xdist_units
 from jit_helpers import losses, run_logged, run_to_end
 from multinode_helpers import USE_LINE, local_slurm
+from xdist_units import DEEPSPEED_FIXTURES
 
 from slurm_jit import slurm
 
 LOCAL_SLURM = Path(__file__).resolve().parents[1] / "tools" / "local-slurm"
 CLUSTER_UP_TIMEOUT_S = 300  # a fresh CI machine apt-installs slurm-wlm and munge first; then up waits <= 60 s
-# Fixtures that start DeepSpeed ranks: a test that uses one is a `deepspeed` test whatever its own marks say.
-DEEPSPEED_FIXTURES = {"plain_zero2_run", "jit_zero2_run", "reference_losses"}
 # Per-test timeouts (pytest-timeout; setup included, so a session fixture's runs count in the first test that
 # needs them). A hang fails one test instead of the CI run. Fast tests take well under a second each; a
 # DeepSpeed test runs up to ~4 two-rank trainings (~15 s each idle, ~3x on a loaded 2-core host, plus ~80 s
 # to build DeepSpeed's CPU comm op on a fresh machine); a Slurm test may wait CLUSTER_UP_TIMEOUT_S for the
 # cluster and a few minutes for a job's cores.
 TIMEOUT_FAST_S = 120
+# Under tools/test's two workers a fast test runs at nice 10 beside the heavy ones (tests/helpers/xdist_units.py):
+# when those take both cores it gets about a tenth of one.
+TIMEOUT_FAST_XDIST_S = 600
 TIMEOUT_DEEPSPEED_S = 900
 TIMEOUT_SLURM_S = 900
 
@@ -40,9 +43,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if kinds & {"deepspeed", "slurm"}:
             item.add_marker(pytest.mark.slow)
         if "timeout" not in kinds:
-            timeout_s = max(TIMEOUT_FAST_S, TIMEOUT_DEEPSPEED_S if "deepspeed" in kinds else 0,
+            fast_s = TIMEOUT_FAST_XDIST_S if os.environ.get("PYTEST_XDIST_WORKER") else TIMEOUT_FAST_S
+            timeout_s = max(fast_s, TIMEOUT_DEEPSPEED_S if "deepspeed" in kinds else 0,
                             TIMEOUT_SLURM_S if "slurm" in kinds else 0)
             item.add_marker(pytest.mark.timeout(timeout_s))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> xdist_units.HeavyFirstScheduling:
+    """tools/test's two workers: the heavy files in one unit, first; the others beside them at a low priority."""
+    return xdist_units.HeavyFirstScheduling(config, log)  # type: ignore[arg-type]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before any fixture (session ones too): the test's priority under the two workers (xdist_units.py)."""
+    xdist_units.yield_the_cores(xdist_units.is_heavy_file(Path(item.path)))
 
 
 @pytest.fixture(autouse=True)
