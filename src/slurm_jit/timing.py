@@ -8,7 +8,7 @@ global rank, so ranks never contend for a lock, and kept across restarts: every 
     {"v": 1, "event": "step",  "rank": 0, "world_size": 2, "run_id": "...", "step": 12, "dur_s": 0.21,
      "warmup": false}
     {"v": 1, "event": "save",  "rank": 0, "world_size": 2, "run_id": "...", "step": 12, "dur_s": 3.4,
-     "kind": "jit", "bytes": 123456}
+     "kind": "jit", "bytes": 123456, "phases": {"begin": 0.01, "write": 2.1, ..., "rotate": 0.02}}
     {"v": 1, "event": "eval",  "rank": 0, "world_size": 2, "run_id": "...", "step": 12, "dur_s": 1.9,
      "aborted": false}
     {"v": 1, "event": "agreement", ..., "step": 3, "dur_s": 0.0004, "mode": "blocking", "step_s": 2.1,
@@ -112,8 +112,10 @@ class TimingLog:
         if self._unflushed >= FLUSH_EVERY_STEPS:
             self.flush()
 
-    def save(self, step: int, kind: str, dur_s: float, nbytes: int) -> None:
-        self._write({"event": "save", "step": step, "kind": kind, "dur_s": dur_s, "bytes": nbytes})
+    def save(self, step: int, kind: str, dur_s: float, nbytes: int, phases: dict[str, float] | None = None) -> None:
+        """One save on this rank; ``phases``: where its seconds went, in order (train/save_path.py SAVE_PHASES)."""
+        self._write({"event": "save", "step": step, "kind": kind, "dur_s": dur_s, "bytes": nbytes,
+                     **({"phases": phases} if phases else {})})
         self.flush()
 
     def conversion(self, step: int, dur_s: float, bytes: int, from_world_size: int) -> None:  # noqa: A002

@@ -32,6 +32,7 @@ class JitSave:
     outcome: runs.Outcome
     ckpt: Path
     save_s: float  # the longest rank's save, from the timing log
+    phases: dict[str, float]  # that rank's save, phase by phase (train/save_path.py SAVE_PHASES)
     total_bytes: int  # every file of the checkpoint (the manifest's count)
     needed_bytes: int  # what a resume reads: fp32 master weights, optimizer moments, small state files
 
@@ -47,11 +48,12 @@ def run_ours(out: Path, model: runs.Model, zero_stage: int, *extra: str) -> JitS
         raise RuntimeError(f"the JIT run in {out} ended {outcome.codes} with checkpoints {outcome.new_ckpts}")
     ckpt = outcome.new_ckpts[-1]
     manifest = json.loads((ckpt / MANIFEST_NAME).read_text())
-    saves = timing.load_summary(out).saves.get("jit")
-    if saves is None:
+    saves = [r for r in timing.read_records(out) if r.get("event") == "save" and r.get("kind") == "jit"]
+    if not saves:
         raise RuntimeError(f"no JIT save in the timing log of {out}")
-    return JitSave(outcome=outcome, ckpt=ckpt, save_s=saves.max_dur_s, total_bytes=int(manifest["total_bytes"]),
-                   needed_bytes=int(manifest["bytes_needed_for_resume"]))
+    longest = max(saves, key=lambda r: float(r["dur_s"]))
+    return JitSave(outcome=outcome, ckpt=ckpt, save_s=float(longest["dur_s"]), phases=dict(longest.get("phases", {})),
+                   total_bytes=int(manifest["total_bytes"]), needed_bytes=int(manifest["bytes_needed_for_resume"]))
 
 
 def bandwidth_row(name: str, save: JitSave, disk: DiskLimits, what: str) -> Row:
@@ -60,7 +62,8 @@ def bandwidth_row(name: str, save: JitSave, disk: DiskLimits, what: str) -> Row:
                     f"{what}: JIT save bandwidth (manifest's bytes / timing log's save time) over the disk write "
                     "limit (row disk_write)",
                     save_s=round(save.save_s, 3), bytes=save.total_bytes, save_mb_s=round(bw_bps / MB, 1),
-                    disk_write_mb_s=round(disk.write_bps / MB, 1))
+                    disk_write_mb_s=round(disk.write_bps / MB, 1),
+                    phases_s={name: round(s, 3) for name, s in save.phases.items()})
 
 
 def bytes_row(name: str, save: JitSave, what: str) -> Row:

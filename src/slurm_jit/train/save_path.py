@@ -37,6 +37,29 @@ DUPLICATE_WEIGHT_RE = re.compile(
 MODEL_STATES_RE = re.compile(r"^mp_rank_\d+_model_states\.pt$")  # without the weights in a slim JIT save
 
 Upstream = Callable[[Any, Any], None]  # the Trainer's own _save_checkpoint(model, trial)
+# Where one save's seconds go, in the order they pass, in each rank's timing record (docs/benchmarks.md):
+SAVE_PHASES = (
+    "begin",      # rank 0: an earlier directory set aside, the sentinel written and fsynced; all ranks meet
+    "write",      # upstream's save: torch.save of the DeepSpeed shards, optimizer, scheduler, RNG (page cache)
+    "callbacks",  # the callbacks' on_save (what they write is in the manifest)
+    "fsync",      # every file of the checkpoint durable
+    "barrier",    # every rank's files durable
+    "manifest",   # each rank hashes its share of the files; rank 0 writes the manifest, removes the sentinel
+    "rotate",     # the stop record (a JIT save), rank 0's rotation, the last barrier
+)
+
+
+class _Phases:
+    """The seconds since the previous mark, by phase name."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._at = time.monotonic()
+
+    def mark(self, name: str) -> None:
+        now = time.monotonic()
+        self.seconds[name] = round(now - self._at, 6)
+        self._at = now
 
 
 def _duplicate_weights(rel: str, weights: str) -> bool:
@@ -74,24 +97,31 @@ def save_checkpoint(trainer: JitTrainer, model: Any, trial: Any, upstream: Upstr
     run_dir = Path(trainer._get_output_dir(trial=trial))
     ckpt = run_dir / f"checkpoint-{step}"
     t0 = time.monotonic()
+    phases = _Phases()
     stop_path.feed(trainer, "save")  # the hang watchdog gives a save its long bound
     _begin(trainer, ckpt, step, kind)
+    phases.mark("begin")
     with save_errors.disk_full_is_one_line(ckpt):  # one clear line; the sentinel stays, nothing rotates
         with zip_crc32(trainer.jit_config.zip_crc32):
             contents, weights = upstream_save(trainer, model, trial, kind, upstream)
+        phases.mark("write")
         # Callbacks run on every save (JIT too) before the manifest: what they add or rewrite is in it.
         trainer.control = trainer._upstream_on_save(trainer.args, trainer.state, trainer.control)
         fault_sleep_s = float(os.environ.get(FAULT_SAVE_SLEEP_ENV, "0") or 0)
         if fault_sleep_s > 0:
             time.sleep(fault_sleep_s)
+        phases.mark("callbacks")
         protocol.fsync_tree(ckpt)
+        phases.mark("fsync")
         trainer._agreement.barrier()
+        phases.mark("barrier")
         nbytes = write_manifest(trainer, ckpt, step, kind, {
             "contents": contents, "weights": weights, "run_id": run.lineage if run and run.lineage else None,
             "owed_evaluation": bool(run and run.eval_owed),
             keep_batch.SAMPLES_KEY: keep_batch.samples_per_step(trainer),
             **({keep_batch.MANIFEST_KEY: run.batch_record} if run and run.batch_record else {}),
         })
+        phases.mark("manifest")
     if run is not None:
         run.saved_step, run.saved_contents = step, contents
         run.checkpoint = str(ckpt)
@@ -100,7 +130,8 @@ def save_checkpoint(trainer: JitTrainer, model: Any, trial: Any, upstream: Upstr
     if trainer._is_rank0:
         rotate_checkpoints_safely(trainer, run_dir, just_written=ckpt)
     trainer._agreement.barrier()
-    _done(trainer, step, kind, ckpt, time.monotonic() - t0, nbytes)
+    phases.mark("rotate")
+    _done(trainer, step, kind, ckpt, time.monotonic() - t0, nbytes, phases.seconds)
 
 
 @contextlib.contextmanager
@@ -127,11 +158,12 @@ def _begin(trainer: JitTrainer, ckpt: Path, step: int, kind: str) -> None:
     trainer._agreement.barrier()
 
 
-def _done(trainer: JitTrainer, step: int, kind: str, ckpt: Path, dur_s: float, nbytes: int) -> None:
+def _done(trainer: JitTrainer, step: int, kind: str, ckpt: Path, dur_s: float, nbytes: int,
+          phases: dict[str, float]) -> None:
     run = trainer._jit_run
     if run is not None:
         if run.timing is not None:
-            run.timing.save(step, kind, dur_s, nbytes)
+            run.timing.save(step, kind, dur_s, nbytes, phases)
         run.grace_due.append("first save")
     logger.log(logging.INFO if trainer._is_rank0 else logging.DEBUG,  # one line per save, not one per rank
                "slurm_jit: %s checkpoint %s complete in %.2f s", kind, ckpt, dur_s)
