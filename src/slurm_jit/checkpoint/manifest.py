@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +47,9 @@ MASTER_ONLY = (WEIGHTS_MASTER_ONLY, WEIGHTS_FROZEN_EXCLUDED_MASTER_ONLY)  # the 
 ZERO3 = 3  # ZeRO stage 3: partitioned parameters, model-states files with placeholders for the weights
 HASH_NAME = "xxh3_128"
 HASH_CHUNK_BYTES = 8 * 1024 * 1024
+# Files a deep check reads and hashes at once: one stream reaches neither a parallel file system's nor an NVMe
+# drive's read limit, and read() and xxhash both release the GIL (2 threads hash 2x as fast on 2 cores here).
+DEEP_READERS = 8
 MAX_EPOCH_S = 2**33  # year 2242: a manifest's "created" beyond it is not a time (clocks differ, not by centuries)
 TRAINER_STATE_NAME = "trainer_state.json"
 # "save_seq": one more than the highest of every manifest in the output directory when it was written, so that
@@ -52,11 +57,19 @@ TRAINER_STATE_NAME = "trainer_state.json"
 SAVE_SEQ_MAX = 2**62  # a save per microsecond for 100 000 years stays below; above it is no sequence number
 
 
-def hash_file(path: str | os.PathLike[str], progress: Callable[[int], None] | None = None) -> str:
-    """xxh3-128 hex digest of a regular file, read in chunks (a FIFO, device or symlink: UntrustedFile)."""
+class HashCancelled(Exception):
+    """hash_file stopped reading: its ``cancelled()`` turned true."""
+
+
+def hash_file(path: str | os.PathLike[str], progress: Callable[[int], None] | None = None,
+              cancelled: Callable[[], bool] | None = None) -> str:
+    """xxh3-128 hex digest of a regular file, read in chunks (a FIFO, device or symlink: UntrustedFile);
+    HashCancelled when ``cancelled()`` turns true between two chunks."""
     digest = xxhash.xxh3_128()
     with formats.open_regular(path) as handle:
         while chunk := handle.read(HASH_CHUNK_BYTES):
+            if cancelled is not None and cancelled():
+                raise HashCancelled(str(path))
             digest.update(chunk)
             if progress is not None:
                 progress(len(chunk))
@@ -135,15 +148,59 @@ def verify(
     if world is not None and not (plain_int(world) and 1 <= world <= structure.MAX_WORLD_SIZE):
         return f"manifest world_size {world!r} is not between 1 and {structure.MAX_WORLD_SIZE}"
     real_root = os.path.realpath(ckpt_dir)
-    for rel, entry in sorted(manifest["files"].items()):
-        why = _verify_entry(ckpt_dir, real_root, rel, entry, deep, progress)
+    entries = sorted(manifest["files"].items())
+    for rel, entry in entries:  # every file's size first: no byte is hashed in a checkpoint cut short
+        why = _verify_entry(ckpt_dir, real_root, rel, entry)
         if why:
             return why
-    return None
+    return _verify_hashes(ckpt_dir, entries, progress) if deep else None
 
 
-def _verify_entry(ckpt_dir: Path, real_root: str, rel: str, entry: object, deep: bool,
-                  progress: Callable[[int], None] | None) -> str | None:
+def _verify_hashes(ckpt_dir: Path, entries: list[tuple[str, Any]],
+                   progress: Callable[[int], None] | None) -> str | None:
+    """The first file in name order whose checksum is not the manifest's, read DEEP_READERS at a time. A reader
+    stops once a file before its own is known bad (it can no longer be the first), and all stop on an interrupt."""
+    lock = threading.Lock()
+    first_bad = [len(entries)]  # the index of the first mismatch found so far
+    interrupted = threading.Event()
+
+    def counted(nbytes: int) -> None:
+        if progress is not None:
+            with lock:
+                progress(nbytes)
+
+    def check(index: int) -> None:
+        rel, entry = entries[index]
+
+        def cancelled() -> bool:
+            return interrupted.is_set() or first_bad[0] < index
+
+        try:
+            if cancelled():
+                return
+            digest = hash_file(ckpt_dir / rel, counted, cancelled)
+        except HashCancelled:
+            return
+        if digest != entry.get(HASH_NAME):
+            with lock:
+                first_bad[0] = min(first_bad[0], index)
+
+    pool = ThreadPoolExecutor(max_workers=DEEP_READERS, thread_name_prefix="ckpt-deep")
+    try:
+        futures = [pool.submit(check, i) for i in range(len(entries))]
+        wait(futures, return_when=FIRST_EXCEPTION)
+        for future in futures:  # a reader's OSError (the file went away meanwhile) comes out here, as before
+            if future.done() and future.exception() is not None:
+                raise future.exception()  # type: ignore[misc]
+    except BaseException:
+        interrupted.set()  # Ctrl-C or an error: the other readers stop at their next chunk
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    return f"{entries[first_bad[0]][0]} checksum mismatch" if first_bad[0] < len(entries) else None
+
+
+def _verify_entry(ckpt_dir: Path, real_root: str, rel: str, entry: object) -> str | None:
     path = _safe_member(ckpt_dir, rel)
     if path is None:
         return f"manifest path {rel!r} escapes the checkpoint"
@@ -159,8 +216,6 @@ def _verify_entry(ckpt_dir: Path, real_root: str, rel: str, entry: object, deep:
         return f"{rel} is reached through a symlink: not trusted"
     if st.st_size != entry["size"]:
         return f"{rel} has {st.st_size} bytes, manifest says {entry['size']}"
-    if deep and hash_file(path, progress) != entry.get(HASH_NAME):
-        return f"{rel} checksum mismatch"
     return None
 
 
