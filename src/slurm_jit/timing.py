@@ -18,11 +18,16 @@ global rank, so ranks never contend for a lock, and kept across restarts: every 
      "save_start_time": 1.7e9, "end_time": 1.7e9}
     {"v": 1, "event": "batch", ..., "dur_s": 0, "from_world_size": 2, "to_world_size": 1,
      "accumulation_from": 1, "accumulation_to": 2, "samples_per_step": 4}
+    {"v": 1, "event": "exit", ..., "step": 14, "dur_s": 1.2, "time": 1.7e9}
 
 ``agreement`` (once per run, after warm-up): how the ranks read their stop rounds from then on (``dur_s``: the
 agreed cost of one blocking round); ``stop`` (on a JIT stop): ``dur_s`` from this rank's first signal until
 ``train()`` returned, and where that time went. The grace calculator reads both. ``batch`` (rank 0, at a resume
 on another world size): the gradient accumulation changed to keep the global batch (train/keep_batch.py).
+``exit`` (after a JIT stop, written by a watcher process once the rank's process has ended, train/exit_watch.py):
+``dur_s`` from ``train()`` returning (the stop record's ``end_time``) until the process was gone: DeepSpeed's and
+gloo's shutdown, the script's own end, the interpreter's exit; the grace calculator adds the longest to the
+teardown.
 
 The first ``WARMUP_STEPS`` steps of every run are marked ``warmup`` (they include one-time compilation and
 allocation) and are left out of the step statistics. This module imports no torch.
@@ -73,7 +78,7 @@ class TimingLog:
         self.run_id = run_id
         self._steps_seen = 0
         self._unflushed = 0
-        path = timing_path(output_dir, rank)
+        path = self.path = timing_path(output_dir, rank)
         self._file: IO[str] | None = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -87,13 +92,16 @@ class TimingLog:
     def _write(self, record: dict[str, Any]) -> None:
         if self._file is None:
             return
-        base = {"v": FORMAT_VERSION, "rank": self.rank, "world_size": self.world_size, "run_id": self.run_id}
         try:
-            self._file.write(json.dumps({**base, **record}) + "\n")
+            self._file.write(json.dumps({**self.base(), **record}) + "\n")
         except OSError as exc:
             self._give_up(exc)
             return
         self._unflushed += 1
+
+    def base(self) -> dict[str, Any]:
+        """The fields every record of this log starts with (train/exit_watch.py writes its record with them)."""
+        return {"v": FORMAT_VERSION, "rank": self.rank, "world_size": self.world_size, "run_id": self.run_id}
 
     def _give_up(self, exc: OSError) -> None:
         """The log is diagnostics: a full disk (or a lost mount) stops it, never the training, and never masks
@@ -199,6 +207,8 @@ class TimingSummary:
     kill_wait_s: float | None = None  # the longest kill_wait any run recorded
     n_stops: int = 0  # JIT stops recorded (all ranks)
     teardown_max_s: float | None = None  # longest time from a JIT save's end until train() returned
+    n_exits: int = 0  # "exit" records: a rank's process gone after a JIT stop (train/exit_watch.py)
+    exit_max_s: float | None = None  # longest time from train() returning after a JIT stop to the process's end
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:
@@ -288,6 +298,7 @@ def summarize(records: Iterable[dict[str, Any]]) -> TimingSummary:
     steps.sort()
     stops = [r for r in records if r["event"] == "stop"]
     teardowns = [float(r["teardown_s"]) for r in stops if _seconds(r.get("teardown_s")) is not None]
+    exits = [float(r["dur_s"]) for r in records if r["event"] == "exit"]
     kill_waits = [float(r["kill_wait_s"]) for r in records
                   if r["event"] in ("agreement", "stop") and _seconds(r.get("kill_wait_s")) is not None]
     return TimingSummary(
@@ -311,6 +322,8 @@ def summarize(records: Iterable[dict[str, Any]]) -> TimingSummary:
         kill_wait_s=max(kill_waits) if kill_waits else None,
         n_stops=len(stops),
         teardown_max_s=max(teardowns) if teardowns else None,
+        n_exits=len(exits),
+        exit_max_s=max(exits) if exits else None,
     )
 
 

@@ -101,9 +101,29 @@ def test_long_steps_stop_after_the_step_the_signal_lands_in_within_the_predictio
     assert terms["teardown"] > 0
     measured_s = _signal_to_return_s(stopped)
     assert measured_s <= predicted["needed_s"], (measured_s, predicted["terms"])
-    # the processes themselves exit soon after: the demo's own teardown (gloo) is outside the trainer's model
-    print(f"signal to train() returned {measured_s:.2f} s, to exit {stopped.exit_s:.2f} s, predicted "
-          f"{predicted['needed_s']:.2f} s: {terms}")
+    # Then each rank's process ends (gloo's shutdown, the interpreter's exit): its watcher's exit record, which
+    # grace-calc adds to the teardown, so that the prediction holds up to the process's end.
+    exits = _exit_records(tmp_path / "out")
+    assert sorted(r["rank"] for r in exits) == [0, 1] and all(r["step"] == step and r["dur_s"] > 0 for r in exits)
+    with_exit = _predicted_s(tmp_path / "out")
+    teardown = next(t for t in with_exit["terms"] if t["name"] == "teardown")
+    assert teardown["seconds"] == pytest.approx(max(r["teardown_s"] for r in stopped.stops)
+                                                + max(r["dur_s"] for r in exits), abs=1e-6), teardown
+    assert "process's exit" in teardown["source"], teardown
+    measured_to_exit_s = max(r["time"] for r in exits) - stopped.signal_time
+    assert measured_to_exit_s <= with_exit["needed_s"], (measured_to_exit_s, with_exit["terms"])
+    print(f"signal to train() returned {measured_s:.2f} s, to the processes' exit {measured_to_exit_s:.2f} s "
+          f"(the test saw {stopped.exit_s:.2f} s), predicted {with_exit['needed_s']:.2f} s: {terms}")
+
+
+def _exit_records(out: Path, timeout_s: float = 30.0) -> list[dict]:
+    """The exit watchers' records (train/exit_watch.py): written just after each rank's process has ended."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        exits = [r for r in timing.read_records(out) if r["event"] == "exit"]
+        if len(exits) >= 2 or time.monotonic() > deadline:
+            return exits
+        time.sleep(0.05)
 
 
 def test_short_steps_count_kill_wait_from_the_earliest_signal_on_any_rank(tmp_path: Path) -> None:

@@ -27,8 +27,8 @@ def predicted_s(trial: Trial, margin: calc.Margin | None = None) -> float:
 
 
 def _to_train_returned_s(trial: Trial) -> float | None:
-    """The longest rank's first signal to ``train()`` returning, from the timing log's stop records: where the
-    calculator's sum ends (what follows, the script's and interpreter's exit, it leaves to the margin)."""
+    """The longest rank's first signal to ``train()`` returning, from the timing log's stop records (what follows,
+    the script's and interpreter's exit, is the teardown's exit part: train/exit_watch.py)."""
     stops = [r for r in timing.read_records(trial.outcome.out) if r["event"] == "stop"]
     return max(float(r["dur_s"]) for r in stops) if stops else None
 

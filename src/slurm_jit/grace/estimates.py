@@ -72,6 +72,19 @@ def _worst_stop_window(summary: timing.TimingSummary, step_stat: str) -> tuple[f
     return step_s, steps, mode, n
 
 
+def _teardown(summary: timing.TimingSummary) -> tuple[float | None, str]:
+    """From the JIT save's end to the process's end: the longest save end -> train() returning of any stop, plus
+    the longest train() returning -> process gone (``exit`` records, train/exit_watch.py) where recorded."""
+    if summary.teardown_max_s is None:
+        return None, "no JIT stop in the timing log yet: not counted (the margin covers it)"
+    source = f"longest of {summary.n_stops} JIT stops (all ranks) in the timing log: save end to train() returning"
+    if summary.exit_max_s is None:
+        return summary.teardown_max_s, f"{source} (the process's exit after it not recorded: the margin covers it)"
+    return (summary.teardown_max_s + summary.exit_max_s,
+            f"{source} {summary.teardown_max_s:.1f} s + its process's exit {summary.exit_max_s:.1f} s (longest of "
+            f"{summary.n_exits})")
+
+
 def measured_terms(summary: timing.TimingSummary, *, step_stat: str = "max") -> Measured:
     """Step (max or p99) and the latency the runs' agreement mode gives it, longest save of any kind, longest
     evaluation, the recorded kill_wait and the longest teardown, from a timing summary."""
@@ -93,10 +106,7 @@ def measured_terms(summary: timing.TimingSummary, *, step_stat: str = "max") -> 
         kind, stats = max(summary.saves.items(), key=lambda kv: kv[1].max_dur_s)
         total = sum(s.count for s in summary.saves.values())
         save_s, save_source = stats.max_dur_s, f"longest of {total} saves ({kind}) in the timing log"
-    teardown_source = "no JIT stop in the timing log yet: not counted (the margin covers it)"
-    if summary.teardown_max_s is not None:
-        teardown_source = f"longest of {summary.n_stops} JIT stops (all ranks) in the timing log: save end to " \
-                          "train() returning"
+    teardown_s, teardown_source = _teardown(summary)
     return Measured(
         step_s=step_s,
         step_source=step_source,
@@ -107,7 +117,7 @@ def measured_terms(summary: timing.TimingSummary, *, step_stat: str = "max") -> 
         eval_s=summary.eval_max_s,
         eval_source=f"longest of {summary.n_evals} evaluations in the timing log",
         kill_wait_s=summary.kill_wait_s,
-        teardown_s=summary.teardown_max_s,
+        teardown_s=teardown_s,
         teardown_source=teardown_source,
         warnings=tuple(warnings),
     )

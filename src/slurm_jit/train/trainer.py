@@ -67,6 +67,7 @@ from slurm_jit.train import (
     elastic,
     evaluation,
     exact_resume,
+    exit_watch,
     frozen_weights,
     keep_batch,
     output_lock,
@@ -259,6 +260,9 @@ class JitTrainer(transformers.Trainer):
         if run.timing is not None:
             stop_path.record_stop_timing(self, run)
             run.timing.close()
+            if run.stopped:  # from here to the process's end: the grace's exit term
+                exit_watch.start(run.timing.path, {
+                    **run.timing.base(), "event": "exit", "step": self.state.global_step})
 
     def _close_agreement(self, clean: bool) -> None:
         agreement, self._jit_agreement = self._jit_agreement, None
