@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+import torch.utils.data
 
 from slurm_jit.signal_names import parse_signal
 from slurm_jit.train.signals import IgnoreSignalsInWorker, SignalLatch, StartWorkersMasked, worker_deaths_held
@@ -158,7 +160,7 @@ def test_a_worker_death_inside_the_hold_does_not_cut_the_write_short(tmp_path: P
     previous = signal.signal(signal.SIGCHLD, _raising_sigchld_handler)
     try:
         with worker_deaths_held():
-            assert signal.getsignal(signal.SIGCHLD) == signal.SIG_DFL
+            assert signal.getsignal(signal.SIGCHLD) is not _raising_sigchld_handler
             _write_while_a_child_dies(str(tmp_path / "record"))
         assert signal.getsignal(signal.SIGCHLD) is _raising_sigchld_handler  # the DataLoader's handler is back
     finally:
@@ -189,3 +191,85 @@ def test_the_hold_is_a_no_op_off_the_main_thread() -> None:
     finally:
         signal.signal(signal.SIGCHLD, previous)
     assert seen == [_raising_sigchld_handler]
+
+
+def _a_child_dies() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _state(child.pid) != "Z":
+        time.sleep(0.01)
+    time.sleep(0.05)
+    child.wait(timeout=30)
+
+
+def test_with_replay_the_worker_death_raises_after_the_block(tmp_path: Path) -> None:
+    previous = signal.signal(signal.SIGCHLD, _raising_sigchld_handler)
+    try:
+        with pytest.raises(WorkerKilled), worker_deaths_held(replay=True):  # a save: training fetches after it
+            _write_while_a_child_dies(str(tmp_path / "record"))
+        assert (tmp_path / "record").read_text() == '{"state": "failed"}'  # written whole first
+        with worker_deaths_held(replay=True):
+            pass  # no child ended: nothing to hand on
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
+
+
+def test_the_blocks_own_error_is_not_replaced_by_a_replayed_death() -> None:
+    previous = signal.signal(signal.SIGCHLD, _raising_sigchld_handler)
+    try:
+        with pytest.raises(OSError, match="disk full"), worker_deaths_held(replay=True):
+            _a_child_dies()
+            raise OSError(28, "disk full")
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
+
+
+def test_a_hold_inside_a_replaying_hold_leaves_the_death_to_the_outer_one() -> None:
+    previous = signal.signal(signal.SIGCHLD, _raising_sigchld_handler)
+    try:
+        with pytest.raises(WorkerKilled), worker_deaths_held(replay=True):  # the save
+            with worker_deaths_held():  # the stop record inside it
+                _a_child_dies()
+            assert signal.getsignal(signal.SIGCHLD) is not _raising_sigchld_handler  # still held
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
+
+
+def test_a_handler_set_inside_the_hold_is_kept() -> None:
+    previous = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    try:
+        with worker_deaths_held(replay=True):
+            signal.signal(signal.SIGCHLD, _raising_sigchld_handler)  # a first DataLoader iterator, torch's handler
+        assert signal.getsignal(signal.SIGCHLD) is _raising_sigchld_handler
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
+
+
+class _BigItems(torch.utils.data.Dataset):
+    """Items that travel pickled through the worker's pipe (not shared memory): 1 MiB, 16 x the pipe's buffer."""
+
+    def __len__(self) -> int:
+        return 100
+
+    def __getitem__(self, index: int) -> bytes:
+        return b"x" * (1 << 20)
+
+
+def test_a_real_dataloader_worker_killed_during_a_save_raises_right_after_it() -> None:
+    """torch's own handler: the worker dies with its next batch half in the pipe, inside the hold; the hold hands
+    the SIGCHLD on at its end and torch raises then (without the replay the next fetch would wait forever)."""
+    loader = torch.utils.data.DataLoader(_BigItems(), batch_size=None, num_workers=1)
+    batches = iter(loader)
+    next(batches)
+    time.sleep(0.5)  # the worker is now blocked writing the next message
+    pid = batches._workers[0].pid  # type: ignore[attr-defined]
+    try:
+        with pytest.raises(RuntimeError, match="DataLoader worker .* is killed by signal"):
+            with worker_deaths_held(replay=True):
+                os.kill(pid, signal.SIGKILL)
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline and _state(pid) != "Z":
+                    time.sleep(0.01)
+                time.sleep(0.05)  # the SIGCHLD has come, and only the hold saw it
+    finally:
+        batches._shutdown_workers()  # type: ignore[attr-defined]

@@ -85,7 +85,7 @@ def leaves_out_weights(trainer: JitTrainer, output_dir: str | None, internal_cal
     return True
 
 
-@signals.worker_deaths_held()  # a DataLoader worker's death must not cut the save short (signals.py)
+@signals.worker_deaths_held(replay=True)  # a worker's death raises after the save, not in it
 def save_checkpoint(trainer: JitTrainer, model: Any, trial: Any, upstream: Upstream) -> None:
     """One checkpoint of this step, complete by the protocol's definition before anything rotates."""
     run = trainer._jit_run

@@ -94,23 +94,45 @@ class StartWorkersMasked:
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+class _HeldSigchld:
+    """The SIGCHLD handler inside a hold: it only records that a child ended (a handler that only sets a flag)."""
+
+    def __init__(self) -> None:
+        self.seen = False
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        self.seen = True
+
+
 @contextlib.contextmanager
-def worker_deaths_held() -> Iterator[None]:
-    """No SIGCHLD handler inside the block: what is written there is written whole.
+def worker_deaths_held(replay: bool = False) -> Iterator[None]:
+    """A DataLoader worker's death cannot raise inside the block: what is written there is written whole.
 
     torch's DataLoader installs a SIGCHLD handler in the main process that raises ``RuntimeError: DataLoader worker
     (pid N) is killed by signal`` from whatever the main thread runs when a worker dies: inside a checkpoint's
     fsync or the stop record's write, that error left a half-written save or no record at all (seen: Slurm's step
-    signal ending the workers while rank 0 wrote ``failed``). The saves and records run with the default action
-    (SIG_DFL, not SIG_IGN, which would reap every child and break ``waitpid``); the previous handler is back
-    after, and the DataLoader still finds a dead worker on its next fetch. Main thread only (Python installs
-    handlers nowhere else); a handler installed from C (``getsignal`` says None) is left alone.
+    signal ending the workers while rank 0 wrote ``failed``). Inside the block a handler only notes the signal
+    (no reaping: SIG_IGN would reap every child and break ``waitpid``). After it the previous handler is back, and
+    with ``replay`` (a save, after which training fetches again) a SIGCHLD noted meanwhile is handed to it once the
+    block has ended without an error: torch's raises then, with its message, instead of a later fetch waiting on
+    a pipe the dead worker left half written. Without ``replay`` (the stop records, which no fetch follows) it is
+    dropped. A handler set inside the block (a first DataLoader iterator) is kept. Main thread only (Python
+    installs handlers nowhere else); a handler installed from C (``getsignal`` says None) is left alone.
     """
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGCHLD) is None:
         yield
         return
-    previous = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    held = _HeldSigchld()
+    previous = signal.signal(signal.SIGCHLD, held)
     try:
         yield
+    except BaseException:
+        replay = False  # the block's own error goes on, not a worker's
+        raise
     finally:
-        signal.signal(signal.SIGCHLD, previous)
+        if signal.getsignal(signal.SIGCHLD) is held:
+            signal.signal(signal.SIGCHLD, previous)
+            if held.seen and isinstance(previous, _HeldSigchld):
+                previous.seen = True  # a hold around this one decides (a stop record inside a save)
+            elif held.seen and replay and callable(previous):
+                previous(signal.SIGCHLD, None)
