@@ -237,6 +237,27 @@ def assert_jit_stop(out: Path, result: StopResult, weights: str = protocol.WEIGH
     return ckpt
 
 
+def assert_stop_checkpoint(out: Path, result: StopResult, save_steps: int | None) -> Path:
+    """:func:`assert_jit_stop`, except for a stop that lands on a periodic save step (``--save-steps``): a stop
+    agreed at the step's boundary writes the JIT save there, one that comes during the periodic save takes that
+    save (train/stop_path.py), whichever the timing gives. Either way ONE complete full checkpoint of that step,
+    the one ckpt-check picks and the stop record names."""
+    assert result.codes == [0, 0], result.log[-4000:]
+    record = stop_record.read(out)
+    assert record is not None and record["state"] == "jit_stop", record
+    ckpt = Path(record["checkpoint"])
+    info = protocol.inspect(ckpt, record["step"], deep=True)
+    if not (save_steps and record["step"] % save_steps == 0 and info.kind == "periodic"):
+        return assert_jit_stop(out, result)
+    check = ckpt_check(out, "--deep")
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert check.stdout.splitlines()[-1] == str(ckpt)
+    assert info.status is protocol.Status.COMPLETE, info
+    assert ckpt.name == f"checkpoint-{record['step']}", ckpt
+    assert json.loads((ckpt / "trainer_state.json").read_text())["global_step"] == record["step"]
+    return ckpt
+
+
 def assert_stop_timing(out: Path, result: StopResult, kill_wait_s: float) -> None:
     """The JIT save began no sooner than kill_wait after the FIRST signal (on any rank) and at most
     STEPS_TO_STOP steps later; every rank exited within TEARDOWN_S of the save's end (no hang)."""
@@ -358,6 +379,8 @@ class WandbJob:
     summary: dict[str, object]  # the last value of each summary key
     preempting: bool  # run.mark_preempting() was called
     exit_code: int | None
+    start_time: float = 0.0  # the run record's start (epoch s): the order of the jobs
+
 
 
 WANDB_FLUSH_TIMEOUT_S = 30.0  # wandb.finish() and a rank's exit return before wandb's service process has written all
@@ -370,7 +393,8 @@ def read_wandb_offline(wandb_dir: Path) -> list[WandbJob]:
     while True:
         jobs = [_read_wandb_file(path) for path in sorted(wandb_dir.glob("offline-run-*/run-*.wandb"))]
         if all(job.exit_code is not None for job in jobs) or time.monotonic() > deadline:
-            return jobs
+            # the directory name holds the start second only: two runs in one second sort by their id
+            return sorted(jobs, key=lambda job: job.start_time)
         time.sleep(POLL_S)
 
 
@@ -386,6 +410,7 @@ def _read_wandb_file(path: Path) -> WandbJob:
             kind = record.WhichOneof("record_type")
             if kind == "run":
                 job.run_id = record.run.run_id
+                job.start_time = record.run.start_time.ToNanoseconds() / 1e9
             elif kind == "history":
                 job.history.append({i.key or "/".join(i.nested_key): json.loads(i.value_json)
                                     for i in record.history.item})

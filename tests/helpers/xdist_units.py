@@ -1,15 +1,17 @@
 """How ``tools/test``'s two pytest-xdist workers share the suite (hooked in ``tests/conftest.py``).
 
-Every file whose tests start DeepSpeed ranks, trainings or Slurm jobs is in ONE work unit, handed out first and run
-file after file by one worker, in the order a single process runs them: they want the machine's two cores, share
-the one local cluster and the session fixtures' runs, and their timing windows were measured that way. Every other
-file is a unit of its own for the other worker, whose tests run at nice ``LIGHT_NICE`` so that they take only the
-CPU the heavy ones leave (a serial run is the upper bound on the time). xdist's own ``--dist loadgroup`` renames
-node ids, which pytest 9 no longer reads, hence this scheduler over ``LoadScopeScheduling``'s seams (pytest-xdist
-is pinned for them in pyproject.toml).
+The heavy files, whose tests start DeepSpeed ranks, trainings or Slurm jobs, are in two work units handed out
+first, one to each worker, and run file after file in the order a single process runs them: ``CLUSTER_UNIT``,
+every file with Slurm tests (they share the one local cluster, its cores and the two-node cluster's drained node:
+never two at once), and ``RANKS_UNIT``, the other heavy files (they share the session fixtures' runs, made once).
+A serial run of the two took ~88 min here, over CI's 90. Every other file is a unit of its own, taken by whichever
+worker is free, its tests at nice ``LIGHT_NICE`` so that they take only the CPU the heavy ones leave. xdist's own
+``--dist loadgroup`` renames node ids, which pytest 9 no longer reads, hence this scheduler over
+``LoadScopeScheduling``'s seams (pytest-xdist is pinned for them in pyproject.toml).
 
-A file's unit is decided by its text (the controller never collects): ``HEAVY_WORDS``. A test checks that every
-test marked ``slow`` (deepspeed or slurm) is in the heavy unit.
+A file's unit is decided by its text (the controller never collects): ``HEAVY_WORDS``, ``CLUSTER_WORDS``. A test
+checks that every test marked ``slow`` (deepspeed or slurm) is in a heavy unit, and every ``slurm`` one in the
+cluster's.
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ from pathlib import Path
 
 from xdist.scheduler import LoadScopeScheduling
 
-HEAVY_UNIT = "heavy: DeepSpeed ranks, trainings and Slurm jobs"
+CLUSTER_UNIT = "heavy: Slurm jobs on the local cluster"
+RANKS_UNIT = "heavy: DeepSpeed ranks and trainings"
+HEAVY_UNITS = (RANKS_UNIT, CLUSTER_UNIT)  # handed out in this order, before any other unit
+CLUSTER_WORDS = ("mark.slurm",)
 # Fixtures that start DeepSpeed ranks: a test that uses one is a `deepspeed` test whatever its own marks say.
 DEEPSPEED_FIXTURES = frozenset({"plain_zero2_run", "jit_zero2_run", "reference_losses"})
 HEAVY_WORDS = (
@@ -33,24 +38,35 @@ LIGHT_NICE = 10  # CFS weight 110 against 1024: a light test gets ~10 % of a cor
 
 
 @functools.cache
-def is_heavy_file(path: Path) -> bool:
+def _text(path: Path) -> str:
     try:
-        text = path.read_text(encoding="utf-8", errors="replace")
+        return path.read_text(encoding="utf-8", errors="replace")
     except OSError:
-        return False
-    return any(word in text for word in HEAVY_WORDS)
+        return ""
+
+
+def is_heavy_file(path: Path) -> bool:
+    return any(word in _text(path) for word in HEAVY_WORDS)
+
+
+def unit_of(path: Path) -> str | None:
+    """The heavy unit of a test file, or None for a light one (a unit of its own)."""
+    if any(word in _text(path) for word in CLUSTER_WORDS):
+        return CLUSTER_UNIT
+    return RANKS_UNIT if is_heavy_file(path) else None
 
 
 class HeavyFirstScheduling(LoadScopeScheduling):
-    """``LoadScopeScheduling`` with the heavy files in one unit, given out before any other."""
+    """``LoadScopeScheduling`` with the heavy files in two units, given out before any other."""
 
     def _split_scope(self, nodeid: str) -> str:
         path = nodeid.split("::", 1)[0]
-        return HEAVY_UNIT if is_heavy_file(Path(self.config.rootpath, path)) else path
+        return unit_of(Path(self.config.rootpath, path)) or path
 
     def _assign_work_unit(self, node: object) -> None:
-        if HEAVY_UNIT in self.workqueue:
-            self.workqueue.move_to_end(HEAVY_UNIT, last=False)
+        for unit in reversed(HEAVY_UNITS):
+            if unit in self.workqueue:
+                self.workqueue.move_to_end(unit, last=False)
         super()._assign_work_unit(node)  # type: ignore[arg-type]
 
 

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 from jit_helpers import (
-    assert_jit_stop,
     assert_same_losses,
+    assert_stop_checkpoint,
     ckpt_check,
     losses,
     read_wandb_offline,
@@ -161,6 +161,10 @@ def _assert_best_kept_across_the_stop(out: Path, ckpt: Path) -> set[str]:
     return kept
 
 
+def _save_steps(args: list[str]) -> int | None:
+    return int(args[args.index("--save-steps") + 1]) if "--save-steps" in args else None
+
+
 def _final_state(out: Path) -> dict[str, object]:
     """What train() ended with (demo_train writes it): step, best checkpoint and metric, and a digest of the
     weights (after load_best_model_at_end: the ones it loaded)."""
@@ -184,7 +188,7 @@ def test_stop_resume_matches_the_uninterrupted_run(row: Row, tmp_path: Path) -> 
     env = _wandb_env(out) if wandb else None
     stopped = run_and_signal(out, args, [(0, 0.0), (1, 0.0)], after_steps=stop_after, signum=signal.SIGTERM,
                              program=row.program, env=env)
-    ckpt = assert_jit_stop(out, stopped)
+    ckpt = assert_stop_checkpoint(out, stopped, save_steps=_save_steps(args))
 
     best = any('save_strategy="best"' in arg for arg in row.args)
     if best:

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from jit_helpers import assert_jit_stop, ckpt_check, losses, run_and_signal, run_logged
+from jit_helpers import assert_stop_checkpoint, ckpt_check, losses, run_and_signal, run_logged
 from transformers_overlay import PIP_TIMEOUT_S
 from transformers_overlay import overlay as _overlay
 
@@ -43,7 +43,7 @@ def test_stop_and_resume_on_the_lowest_transformers_of_the_range(tmp_path: Path)
 
     out = tmp_path / "out"
     stopped = run_and_signal(out, ARGS, [(0, 0.0), (1, 0.0)], after_steps=4, signum=signal.SIGTERM, env=env)
-    ckpt = assert_jit_stop(out, stopped)
+    ckpt = assert_stop_checkpoint(out, stopped, save_steps=int(ARGS[ARGS.index("--save-steps") + 1]))
     # written by the ranks' transformers (save_pretrained stamps its version into the model config)
     assert json.loads((ckpt / "config.json").read_text())["transformers_version"] == version
     resumed = run_logged(out, [*ARGS, "--resume"], env=env)

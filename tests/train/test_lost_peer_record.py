@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as dist
 
-from slurm_jit.train import lost_peers, stop_record
+from slurm_jit.train import lost_peers, stop_record, stop_summary
 from slurm_jit.train.save_errors import CheckpointWriteError, peer_gone_line
 
 GLOO_RESET = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
@@ -126,3 +126,20 @@ def test_a_survivor_before_the_output_dir_s_lock_was_passed_writes_no_record(tmp
                               "broadcast: Connection reset by peer")
     record = stop_record.read(tmp_path)
     assert not wrote and record is not None and record["state"] == "running", record
+
+
+def test_a_peer_that_failed_on_its_own_error_is_quoted_and_is_a_crash_not_a_lost_peer(tmp_path: Path) -> None:
+    stop_record.write(tmp_path, "running", step=None)
+    own = "RuntimeError: DataLoader worker (pid 4242) is killed by signal: Terminated."
+    stop_record.write_report(stop_record.failed_report_path(tmp_path, 0), {"rank": 0, "step": 6, "error": own})
+    wrote = lost_peers.record(_survivor(tmp_path, 1), _started_run(), "all_reduce: Connection closed by peer")
+    record = stop_record.read(tmp_path)
+    assert wrote and record is not None and record["state"] == "failed", record
+    assert record["lost_peer"]["error"] == own and record["error"].endswith(f"; rank 0 failed: {own}"), record
+    assert stop_summary.lost_peer(record) is None  # the launcher's policy: a crash (no retry-on-hang, no exclusion)
+
+
+def test_an_earlier_run_s_failure_reports_are_cleared_with_the_others(tmp_path: Path) -> None:
+    stop_record.write_report(stop_record.failed_report_path(tmp_path, 1), {"rank": 1, "step": 2, "error": "x"})
+    stop_record.clear_hang_reports(tmp_path)
+    assert stop_record.reports(tmp_path, stop_record.FAILED_GLOB) == []

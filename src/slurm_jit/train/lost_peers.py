@@ -89,6 +89,14 @@ def named_ranks(world_size: int, reports: dict[int, str], writer: int) -> list[i
     return late[:1] or [r for r in range(world_size) if r != writer][:1]
 
 
+def _own_failure(out: str, rank: int) -> str | None:
+    """The error rank ``rank`` reported before it ended (train/stop_path.py), if it did."""
+    for report in stop_record.reports(out, stop_record.FAILED_GLOB):
+        if report.get("rank") == rank and isinstance(report.get("error"), str):
+            return str(report["error"])[:2000]
+    return None
+
+
 def record(trainer: JitTrainer, run: Run, how: str) -> bool:
     """This survivor's report; the lowest survivor also writes ``failed`` with ``lost_peer``. True when this rank
     wrote the record."""
@@ -107,6 +115,10 @@ def record(trainer: JitTrainer, run: Run, how: str) -> bool:
     said = how if len(missing) == 1 else f"{how}; no report from ranks {missing}"
     lost_peer = {"rank": lost, "step": step, "node": nodes[lost], "how": said}
     error = f"peer rank {lost} lost at step {step}: {said}"
+    own = _own_failure(out, lost)
+    if own is not None:  # it ended on its own error (a DataLoader worker's death, say): that is why
+        lost_peer["error"] = own
+        error = f"{error}; rank {lost} failed: {own}"
     with stop_record.WRITE_LOCK:
         earlier = stop_record.read(out)  # this run's: rank 0 wrote ``running`` at its start
         if earlier is not None and (earlier["state"] in KEPT_STATES or earlier.get("lost_peer")):

@@ -130,9 +130,11 @@ def worker_deaths_held(replay: bool = False) -> Iterator[None]:
         replay = False  # the block's own error goes on, not a worker's
         raise
     finally:
+        seen = held.seen
         if signal.getsignal(signal.SIGCHLD) is held:
             signal.signal(signal.SIGCHLD, previous)
-            if held.seen and isinstance(previous, _HeldSigchld):
-                previous.seen = True  # a hold around this one decides (a stop record inside a save)
-            elif held.seen and replay and callable(previous):
+            outer = previous if isinstance(previous, _HeldSigchld) else None
+            if seen and outer is not None:
+                outer.seen = True  # a hold around this one decides (a stop record inside a save)
+            elif seen and replay and callable(previous):
                 previous(signal.SIGCHLD, None)

@@ -281,9 +281,11 @@ def record_end(trainer: JitTrainer, run: Run) -> None:
 def record_failure(trainer: JitTrainer, run: Run, exc: BaseException) -> None:
     if _lost_peer(trainer, run, exc):
         return
+    error = f"{type(exc).__name__}: {exc}"[:2000]
+    if not trainer._is_rank0 and run.timing is not None and not run.hung:
+        _report_own_failure(trainer, error)  # rank 0 may see only this rank gone: it quotes the report
     if not trainer._is_rank0 or trainer.__dict__.get("_jit_output_lock") is None:
         return  # only the output_dir's lock holder writes its stop record (a refused launch is not it)
-    error = f"{type(exc).__name__}: {exc}"[:2000]
     if run.hung:
         return  # the watchdog's thread is writing ``hung`` before the exit
     try:
@@ -297,6 +299,17 @@ def record_failure(trainer: JitTrainer, run: Run, exc: BaseException) -> None:
                              error_after_stop=error)
 
 
+def _report_own_failure(trainer: JitTrainer, error: str) -> None:
+    """A rank but 0 whose train() raised its own error: its report, written before this process ends (and so
+    before its peers see it gone), for the survivor that names it lost (lost_peers.record)."""
+    rank = int(trainer.args.process_index)
+    try:
+        stop_record.write_report(stop_record.failed_report_path(str(trainer.args.output_dir), rank), {
+            "rank": rank, "step": getattr(trainer.state, "global_step", None), "error": error})
+    except OSError as write_exc:  # a full disk: the report cannot be written; the error itself must go on
+        logger.error("slurm_jit: rank %d's failure report not written: %s", rank, write_exc)
+
+
 def _lost_peer(trainer: JitTrainer, run: Run, exc: BaseException) -> bool:
     """A collective failed because a peer ended (train/lost_peers.py): every survivor reports, the lowest one
     writes ``failed`` with ``lost_peer``. Not when a peer's watchdog ended it (``hung``) or after the stop's
@@ -304,6 +317,8 @@ def _lost_peer(trainer: JitTrainer, run: Run, exc: BaseException) -> bool:
     how = lost_peers.how_lost(exc)
     if how is None or run.hung or run.stop_recorded or stop_record.hang_reports(str(trainer.args.output_dir)):
         return False
+    if run.timing is None:  # not started on this rank (a peer gone at the side group's creation): no report into
+        return False  # an output_dir that may not be this run's (rank 0 locked out of it, or never made it)
     try:
         lost_peers.record(trainer, run, how)
     except OSError as write_exc:  # a full disk: the record cannot be written; the error itself must go on

@@ -45,6 +45,7 @@ EXIT_BY_STATE = {"finished": EXIT_FINISHED, "jit_stop": EXIT_REQUEUE, "running":
                  "failed": EXIT_CRASHED, "hung": EXIT_HUNG}
 HANG_REPORT_GLOB = "hang-rank*.json"  # one per rank whose watchdog fired, beside the stop record
 PEER_LOST_GLOB = "peer-lost-rank*.json"  # one per rank that saw a peer gone (train/lost_peers.py)
+FAILED_GLOB = "failed-rank*.json"  # one per rank but 0 whose train() raised its own error: the survivor quotes it
 REPORT_POLL_S = 0.1  # how often a rank waiting for the others' reports looks
 # The watchdog's thread writes ``hung`` while the main thread may be writing ``jit_stop``: both use one temporary
 # file, so one write at a time (re-entrant: a caller holds it across its decision and its write)
@@ -66,6 +67,10 @@ def peer_lost_report_path(output_dir: str | os.PathLike[str], rank: int) -> Path
     return Path(output_dir) / TIMING_DIR / f"peer-lost-rank{rank}.json"
 
 
+def failed_report_path(output_dir: str | os.PathLike[str], rank: int) -> Path:
+    return Path(output_dir) / TIMING_DIR / f"failed-rank{rank}.json"
+
+
 def write_hang_report(output_dir: str | os.PathLike[str], rank: int, report: dict[str, Any]) -> None:
     """This rank's hang report (every rank writes its own file; only rank 0 writes the stop record)."""
     write_report(hang_report_path(output_dir, rank), report)
@@ -80,9 +85,10 @@ def write_report(target: Path, report: dict[str, Any]) -> None:
 
 
 def clear_hang_reports(output_dir: str | os.PathLike[str]) -> None:
-    """Rank 0, once it holds the output_dir's lock: an earlier run's hang (and peer-lost) reports are not this
-    run's."""
-    found = [p for glob in (HANG_REPORT_GLOB, PEER_LOST_GLOB) for p in (Path(output_dir) / TIMING_DIR).glob(glob)]
+    """Rank 0, once it holds the output_dir's lock: an earlier run's hang (and peer-lost, failed) reports are not
+    this run's."""
+    found = [p for glob in (HANG_REPORT_GLOB, PEER_LOST_GLOB, FAILED_GLOB)
+             for p in (Path(output_dir) / TIMING_DIR).glob(glob)]
     for report_path in found:
         with contextlib.suppress(OSError):  # one left behind is still read as this run's: never worse than before
             report_path.unlink(missing_ok=True)

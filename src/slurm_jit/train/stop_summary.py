@@ -35,9 +35,10 @@ def _node(value: object) -> str | None:
 
 
 def lost_peer(record: dict[str, Any] | None) -> StuckRank | None:
-    """The lost peer of a ``failed`` record; None for any other record."""
+    """The lost peer of a ``failed`` record; None for any other record, and for a peer that ended on its own error
+    (``lost_peer.error``, its failure report): that is a crash, as the same error on rank 0 would be."""
     peer = record.get("lost_peer") if record and record.get("state") == "failed" else None
-    if not isinstance(peer, dict):
+    if not isinstance(peer, dict) or peer.get("error") is not None:
         return None
     step = _int_or_none(peer.get("step"))
     return StuckRank(rank=_int_or_none(peer.get("rank")), node=_node(peer.get("node")),
