@@ -26,6 +26,9 @@ CLUSTER_UNIT = "heavy: Slurm jobs on the local cluster"
 RANKS_UNIT = "heavy: DeepSpeed ranks and trainings"
 HEAVY_UNITS = (RANKS_UNIT, CLUSTER_UNIT)  # handed out in this order, before any other unit
 CLUSTER_WORDS = ("mark.slurm",)
+# Heavy files that need no cluster but run with it for balance: the tools' end-to-end smoke runs (~5 min; a clean
+# clone had the Slurm unit done ~25 min before the other)
+WITH_THE_CLUSTER_DIRS = ("bench", "faults")
 # Fixtures that start DeepSpeed ranks: a test that uses one is a `deepspeed` test whatever its own marks say.
 DEEPSPEED_FIXTURES = frozenset({"plain_zero2_run", "jit_zero2_run", "reference_losses"})
 HEAVY_WORDS = (
@@ -52,6 +55,8 @@ def is_heavy_file(path: Path) -> bool:
 def unit_of(path: Path) -> str | None:
     """The heavy unit of a test file, or None for a light one (a unit of its own)."""
     if any(word in _text(path) for word in CLUSTER_WORDS):
+        return CLUSTER_UNIT
+    if path.parent.name in WITH_THE_CLUSTER_DIRS and is_heavy_file(path):
         return CLUSTER_UNIT
     return RANKS_UNIT if is_heavy_file(path) else None
 
