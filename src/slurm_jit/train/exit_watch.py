@@ -23,7 +23,9 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-WATCH_MAX_S = 3600.0  # a process still alive an hour after train() returned is no teardown to size a grace by
+# A process alive this long after a JIT stop's train() returned is a program going on (a notebook, a script's own
+# evaluation), not a teardown to size every later grace by: no record then (Slurm's KillWait default is 30 s)
+WATCH_MAX_S = 600.0
 
 # argv: the rank's pidfd (inherited), the log's path, since (epoch s), max_s, the record's JSON.
 _WATCHER = r"""
