@@ -100,11 +100,13 @@ def test_a_scancelled_job_says_it_was_cancelled_and_is_never_requeued(
     jobs.append(job.job_id)
     _until("training steps", lambda: len(losses(out)) >= 3, job)
     second = _executor(tmp_path, monkeypatch, name="second")  # a live job's output_dir: refused before sbatch
-    with pytest.raises(JitExecutorError, match=f"in use by job {job.job_id}"):
+    with pytest.raises(JitExecutorError, match=f"in use by job {job.job_id}.*another output_dir=$"):
         second.submit(executor_helpers.train_demo, str(out), "--max-steps", "3")
     job.cancel()
     error = job.exception()
     assert error is not None and "cancelled" in str(error).splitlines()[0], error
+    # the task's error log quoted as submitit quotes it: slurmstepd's line is in task 0's, the batch shell's, .err
+    assert "\nError stream produced:\n" in str(error) and "CANCELLED AT" in str(error), error
     time.sleep(15)  # longer than a requeued job's wait for eligibility here (cred_expire=10 s)
     assert slurm.state_of(job.job_id) == "CANCELLED" and slurm.show_job(job.job_id)["Restarts"] == "0"
     assert job.state == "CANCELLED"

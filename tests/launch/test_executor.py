@@ -275,3 +275,38 @@ def test_a_missing_submitit_hook_is_named_in_one_line(monkeypatch: pytest.Monkey
     message = submitit_hooks.problem()
     assert message is not None and "\n" not in message
     assert "lacks submitit.slurm.slurm.SlurmJob._interrupt" in message and "HINT:" in message
+
+
+@pytest.mark.parametrize("name", ["max_num_timeout", "slurm_max_num_timeout"])
+def test_submitits_max_num_timeout_is_refused_naming_max_requeues(tmp_path: Path, name: str) -> None:
+    """submitit's cap on requeues after a time limit (AutoExecutor's slurm_ form too): JitExecutor's
+    max_requeues caps every requeue, so the name is refused in one line rather than taken with another meaning.
+    Before: a bare TypeError from the constructor, "did you mean slurm_time?" from update_parameters."""
+    with pytest.raises(JitExecutorError) as info:
+        JitExecutor(folder=tmp_path / "logs", output_dir=tmp_path / "out", signal_lead_s=60, **{name: 3})
+    message = str(info.value)
+    assert message.startswith(f"JitExecutor({name}=3): submitit's cap on requeues after a time limit"), message
+    assert message.endswith("HINT: give max_requeues instead, e.g. JitExecutor(..., max_requeues=3)")
+    assert "\n" not in message
+    executor = JitExecutor(folder=tmp_path / "logs", output_dir=tmp_path / "out", signal_lead_s=60)
+    with pytest.raises(JitExecutorError, match=r"^update_parameters\(" + name + r"=3\): .*HINT: give max_requeues"):
+        executor.update_parameters(**{name: 3})
+
+
+def test_an_unknown_constructor_argument_is_refused_in_one_line(tmp_path: Path) -> None:
+    with pytest.raises(JitExecutorError, match=r"^JitExecutor: unknown argument 'max_requeue'\. HINT: did you mean "
+                                               r"max_requeues\?$"):
+        JitExecutor(folder=tmp_path / "logs", output_dir=tmp_path / "out", max_requeue=3)
+
+
+def test_a_second_submit_into_a_live_output_dir_names_the_output_dir_argument(
+        ex: JitExecutor, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Python API's refusal names output_dir=, not submit.py's --output-dir flag."""
+    monkeypatch.setattr(slurm, "runner", Gateway())  # scontrol show job 4242: still there (no JobState: UNKNOWN)
+    first = ex.submit(executor_helpers.add, 1, 2)
+    with pytest.raises(JitExecutorError) as info:
+        ex.submit(executor_helpers.add, 3, 4)
+    message = str(info.value)
+    assert f"is in use by job {first.job_id}" in message and "\n" not in message, message
+    assert message.endswith(f"scancel {first.job_id}, or give this one another output_dir="), message
+    assert "--output-dir" not in message

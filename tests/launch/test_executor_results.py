@@ -5,6 +5,8 @@ gateway is faked at its one boundary (tests/integration/test_executor_slurm.py r
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -13,6 +15,7 @@ import pytest
 from submitit.core import utils
 
 from slurm_jit import slurm
+from slurm_jit.launch import job as job_module
 from slurm_jit.launch import progress, runner
 from slurm_jit.launch.command import CommandOutcome
 from slurm_jit.launch.job import JitJob
@@ -251,3 +254,56 @@ def test_a_new_job_with_the_id_of_an_ended_one_is_not_done(job_env: Path, monkey
     monkeypatch.setattr(slurm, "runner", Gateway("PENDING"))
     JitJob.watcher.forget(JOB)
     assert not JitJob(folder=folder, job_id=JOB, tasks=[0, 1]).done()
+
+
+def _write_error_log(path: Path, code: str) -> None:
+    """A task's error log as srun writes it: a real Python process's stderr."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as err:
+        subprocess.run([sys.executable, "-c", code], stderr=err, check=False, timeout=60)
+
+
+def test_a_job_without_a_result_quotes_the_tail_of_its_error_log(
+        job_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As submitit's UncompletedJobError: "Error stream produced:" and the task's error log (its last lines: the log
+    grows with every requeue). Before: only a pointer to the output log, where the error is not."""
+    monkeypatch.setattr(JitJob, "_results_timeout_s", 0)
+    job = _job(job_env / "logs", monkeypatch, "FAILED")
+    paths = job.task(0).paths
+    _write_error_log(paths.stderr, "import sys\nfor i in range(100): print('noise line', i, file=sys.stderr)\n"
+                                   "bytearray(2**62)")
+    paths.stdout.write_text("slurm-jit: job 77 restart 0 on node1\n")
+    lines = str(job.exception()).splitlines()
+    assert lines[0] == (f"job {JOB} ended FAILED without a result (killed before its last line ran?). HINT: see its "
+                        f"error log {paths.stderr}")
+    assert lines[1:3] == ["Error stream produced:", "-" * 40]
+    assert lines[-1] == "MemoryError" and "noise line 99" in lines and "noise line 0" not in lines
+    assert len(lines) == 3 + job_module.LOG_TAIL_LINES
+    with pytest.raises(utils.UncompletedJobError, match="(?s)Error stream produced:.*MemoryError"):
+        job.result()
+
+
+def test_a_job_without_a_result_or_an_error_log_quotes_its_output_log(
+        job_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(JitJob, "_results_timeout_s", 0)
+    job = _job(job_env / "logs", monkeypatch, "NODE_FAIL")
+    paths = job.task(0).paths
+    paths.folder.mkdir(parents=True)
+    paths.stdout.write_text("slurm-jit: job 77 restart 0 on node1\n")
+    paths.stderr.write_text("")
+    assert str(job.exception()).splitlines()[1:] == [f"No error stream produced. Look at stdout: {paths.stdout}",
+                                                     "-" * 40, "slurm-jit: job 77 restart 0 on node1"]
+
+
+def test_a_job_slurm_forgot_without_a_result_is_done_and_says_purged(
+        job_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """submitit reads UNKNOWN and waits on (its sacct keeps jobs); scontrol and squeue forget a job MinJobAge after
+    its end, so a wait would never end: the job is done, its state PURGED, its error says why."""
+    monkeypatch.setattr(JitJob, "_results_timeout_s", 0)
+    job = _job(job_env / "logs", monkeypatch, "gone")
+    _write_error_log(job.task(0).paths.stderr, "raise MemoryError")
+    assert job.done() and job.state == job_module.PURGED == "PURGED"
+    lines = str(job.exception()).splitlines()
+    assert lines[0] == (f"job {JOB} ended and left no result, and Slurm no longer knows it (MinJobAge after its end, "
+                        f"or slurmctld's state was reset). HINT: see its error log {job.task(0).paths.stderr}")
+    assert lines[1] == "Error stream produced:" and lines[-1] == "MemoryError"

@@ -19,6 +19,7 @@ requeue policy, once per job), and the result files written only when the job is
 from __future__ import annotations
 
 import difflib
+import inspect
 import logging
 import os
 import re
@@ -34,7 +35,7 @@ from slurm_jit.grace.calc import LEAD_ENV_VAR, GraceError
 from slurm_jit.grace.sbatch_script import ScriptError, parse_time_limit
 from slurm_jit.launch import gate, node_range, output_claim, sbatch_options, submitit_hooks
 from slurm_jit.launch.command import Command
-from slurm_jit.launch.executor_params import JitExecutorError, check_owned, check_shapes
+from slurm_jit.launch.executor_params import JitExecutorError, check_owned, check_shapes, refuse_submitit_arguments
 from slurm_jit.launch.policy import DEFAULT_RETRY_ON_HANG
 
 _problem = submitit_hooks.problem()
@@ -70,9 +71,10 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
                  retry_on_hang: int = DEFAULT_RETRY_ON_HANG, exclude_hung_node: bool = False,
                  step_time_s: float | None = None, save_time_s: float | None = None,
                  signal_lead_s: int | None = None, quarantine: bool = False, python: str | None = None,
-                 max_pickle_size_gb: float = 1.0, sbatch_args: Sequence[str] = ()) -> None:
+                 max_pickle_size_gb: float = 1.0, sbatch_args: Sequence[str] = (), **submitit_args: Any) -> None:
         if _problem is not None:
             raise RuntimeError(f"JitExecutor: {_problem}")
+        refuse_submitit_arguments(submitit_args, "JitExecutor", _init_names())  # max_num_timeout, typos
         for name, value in (("max_requeues", max_requeues), ("retry_on_failure", retry_on_failure),
                             ("retry_on_hang", retry_on_hang)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -112,6 +114,7 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
         """submitit's generic names, ``slurm_``-prefixed and raw ones, as raw names; typos refused."""
         generic: dict[str, str] = dict(self._equivalence_dict() or {})  # type: ignore[arg-type]
         raw_names, params = set(_get_default_parameters()), {}
+        refuse_submitit_arguments(kwargs, "update_parameters")  # slurm_max_num_timeout: a constructor argument
         for name, value in kwargs.items():
             raw = name.removeprefix(PREFIX) if name.startswith(PREFIX) else generic.get(name, name)
             if raw not in raw_names or (name.startswith(PREFIX) and raw in generic):
@@ -343,7 +346,7 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
         job's script is kept as ``OUT_DIR/slurm-jit/job-<id>.sbatch`` so that later submits see it."""
         try:
             with output_claim.submit_lock(self.output_dir):
-                output_claim.check_free(self.output_dir)
+                output_claim.check_free(self.output_dir, option="output_dir=")
                 job = self._submit_command(self._submitit_command_str)
                 try:
                     _keep_script(job, self.output_dir)
@@ -394,6 +397,12 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
         job = JitJob(folder=self.folder, job_id=job_id, tasks=list(range(self.nodes.min_nodes * self.tasks_per_node)))
         job.paths.move_temporary_file(script_path, "submission_file", keep_as_symlink=True)
         return job
+
+
+def _init_names() -> tuple[str, ...]:
+    """The names JitExecutor's constructor takes (for the hint on an unknown one)."""
+    params = inspect.signature(JitExecutor.__init__).parameters.values()
+    return tuple(p.name for p in params if p.kind is not p.VAR_KEYWORD and p.name != "self")
 
 
 def _keep_script(job: Any, output_dir: str | os.PathLike[str]) -> None:

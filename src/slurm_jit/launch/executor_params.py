@@ -4,6 +4,7 @@ requeue, logs), and setup lines the script cannot carry as given. Pure: no Slurm
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,6 +25,14 @@ OWNED_SRUN = ("signal", "output", "error")  # srun options the runner's logs and
 OWNED_SRUN_LETTERS = "oe"  # srun's -o / -e, also inside a cluster such as -lo
 
 
+# submitit's executor arguments JitExecutor has under another name with another meaning (also AutoExecutor's
+# slurm_-prefixed form), refused in one line rather than taken with submitit's meaning.
+SUBMITIT_ARGUMENTS = {
+    "max_num_timeout": ("submitit's cap on requeues after a time limit (preemptions uncapped); JitExecutor caps "
+                        "every requeue, time limits, preemptions, node failures and hangs alike", "max_requeues"),
+}
+
+
 class JitExecutorError(ValueError):
     """A parameter or submission the JIT job cannot take; the message is one line with a HINT."""
 
@@ -33,6 +42,21 @@ def _refuse_owned_option(where: str, name: str, owned: tuple[str, ...], hint: st
     hit = next((o for o in owned if key and o.startswith(key)), None)
     if hit is not None:
         raise JitExecutorError(f"{where} {name!r} sets --{hit}, which the JIT job writes itself. HINT: {hint}")
+
+
+def refuse_submitit_arguments(given: Mapping[str, Any], where: str, known: tuple[str, ...] = ()) -> None:
+    """Refuse (one line, HINT) submitit's executor arguments of :data:`SUBMITIT_ARGUMENTS` (``max_num_timeout``,
+    ``slurm_max_num_timeout``); with ``known`` (the names ``where`` takes), any other name too, where Python would
+    raise a bare TypeError."""
+    for name, value in given.items():
+        if name.removeprefix("slurm_") in SUBMITIT_ARGUMENTS:
+            why, ours = SUBMITIT_ARGUMENTS[name.removeprefix("slurm_")]
+            raise JitExecutorError(f"{where}({name}={value!r}): {why}. HINT: give {ours} instead, e.g. "
+                                   f"JitExecutor(..., {ours}={value!r})")
+        if known:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            raise JitExecutorError(f"{where}: unknown argument {name!r}. HINT: "
+                                   + (f"did you mean {close[0]}?" if close else f"one of {', '.join(known)}"))
 
 
 def check_shapes(params: Mapping[str, Any]) -> None:

@@ -9,7 +9,9 @@ result files are what is left.
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 from submitit.core import core, utils
@@ -21,7 +23,11 @@ from slurm_jit import slurm
 # requeue and the next run; COMPLETING while the batch shell's last line (the runner's finish) may still write.
 NOT_DONE = frozenset({"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SIGNALING", "SUSPENDED", "REQUEUED",
                       "REQUEUE_FED", "REQUEUE_HOLD", "RESIZING", "STAGE_OUT", "RESV_DEL_HOLD", "UNKNOWN"})
-PURGED = "PURGED"  # slurmctld no longer knows the job (MinJobAge after its end)
+# slurmctld no longer knows the job (MinJobAge after its end, or its state reset): done, where submitit's
+# UNKNOWN would wait forever (scontrol and squeue forget a job that sacct keeps); job.state reads the result files
+PURGED = "PURGED"
+LOG_TAIL_LINES = 40  # of a log quoted in the error of a job without a result (submitit: tail -40 of stdout)
+LOG_TAIL_BYTES = 64 * 1024  # read from the end of the log for those lines (a requeued job's log keeps growing)
 STATE_POLL_MAX_S = 30  # the gateway is asked at most this often by done()/state (submitit: 2 s, 4 s, ... then this)
 
 
@@ -135,9 +141,35 @@ class JitJob(SlurmJob):  # type: ignore[type-arg]
             return outcome
         state = self.watcher.get_state(self.job_id, mode="force")
         if state == "CANCELLED":
-            raise utils.UncompletedJobError(
-                f"job {self.job_id} was cancelled (scancel) and left no result; a cancelled job is never "
-                f"requeued. HINT: the checkpoints are kept: submit again to resume; log {self.paths.stdout}")
-        raise utils.UncompletedJobError(
-            f"job {self.job_id} ended {state} without a result (killed before its last line ran?). "
-            f"HINT: see its log {self.paths.stdout}")
+            first = (f"job {self.job_id} was cancelled (scancel) and left no result; a cancelled job is never "
+                     f"requeued. HINT: the checkpoints are kept: submit again to resume; error log "
+                     f"{self.paths.stderr}")
+        elif state == PURGED:
+            first = (f"job {self.job_id} ended and left no result, and Slurm no longer knows it (MinJobAge after "
+                     f"its end, or slurmctld's state was reset). HINT: see its error log {self.paths.stderr}")
+        else:
+            first = (f"job {self.job_id} ended {state} without a result (killed before its last line ran?). "
+                     f"HINT: see its error log {self.paths.stderr}")
+        raise utils.UncompletedJobError("\n".join([first, *self._streams()]))
+
+    def _streams(self) -> list[str]:
+        """The tail of this task's error log, quoted as submitit quotes it ("Error stream produced:"), else of
+        its output log."""
+        error = _tail(self.paths.stderr)
+        if error:
+            return ["Error stream produced:", "-" * 40, error]
+        output = _tail(self.paths.stdout)
+        if output:
+            return [f"No error stream produced. Look at stdout: {self.paths.stdout}", "-" * 40, output]
+        return [f"No output/error stream produced ! Check: {self.paths.stdout}"]
+
+
+def _tail(path: Path) -> str:
+    """The last :data:`LOG_TAIL_LINES` lines of a log ("" when there is none): the log grows with every requeue."""
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - LOG_TAIL_BYTES))
+            data = f.read()
+    except OSError:
+        return ""
+    return "\n".join(data.decode(errors="replace").splitlines()[-LOG_TAIL_LINES:]).strip()

@@ -90,15 +90,17 @@ def _same_path(a: str, b: str) -> bool:
     return a == b or os.path.realpath(a) == os.path.realpath(b)
 
 
-def check_free(output_dir: str | os.PathLike[str], command: str | None = None) -> None:
+def check_free(output_dir: str | os.PathLike[str], command: str | None = None, *,
+               option: str = "--output-dir") -> None:
     """ValueError (one line) when a job submitted into ``output_dir`` may still run (``command``: as for
-    :func:`live_job`)."""
+    :func:`live_job`; ``option``: how the caller's user names the directory, submit.py's flag or JitExecutor's
+    ``output_dir=``)."""
     found = live_job(output_dir, command)
     if found is not None:
         job_id, state = found
         raise ValueError(f"{output_dir} is in use by job {job_id} ({state}): a second job would train into the "
                          f"same checkpoints. HINT: wait for it to end (status: python launch/submit.py status "
-                         f"{job_id}), scancel {job_id}, or give this one another --output-dir")
+                         f"{job_id}), scancel {job_id}, or give this one another {option}")
 
 
 @contextmanager
