@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
+
+MOUNT_TIMEOUT_S = 60  # mount(8) and umount(8) of a tmpfs answer in milliseconds; a hang fails the test, not the run
 
 
 def fill(mount: Path) -> None:
@@ -16,3 +21,15 @@ def fill(mount: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def tmpfs(mount: Path, size_bytes: int, *, read_only: bool = False) -> Iterator[Path]:
+    """A real tmpfs of ``size_bytes`` at ``mount`` (created), read-only if asked (EROFS), unmounted after. Root only."""
+    mount.mkdir(parents=True, exist_ok=True)
+    options = f"size={size_bytes}" + (",ro" if read_only else "")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount)], check=True, timeout=MOUNT_TIMEOUT_S)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False, timeout=MOUNT_TIMEOUT_S)

@@ -1,0 +1,228 @@
+"""Staging: a snapshot of the states one save writes, in host memory that is allocated once and reused.
+
+:meth:`HostStager.stage` takes the states of one save (file key -> what ``torch.save`` would get: nested dicts,
+lists, tuples, objects, tensors on any device) and returns a snapshot that training may no longer change: every
+storage a ``torch.save`` of the state would write is copied into a buffer of this stager (pinned when CUDA is
+available), and every other object is rebuilt. A caller may rely on:
+
+- ``torch.save`` of a staged state writes the bytes ``torch.save`` of the original would have written at the
+  instant of staging (checked byte for byte by the tests, CPU tensors): the snapshot is found and rebuilt by
+  pickling the state with the pickle protocol, the persistent ids and the storage identity (``_cdata``) that
+  ``torch.save`` uses, so views of one storage stay views of one staged storage (the whole storage is copied, as
+  ``torch.save`` writes it), shared Python objects stay shared, an ``OrderedDict``'s ``_metadata`` stays, and the
+  str and bytes objects are the originals' own (pickle writes a repeated one as a back-reference, so byte identity
+  needs the same ones). A staged copy of a CUDA storage keeps its location tag (:mod:`.locations`). An object whose
+  pickle depends on more than its value (a set: its order follows its insertion history, which the rebuilt set
+  does not replay) may come back with the same items in another order: equal ``torch.load`` results, not equal
+  bytes.
+- Changing the originals after ``stage`` returns (training continues) changes nothing staged: the copies are done
+  (CUDA: synchronized) when ``stage`` returns.
+- Buffers are per storage, keyed by (file key, the storage's order in that file's pickle): a storage of the same
+  size next time reuses its buffer (same ``data_ptr``); one that changed size gets a new buffer. Before any new
+  buffer is allocated, :mod:`.memory_guard` checks that host memory can hold it (a one-line
+  :class:`~.memory_guard.HostMemoryError` with a HINT, nothing allocated, when it cannot).
+- One snapshot at a time: the buffers belong to the snapshot until :meth:`StagedSave.release` (the background
+  writer calls it when its write is over); staging again before that is refused (:class:`StagingBusyError`).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import pickle
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.serialization
+
+from slurm_jit.train.async_save import locations, memory_guard
+
+logger = logging.getLogger(__name__)
+
+_Pid = tuple[int, "torch.dtype | None"]  # (the storage's order in the file, its TypedStorage dtype or None: untyped)
+
+
+@dataclass(frozen=True)
+class _Found:
+    """One state pickled as torch.save pickles it, with its storages and str/bytes objects kept aside."""
+
+    pickled: bytes
+    storages: list[torch.UntypedStorage]
+    atoms: list[str | bytes]
+
+
+class StagingBusyError(RuntimeError):
+    """The buffers still hold a snapshot being written; the message is one line with a HINT."""
+
+
+class _StorageFinder(pickle.Pickler):
+    """torch.save's pickling, recording each distinct storage (by torch.save's key, ``_cdata``) in order, and each
+    str and bytes object: the rebuilt state holds the same (immutable) objects, so that which of them are one object
+    (pickle's memo writes a second reference to one as a back-reference) stays as in the original, down to a dict key
+    ``"cpu"`` that is the very string torch.save's location tag ``"cpu"`` is (the Trainer's RNG state file)."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=torch.serialization.DEFAULT_PROTOCOL)  # torch.save's default
+        self.storages: list[torch.UntypedStorage] = []
+        self.atoms: list[str | bytes] = []
+        self._keys: dict[int, int] = {}
+
+    def persistent_id(self, obj: Any) -> _Pid | int | None:
+        if type(obj) is str or type(obj) is bytes:
+            self.atoms.append(obj)
+            return len(self.atoms) - 1
+        if isinstance(obj, torch.storage.TypedStorage):
+            untyped, dtype = obj._untyped_storage, obj.dtype  # torch.save's own access (no deprecation warning)
+        elif torch.is_storage(obj):
+            untyped, dtype = obj, None
+        else:
+            return None
+        key = self._keys.setdefault(untyped._cdata, len(self._keys))
+        if key == len(self.storages):
+            self.storages.append(untyped)
+        return key, dtype
+
+
+class _StagedRebuilder(pickle.Unpickler):
+    """Rebuilds the pickled state around the staged storages (as torch.load rebuilds a file around its records)."""
+
+    def __init__(self, file: io.BytesIO, staged: list[torch.UntypedStorage], atoms: list[str | bytes]) -> None:
+        super().__init__(file)
+        self._staged = staged
+        self._atoms = atoms
+
+    def persistent_load(self, pid: _Pid | int) -> Any:
+        if isinstance(pid, int):
+            return self._atoms[pid]
+        key, dtype = pid
+        if dtype is None:
+            return self._staged[key]
+        # torch.load's own call (_internal: no TypedStorage deprecation warning)
+        return torch.storage.TypedStorage(wrap_storage=self._staged[key], dtype=dtype, _internal=True)
+
+
+@dataclass
+class StagedSave:
+    """One save's snapshot: ``states[key]`` is what to ``torch.save`` for the file ``key``."""
+
+    states: dict[str, Any]
+    nbytes: int  # bytes copied (the storages torch.save writes)
+    copy_s: float  # seconds the copies took (CUDA: until synchronized)
+    stage_s: float  # seconds stage() took in all (the pickling and rebuilding included)
+    _released: threading.Event = field(repr=False, default_factory=threading.Event)
+
+    def release(self) -> None:
+        """The buffers are free for the next snapshot (the write of this one is over, or it is dropped)."""
+        self._released.set()
+
+    @property
+    def released(self) -> bool:
+        return self._released.is_set()
+
+
+class HostStager:
+    """Stages the states of one save at a time into host buffers sized once and reused (module docstring)."""
+
+    def __init__(self, *, pin: bool | None = None, sharing_ranks: int = 1) -> None:
+        """``pin``: page-locked buffers (default: when CUDA is available); ``sharing_ranks``: the ranks on this node
+        that stage at the same time (the memory guard gives each its share of host memory)."""
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        self.sharing_ranks = sharing_ranks
+        self._slots: dict[str, list[torch.UntypedStorage]] = {}
+        self._current: StagedSave | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the buffers hold now (the storages' sizes)."""
+        return sum(s.nbytes() for slots in self._slots.values() for s in slots)
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of host memory the buffers take now (pinned ones: rounded up, :meth:`footprint`)."""
+        return sum(self.footprint(s.nbytes()) for slots in self._slots.values() for s in slots)
+
+    def footprint(self, nbytes: int) -> int:
+        """Host memory a buffer of ``nbytes`` takes: torch's pinned allocator rounds each allocation up to a power of
+        two (ATen/core/CachingHostAllocator.h; pinned_max_round_threshold has no limit by default)."""
+        return 1 << (nbytes - 1).bit_length() if self.pin and nbytes > 1 else nbytes
+
+    def stage(self, states: Mapping[str, Any]) -> StagedSave:
+        """A snapshot of ``states`` (file key -> state) that later changes to the originals do not reach."""
+        if self._current is not None and not self._current.released:
+            raise StagingBusyError(
+                "slurm_jit: the staging buffers still hold the save being written in the background. HINT: wait for "
+                "the background writer (BackgroundWriter.wait) before staging the next save")
+        t0 = time.monotonic()
+        found = {key: _find_storages(state) for key, state in states.items()}
+        self._ensure_buffers({key: f.storages for key, f in found.items()})
+        t_copy = time.monotonic()
+        for key, f in found.items():
+            _copy_into(self._slots[key], f.storages)
+        if self.pin and torch.cuda.is_available():
+            torch.cuda.synchronize()  # the non-blocking copies are done before training changes the originals
+        copy_s = time.monotonic() - t_copy
+        staged = {key: _StagedRebuilder(io.BytesIO(f.pickled), self._slots[key], f.atoms).load()
+                  for key, f in found.items()}
+        nbytes = sum(s.nbytes() for f in found.values() for s in f.storages)
+        self._current = StagedSave(staged, nbytes, copy_s, time.monotonic() - t0)
+        return self._current
+
+    def _ensure_buffers(self, wanted: dict[str, list[torch.UntypedStorage]]) -> None:
+        """Per key, a buffer of each storage's size (and device tag); only missing or resized ones are allocated,
+        after the memory guard says the new ones fit."""
+        keep: dict[str, list[torch.UntypedStorage | None]] = {}
+        new_bytes = 0
+        for key, storages in wanted.items():
+            old = self._slots.get(key, [])
+            keep[key] = [old[i] if i < len(old) and old[i].nbytes() == s.nbytes() else None
+                         for i, s in enumerate(storages)]
+            new_bytes += sum(self.footprint(s.nbytes()) for s, slot in zip(storages, keep[key], strict=True)
+                             if slot is None)
+        if new_bytes:
+            memory_guard.check_host_memory(new_bytes, sharing_ranks=self.sharing_ranks)
+            logger.info("slurm_jit: async save staging: %d bytes of %s host memory allocated (%d held before)",
+                        new_bytes, "pinned" if self.pin else "plain", self.host_bytes)
+        for key, slots in self._slots.items():  # what is not kept is freed (and untagged) before allocating
+            kept = {id(s) for s in keep.get(key, []) if s is not None}
+            for slot in slots:
+                if id(slot) not in kept:
+                    locations.forget(slot)
+        self._slots, self._current = {}, None  # the dropped buffers go now (unless a caller still holds a snapshot)
+        self._slots = {key: [slot if slot is not None else self._allocate(s.nbytes())
+                             for s, slot in zip(wanted[key], slots, strict=True)] for key, slots in keep.items()}
+        for key, storages in wanted.items():
+            for slot, original in zip(self._slots[key], storages, strict=True):
+                location = torch.serialization.location_tag(original)
+                if location == "cpu":
+                    locations.forget(slot)
+                else:
+                    locations.remember(slot, location)
+
+    def _allocate(self, nbytes: int) -> torch.UntypedStorage:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin).untyped_storage()
+
+    def free(self) -> None:
+        """Drop every buffer (the end of training, or a fall-back to synchronous saves)."""
+        for slots in self._slots.values():
+            for slot in slots:
+                locations.forget(slot)
+        self._slots = {}
+        self._current = None
+
+
+def _find_storages(state: Any) -> _Found:
+    buffer = io.BytesIO()
+    finder = _StorageFinder(buffer)
+    finder.dump(state)
+    return _Found(buffer.getvalue(), finder.storages, finder.atoms)
+
+
+def _copy_into(slots: list[torch.UntypedStorage], storages: list[torch.UntypedStorage]) -> None:
+    for slot, original in zip(slots, storages, strict=True):
+        if original.device.type == "meta" or original.nbytes() == 0:
+            continue  # nothing to copy (torch.save writes no data for them either)
+        slot.copy_(original, non_blocking=original.device.type != "cpu")

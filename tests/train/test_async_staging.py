@@ -1,0 +1,158 @@
+"""Staging for async periodic saves (train/async_save/staging.py): a snapshot in reused host buffers that saves
+byte for byte as the originals did at the instant of staging, whatever training does to them afterwards. Real
+tensors shaped as a ZeRO-2 rank's files (zero2_states), real torch.save, no DeepSpeed ranks."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import psutil
+import pytest
+import torch
+import torch.serialization
+import zero2_states
+from deepspeed.checkpoint import constants as ds
+
+from slurm_jit.train.async_save import HostMemoryError, HostStager, StagingBusyError, locations, memory_guard
+
+MODEL_FILE = "mp_rank_00_model_states.pt"
+OPTIM_FILE = "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
+
+
+def _saved(state: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def _loaded(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _assert_same(a: Any, b: Any, where: str = "") -> None:
+    """Key by key, tensor by tensor (dtype, shape, values), objects by their attributes."""
+    assert type(a) is type(b), where
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        for key in a:
+            _assert_same(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_same(x, y, f"{where}[{i}]")
+    elif hasattr(a, "__dict__"):
+        _assert_same(vars(a), vars(b), where)
+    else:
+        assert a == b or (a != a and b != b), where  # NaN-safe
+
+
+@pytest.fixture
+def model_and_states() -> tuple[torch.nn.Module, dict[str, Any]]:
+    torch.manual_seed(0)
+    model = zero2_states.flat_module(64)
+    return model, zero2_states.zero2_states(model)
+
+
+def test_staged_states_save_byte_identical_after_the_originals_change(model_and_states) -> None:
+    model, states = model_and_states
+    at_staging = {key: _saved(state) for key, state in states.items()}
+    staged = HostStager(pin=False).stage(states)
+    zero2_states.mutate_in_place(model, states)  # training continues
+    assert all(_saved(states[key]) != at_staging[key] for key in (MODEL_FILE, OPTIM_FILE))  # they did change
+    for key, state in staged.states.items():
+        assert _saved(state) == at_staging[key], key
+
+
+def test_zero2_optimizer_state_round_trips_key_by_key(model_and_states) -> None:
+    model, states = model_and_states
+    expected = _loaded(_saved(states[OPTIM_FILE]))
+    staged = HostStager(pin=False).stage(states)
+    zero2_states.mutate_in_place(model, states)
+    got = _loaded(_saved(staged.states[OPTIM_FILE]))
+    _assert_same(got, expected)
+    optimizer = got["optimizer_state_dict"]
+    assert optimizer[ds.LOSS_SCALER].cur_scale == 1.0  # the live loss scaler as it was at staging
+    assert optimizer[ds.BASE_OPTIMIZER_STATE]["param_groups"][0]["lr"] == 1e-3
+
+
+def test_views_of_one_flat_buffer_stay_views_of_one_staged_storage(model_and_states) -> None:
+    model, states = model_and_states
+    flat_bytes = next(model.parameters()).untyped_storage().nbytes()
+    staged = HostStager(pin=False).stage({MODEL_FILE: states[MODEL_FILE]})
+    module = staged.states[MODEL_FILE]["module"]
+    assert len({t.untyped_storage().data_ptr() for t in module.values()}) == 1
+    assert staged.nbytes == flat_bytes  # one copy of the flat buffer, as torch.save writes it once
+    assert hasattr(module, "_metadata")  # the module state dict's versions, which load_state_dict reads
+    reloaded = _loaded(_saved(staged.states[MODEL_FILE]))["module"]
+    assert len({t.untyped_storage().data_ptr() for t in reloaded.values()}) == 1
+
+
+def test_the_padded_fp32_partition_is_staged_whole(model_and_states) -> None:
+    _, states = model_and_states
+    partition = states[OPTIM_FILE]["optimizer_state_dict"][ds.SINGLE_PARTITION_OF_FP32_GROUPS][0]
+    staged = HostStager(pin=False).stage({OPTIM_FILE: states[OPTIM_FILE]})
+    view = staged.states[OPTIM_FILE]["optimizer_state_dict"][ds.SINGLE_PARTITION_OF_FP32_GROUPS][0]
+    assert view.shape == partition.shape
+    assert view.untyped_storage().nbytes() == partition.untyped_storage().nbytes() > partition.nbytes
+
+
+def test_buffers_are_reused_and_resized_when_the_state_grows() -> None:
+    states = {"a.pt": {"small": torch.ones(16), "big": torch.zeros(1024)}}
+    stager = HostStager(pin=False)
+    first = stager.stage(states)
+    ptrs = [t.untyped_storage().data_ptr() for t in first.states["a.pt"].values()]
+    first.release()
+    states["a.pt"]["small"].fill_(2)
+    second = stager.stage(states)
+    assert [t.untyped_storage().data_ptr() for t in second.states["a.pt"].values()] == ptrs
+    assert torch.equal(second.states["a.pt"]["small"], torch.full((16,), 2.0))
+    second.release()
+    states["a.pt"]["small"] = torch.ones(4096)  # the state grows
+    third = stager.stage(states)
+    small, big = (t.untyped_storage().data_ptr() for t in third.states["a.pt"].values())
+    assert small != ptrs[0] and big == ptrs[1]
+    assert stager.nbytes == third.nbytes == (4096 + 1024) * 4
+
+
+def test_staging_again_before_the_write_is_over_is_refused() -> None:
+    stager = HostStager(pin=False)
+    stager.stage({"a.pt": torch.ones(4)})
+    with pytest.raises(StagingBusyError) as caught:
+        stager.stage({"a.pt": torch.ones(4)})
+    assert "HINT: wait for the background writer" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_host_memory_too_small_refuses_before_anything_is_allocated(monkeypatch) -> None:
+    real = psutil.virtual_memory()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=512 * 1024**2))
+    stager = HostStager(pin=False)
+    with pytest.raises(HostMemoryError) as caught:
+        stager.stage({"a.pt": torch.ones(4)})
+    assert "HINT:" in str(caught.value) and "\n" not in str(caught.value)
+    assert stager.nbytes == 0
+
+
+def test_a_staged_storage_keeps_the_location_tag_of_its_original() -> None:
+    staged = torch.empty(8, dtype=torch.uint8).untyped_storage()
+    try:
+        locations.remember(staged, "cuda:0")
+        assert torch.serialization.location_tag(staged) == "cuda:0"
+        assert torch.serialization.location_tag(torch.ones(2).untyped_storage()) == "cpu"
+    finally:
+        locations.forget(staged)
+    assert torch.serialization.location_tag(staged) == "cpu"
+
+
+def test_pinned_buffers_are_counted_as_the_pinned_allocator_rounds_them(monkeypatch) -> None:
+    mib = 1024**2
+    real = psutil.virtual_memory()
+    monkeypatch.setattr(psutil, "virtual_memory",
+                        lambda: real._replace(available=memory_guard.HOST_MEMORY_MARGIN_BYTES + 50 * mib))
+    monkeypatch.setattr(memory_guard, "cgroup_room", lambda *_: None)
+    state = {"a.pt": torch.zeros(33 * mib, dtype=torch.uint8)}
+    with pytest.raises(HostMemoryError, match="0.06 GiB"):  # 33 MiB pinned takes 64 MiB: refused before pinning
+        HostStager(pin=True).stage(state)
+    assert HostStager(pin=False).stage(state).nbytes == 33 * mib  # plain memory: 33 MiB fit

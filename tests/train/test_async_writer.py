@@ -1,0 +1,152 @@
+"""The background writer of async periodic saves (train/async_save/writer.py): one thread, one save in flight at
+most, the staged bytes on disk and durable, and every failure (a real full tmpfs, a real read-only mount, a state
+that cannot be pickled) handed to the caller as one line instead of lost in the thread."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+import zero2_states
+from disk_helpers import tmpfs
+from torch.utils.serialization import config as torch_serialization
+
+from slurm_jit.train.async_save import BackgroundWriter, HostStager, Submitted
+from slurm_jit.train.save_errors import CheckpointWriteError
+from slurm_jit.train.save_path import zip_crc32
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+WAIT_S = 60  # every wait has a deadline: a hung writer fails its test
+
+
+@pytest.fixture
+def writer():
+    made = BackgroundWriter(zip_crc32=False)
+    yield made
+    made.close(timeout_s=WAIT_S)
+
+
+def _one_line(message: str, *words: str) -> None:
+    assert "\n" not in message and "HINT:" in message, message
+    for word in words:
+        assert word in message, message
+
+
+def test_written_files_are_the_states_at_staging_and_durable(tmp_path, writer) -> None:
+    torch.manual_seed(0)
+    model = zero2_states.flat_module(32)
+    states = zero2_states.zero2_states(model)
+    expected = {}
+    for key, state in states.items():  # the synchronous save at the instant of staging (same names: torch.save
+        sync = tmp_path / "sync" / key  # names the records inside the zip after the file)
+        sync.parent.mkdir(exist_ok=True)
+        with zip_crc32(False):  # as the synchronous save writes them (JitConfig.zip_crc32's default)
+            torch.save(state, sync)
+        expected[key] = sync.read_bytes()
+    staged = HostStager(pin=False).stage(states)
+    zero2_states.mutate_in_place(model, states)
+    ckpt = tmp_path / "checkpoint-5"
+    items = [(ckpt / "global_step5" / key, state) for key, state in staged.states.items()]
+    assert writer.submit(ckpt, items, wait_if_busy=False, release=staged.release) is Submitted.STARTED
+    assert writer.wait(WAIT_S) is True
+    for key, data in expected.items():
+        assert (ckpt / "global_step5" / key).read_bytes() == data, key
+    assert staged.released
+    assert writer.last_stats is not None and writer.last_stats.nbytes == sum(len(d) for d in expected.values())
+
+
+def test_a_second_save_waits_or_is_refused_by_the_callers_choice(tmp_path, writer) -> None:
+    gate = threading.Event()
+    ckpt = tmp_path / "checkpoint-1"
+    assert writer.submit(ckpt, [(ckpt / "a.pt", torch.ones(2))], wait_if_busy=False,
+                         after=lambda: gate.wait(WAIT_S)) is Submitted.STARTED
+    assert writer.in_flight
+    later = tmp_path / "checkpoint-2"
+    assert writer.submit(later, [(later / "a.pt", torch.ones(2))], wait_if_busy=False) is Submitted.REFUSED_BUSY
+    assert writer.submit(later, [(later / "a.pt", torch.ones(2))], wait_if_busy=True,
+                         timeout_s=0.2) is Submitted.REFUSED_BUSY
+    assert writer.wait(0.1) is False
+    opener = threading.Timer(0.3, gate.set)
+    opener.start()
+    try:
+        assert writer.submit(later, [(later / "a.pt", torch.ones(2))], wait_if_busy=True,
+                             timeout_s=WAIT_S) is Submitted.STARTED_AFTER_WAIT
+    finally:
+        opener.join()
+    assert writer.wait(WAIT_S)
+    assert (later / "a.pt").is_file()
+
+
+@needs_root
+def test_a_full_disk_in_the_background_is_raised_by_wait_once(tmp_path, writer) -> None:
+    released = threading.Event()
+    with tmpfs(tmp_path / "full", 256 * 1024) as mount:
+        ckpt = mount / "checkpoint-3"
+        writer.submit(ckpt, [(ckpt / "big.pt", torch.zeros(256 * 1024))], wait_if_busy=False,
+                      release=released.set)
+        with pytest.raises(CheckpointWriteError) as caught:
+            writer.wait(WAIT_S)
+        _one_line(str(caught.value), "checkpoint-3", "free space on")
+        assert released.is_set()  # the staging buffers are free again
+        assert writer.wait(WAIT_S) is True  # raised once, not again
+
+
+@needs_root
+def test_a_read_only_directory_is_raised_by_the_next_submit(tmp_path, writer) -> None:
+    with tmpfs(tmp_path / "ro", 1024 * 1024, read_only=True) as mount:
+        ckpt = mount / "checkpoint-4"
+        writer.submit(ckpt, [(ckpt / "a.pt", torch.ones(2))], wait_if_busy=False)
+        deadline = time.monotonic() + WAIT_S  # over without wait(): the next submit must still get its error
+        while writer.in_flight and time.monotonic() < deadline:
+            time.sleep(0.01)
+        other = tmp_path / "checkpoint-5"
+        with pytest.raises(CheckpointWriteError) as caught:
+            writer.submit(other, [(other / "a.pt", torch.ones(2))], wait_if_busy=True, timeout_s=WAIT_S)
+        _one_line(str(caught.value), "Read-only file system", "have it made writable")
+        assert not other.exists()  # the refused submit started nothing
+
+
+def test_any_other_failure_is_one_line_naming_it(tmp_path, writer) -> None:
+    ckpt = tmp_path / "checkpoint-6"
+    writer.submit(ckpt, [(ckpt / "a.pt", {"fn": lambda: 0})], wait_if_busy=False)  # not picklable
+    with pytest.raises(CheckpointWriteError) as caught:
+        writer.wait(WAIT_S)
+    _one_line(str(caught.value), "background write of", "checkpoint-6", "failed: ", "logged at DEBUG")
+
+
+@pytest.mark.parametrize("crc", [True, False])
+def test_the_zip_crc32_setting_is_honoured_and_torchs_own_is_back_after(tmp_path, crc: bool) -> None:
+    before = torch_serialization.save.compute_crc32
+    writer = BackgroundWriter(zip_crc32=crc)
+    ckpt = tmp_path / "checkpoint-7"
+    try:
+        writer.submit(ckpt, [(ckpt / "a.pt", torch.arange(100.0))], wait_if_busy=False)
+        assert writer.wait(WAIT_S)
+    finally:
+        assert writer.close(WAIT_S)
+    crcs = [info.CRC for info in zipfile.ZipFile(ckpt / "a.pt").infolist()]
+    assert all(crcs) if crc else not any(crcs)
+    assert torch_serialization.save.compute_crc32 == before
+
+
+def test_close_waits_for_the_write_in_flight_and_ends_the_thread(tmp_path) -> None:
+    writer = BackgroundWriter(zip_crc32=False)
+    gate = threading.Event()
+    ckpt = tmp_path / "checkpoint-8"
+    writer.submit(ckpt, [(ckpt / "a.pt", torch.ones(2))], wait_if_busy=False, after=lambda: gate.wait(WAIT_S))
+    assert writer.close(timeout_s=0.2) is False  # still writing
+    gate.set()
+    assert writer.close(timeout_s=WAIT_S) is True
+    assert (ckpt / "a.pt").is_file()
+    with pytest.raises(RuntimeError, match="writer is closed. HINT"):
+        writer.submit(ckpt, [(ckpt / "b.pt", torch.ones(2))], wait_if_busy=False)
+
+
+def test_a_file_outside_the_checkpoint_directory_is_refused(tmp_path: Path, writer) -> None:
+    with pytest.raises(ValueError, match="not under the checkpoint directory"):
+        writer.submit(tmp_path / "checkpoint-9", [(tmp_path / "elsewhere.pt", torch.ones(2))], wait_if_busy=False)
