@@ -89,18 +89,17 @@ def start(argv: Sequence[str], world_size: int, log_dir: str | os.PathLike[str],
     # (Debian's) discards the build log and rebuilds the op from scratch.
     bin_dir = os.path.dirname(sys.executable)
     path = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
-    log_path = Path(log_dir)
-    log_path.mkdir(parents=True, exist_ok=True)
-    procs, logs = [], []
-    for rank in range(world_size):
-        rank_env = {**os.environ, **(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank),
-                    "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
-                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PATH": path}
-        log = log_path / f"rank{rank}.log"
-        with open(log, "ab") as out:
+    logs = [Path(log_dir) / f"rank{rank}.log" for rank in range(world_size)]
+    procs = []
+    with contextlib.ExitStack() as opened:  # every log open before any rank starts: an OSError starts none
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        outs = [opened.enter_context(open(log, "ab")) for log in logs]
+        for rank, out in enumerate(outs):
+            rank_env = {**os.environ, **(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank),
+                        "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PATH": path}
             procs.append(subprocess.Popen([sys.executable, *argv], env=rank_env, stdout=out,
                                           stderr=subprocess.STDOUT, start_new_session=True))
-        logs.append(log)
     return Ranks(procs=procs, logs=logs)
 
 
@@ -173,7 +172,11 @@ def run(nranks: int, log_dir: Path, command: list[str]) -> int:
     latch = _Latch()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, latch)
-    ranks = start(command, nranks, log_dir)
+    try:
+        ranks = start(command, nranks, log_dir)
+    except OSError as exc:  # FileExistsError (a file), NotADirectoryError, PermissionError, a full disk
+        raise UsageError(f"--log-dir {log_dir}: cannot hold the rank logs ({exc.strerror}: {exc.filename}). "
+                         "HINT: give a directory this user can write (default ./rank-logs)") from None
     print(f"{PROG}: {nranks} rank(s) of {' '.join(command)}; logs {log_dir}/rank<R>.log; pid {os.getpid()} "
           "(kill -TERM it to stop every rank as Slurm's warning does; a second time kills them)", flush=True)
     try:
@@ -222,11 +225,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(USAGE)
         return 0 if args else 2
     try:
-        nranks, log_dir, command = parse_cli(args)
+        return run(*parse_cli(args))
     except UsageError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
-    return run(nranks, log_dir, command)
 
 
 if __name__ == "__main__":

@@ -35,16 +35,18 @@ allocation) and are left out of the step statistics. This module imports no torc
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
 import os
-import stat
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
+
+from slurm_jit import safe_read
 
 FORMAT_VERSION = 1
 TIMING_DIR = "slurm-jit"
@@ -52,6 +54,7 @@ WARMUP_STEPS = 2  # the first steps of a run pay for allocator warm-up and DeepS
 logger = logging.getLogger(__name__)
 
 FLUSH_EVERY_STEPS = 20  # bounded loss on a SIGKILL, without a write per step
+SHOWN_ERROR_CHARS = 200  # of a parser's error in a one-line TimingLogError
 
 
 def timing_dir(output_dir: str | os.PathLike[str]) -> Path:
@@ -233,21 +236,22 @@ def read_records(output_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 
 def _read_lines(path: Path) -> list[str]:
-    """A timing log's lines, from a regular file only: a FIFO is not waited on, and this process's output lock
-    (through a symbolic or hard link) is never opened: closing it would drop the lock (train/output_lock.py)."""
+    """A timing log's lines, read by :func:`slurm_jit.safe_read.open_regular`: from a regular file only (a FIFO is
+    not waited on), and this process's output lock (through a hard link) is never opened: closing it would drop
+    the lock (train/output_lock.py)."""
     from slurm_jit.train import output_lock  # here: output_lock imports this module
 
     hint = "HINT: a timing log is a file slurm_jit writes: move this one away"
     if output_lock.held_here(path):
         raise TimingLogError(f"{path}: a link to this training's {output_lock.LOCK_NAME}. {hint}")
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:  # ELOOP: a symbolic link
+        handle = safe_read.open_regular(path)
+    except safe_read.UntrustedFile as exc:
+        raise TimingLogError(f"{path}: {exc}. {hint}") from None
+    except OSError as exc:
         raise TimingLogError(f"{path}: cannot be read as a file ({exc.strerror}). {hint}") from None
-    with open(fd, encoding="utf-8", errors="replace") as handle:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise TimingLogError(f"{path}: not a regular file. {hint}")
-        return handle.readlines()
+    with io.TextIOWrapper(handle, encoding="utf-8", errors="replace") as text:
+        return text.readlines()
 
 
 def _read_file(path: Path) -> Iterable[dict[str, Any]]:
@@ -256,17 +260,23 @@ def _read_file(path: Path) -> Iterable[dict[str, Any]]:
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
+            record = safe_read.parse_json(line)
+        except ValueError as exc:  # not JSON, or nested past the recursion limit
             if lineno == len(lines) and not line.endswith("\n"):
                 continue  # the last line of a killed run may be cut short: not an error
-            raise TimingLogError(f"{path}:{lineno}: not JSON. HINT: the file is damaged; move it away") from None
+            raise TimingLogError(f"{path}:{lineno}: not JSON ({_short(exc)}). HINT: the file is damaged; move it "
+                                 "away") from None
         if not isinstance(record, dict) or not isinstance(record.get("event"), str):
             raise TimingLogError(f"{path}:{lineno}: not a timing record")
         dur = record.get("dur_s")
         if record["event"] != "start" and not (isinstance(dur, int | float) and math.isfinite(dur) and dur >= 0):
             raise TimingLogError(f"{path}:{lineno}: bad dur_s {dur!r}")
         yield record
+
+
+def _short(exc: Exception) -> str:
+    """A parser's error in one bounded line (it may quote the input)."""
+    return " ".join(str(exc).split())[:SHOWN_ERROR_CHARS]
 
 
 def summarize(records: Iterable[dict[str, Any]]) -> TimingSummary:
@@ -284,7 +294,7 @@ def summarize(records: Iterable[dict[str, Any]]) -> TimingSummary:
     for record in records:
         run_id = str(record.get("run_id"))
         runs.add(run_id)
-        if isinstance(record.get("world_size"), int):
+        if _plain_int(record.get("world_size")):
             world_sizes.add(record["world_size"])
         event = record["event"]
         if event == "step" and not record.get("warmup"):
@@ -310,9 +320,9 @@ def summarize(records: Iterable[dict[str, Any]]) -> TimingSummary:
         step_median_s=_percentile(steps, 50) if steps else None,
         saves={
             kind: SaveStats(
-                count=len({(r.get("run_id"), r.get("step")) for r in recs}),
+                count=len({(str(r.get("run_id")), _step_of(r)) for r in recs}),
                 max_dur_s=max(float(r["dur_s"]) for r in recs),
-                max_bytes=max(int(r.get("bytes") or 0) for r in recs),
+                max_bytes=max(_recorded_bytes(r.get("bytes")) for r in recs),
             )
             for kind, recs in saves.items()
         },
@@ -329,9 +339,19 @@ def summarize(records: Iterable[dict[str, Any]]) -> TimingSummary:
 
 def _sample_key(record: dict[str, Any]) -> tuple[str, Any]:
     """What one step (or evaluation) is, whichever rank recorded it: its run and step; a record without a step
-    (an old log) counts on its own."""
-    step = record.get("step")
+    number (an old log, or a step that is no plain integer) counts on its own."""
+    step = _step_of(record)
     return str(record.get("run_id")), (step if step is not None else ("record", id(record)))
+
+
+def _step_of(record: dict[str, Any]) -> int | None:
+    """The record's step when it is a plain integer (a list or an object is no step, and no set key)."""
+    step = record.get("step")
+    return step if _plain_int(step) else None
+
+
+def _plain_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _seconds(value: Any) -> float | None:
@@ -368,8 +388,9 @@ def starts(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _recorded_bytes(value: Any) -> int:
-    plain = isinstance(value, int) and not isinstance(value, bool)
-    return value if plain and 0 <= value <= MAX_RECORDED_BYTES else 0
+    """A record's bytes when they are a plain count of bytes, else 0 (unknown): text, true, a float (1e400 is
+    infinite), a list, a negative count, one beyond any file."""
+    return value if _plain_int(value) and 0 <= value <= MAX_RECORDED_BYTES else 0
 
 
 def load_summary(output_dir: str | os.PathLike[str]) -> TimingSummary:

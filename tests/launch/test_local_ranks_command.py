@@ -133,3 +133,20 @@ def test_a_script_whose_name_starts_with_python_is_run(tmp_path: Path) -> None:
     out, err = proc.communicate(timeout=DEADLINE_S)
     assert proc.returncode == 0, out + err
     assert "rank 0 ran" in (tmp_path / "rank-logs" / "rank0.log").read_text()
+
+
+def test_a_log_dir_that_cannot_be_one_is_one_line_and_starts_no_rank(tmp_path: Path) -> None:
+    # Before: FileExistsError / NotADirectoryError tracebacks out of start(); a rank log that could not be opened
+    # after the first ranks were started left them running.
+    (tmp_path / "marks.py").write_text("open(f\"ran-{__import__('os').environ['RANK']}\", 'w').close()")
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "rank1.log").mkdir()  # rank 0's log opens, rank 1's cannot
+    for log_dir in ("a-file", "a-file/sub", "logs"):
+        proc = local_ranks("-n", "2", "--log-dir", log_dir, "--", "marks.py", cwd=tmp_path)
+        out, err = proc.communicate(timeout=DEADLINE_S)
+        assert proc.returncode == 2 and out == "" and "Traceback" not in err, (log_dir, err)
+        (line,) = err.splitlines()
+        assert log_dir in line and "HINT:" in line, line
+    time.sleep(1.0)  # a rank started by mistake would have written its mark by now
+    assert not list(tmp_path.glob("ran-*"))

@@ -5,8 +5,9 @@ written by ``torch.save`` is a zip archive; we read its central directory (the e
 every member lies inside the file. A ``.safetensors`` file starts with an 8-byte little-endian header length and
 a JSON header whose largest data offset must end exactly at the end of the file.
 
-Every file is opened through :func:`open_regular`: a symlink, FIFO, socket or device is reported, never opened
-(opening a FIFO blocks, reading /dev/zero never ends), and every read is bounded by a named cap.
+Every file is opened through :func:`open_regular` (:mod:`slurm_jit.safe_read`'s): a symlink, FIFO, socket or
+device is reported, never opened (opening a FIFO blocks, reading /dev/zero never ends), and every read is bounded
+by a named cap.
 """
 
 from __future__ import annotations
@@ -21,11 +22,21 @@ import zipfile
 from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
+# The safe reading itself is the package's one reader (below every folder), named here as before
+from slurm_jit.safe_read import (  # noqa: F401
+    JSON_MAX_BYTES,
+    OPEN_FLAGS,
+    UntrustedFile,
+    file_kind,
+    load_json,
+    open_regular,
+    read_bounded,
+)
+
 TORCH_ZIP_SUFFIXES = (".pt", ".pth", ".bin")
 SAFETENSORS_SUFFIX = ".safetensors"
 SAFETENSORS_MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors spec caps the header at 100 MB
 JSON_SUFFIX = ".json"
-JSON_MAX_BYTES = 64 * 1024 * 1024  # parsed whole below this (a hostile 64 MiB of "{}," costs ~1.7 GB to parse)
 # trainer_state.json grows by ~135 bytes per logged step (Trainer writes it with indent=2): logging every step for
 # 500 000 steps passes JSON_MAX_BYTES. Above that it is scanned, never built in memory, up to this cap (8 million
 # logged steps; upstream's own load of such a file at resume costs ~2.6 GB per rank).
@@ -34,20 +45,6 @@ TRAINER_STATE_MAX_BYTES = 1024 * 1024 * 1024
 # A JSON string or a structural character: what the scanner steps through (C speed, nothing built).
 _JSON_TOKEN_RE = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}:]')
 _SCALAR_MAX_BYTES = 8192  # a number of up to 4300 digits (CPython's int() limit) fits
-OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC  # never block, never follow
-
-
-class UntrustedFile(ValueError):
-    """A path in a checkpoint that must not be read: not a regular file, or over a size cap."""
-
-
-def file_kind(mode: int) -> str:
-    for test, kind in ((stat.S_ISLNK, "a symlink"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISDIR, "a directory")):
-        if test(mode):
-            return kind
-    return "not a regular file"
 
 
 def walk(top: str | os.PathLike[str], onerror: Callable[[OSError], None] | None = None,
@@ -80,40 +77,6 @@ def _is_dir(entry: os.DirEntry[str]) -> bool:
         return entry.is_dir()  # as os.walk: a symlink to a directory is listed among dirs (and not followed)
     except OSError:
         return False
-
-
-def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
-    """Open ``path`` for reading only if it is a regular file reached without a final symlink.
-
-    ``lstat`` first, so that a device or FIFO is never opened (an open can block or have side effects); then
-    ``O_NOFOLLOW | O_NONBLOCK`` and ``fstat`` of what was opened, so that a swap in between is caught too.
-    """
-    before = os.lstat(path)
-    if not stat.S_ISREG(before.st_mode):
-        raise UntrustedFile(f"{file_kind(before.st_mode)}, not a regular file: not read")
-    fd = os.open(path, OPEN_FLAGS)
-    try:
-        opened = os.fstat(fd)
-        if not stat.S_ISREG(opened.st_mode) or (opened.st_dev, opened.st_ino) != (before.st_dev, before.st_ino):
-            raise UntrustedFile("replaced while being opened: not read")
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def read_bounded(path: str | os.PathLike[str], max_bytes: int) -> bytes:
-    """The whole content of a regular file of at most ``max_bytes`` (else :class:`UntrustedFile`)."""
-    with open_regular(path) as handle:
-        data = handle.read(max_bytes + 1)
-    if len(data) > max_bytes:
-        raise UntrustedFile(f"over {max_bytes} bytes: too large to read")
-    return data
-
-
-def load_json(path: str | os.PathLike[str], max_bytes: int = JSON_MAX_BYTES) -> object:
-    """A JSON document from a regular file of at most ``max_bytes``; ValueError (or RecursionError) when not."""
-    return json.loads(read_bounded(path, max_bytes))
 
 
 def top_level_value(path: str | os.PathLike[str], key: str, max_bytes: int) -> object:

@@ -10,9 +10,15 @@ import os
 from pathlib import Path
 from typing import Any
 
+from slurm_jit import safe_read
 from slurm_jit.timing import TIMING_DIR
+from slurm_jit.train import output_lock
 
 PROGRESS_NAME = "launch-progress.json"
+# One history entry (~200 bytes) per job run and a few counters: 16 MiB is ~80 000 requeues, beyond any job's
+# --max-requeues; a larger file is no record of ours and is not loaded.
+PROGRESS_MAX_BYTES = 16 * 1024 * 1024
+PROBLEM_MAX_CHARS = 200  # of the parser's error in the one warning line
 
 
 def path(output_dir: str | os.PathLike[str]) -> Path:
@@ -22,30 +28,36 @@ def path(output_dir: str | os.PathLike[str]) -> Path:
 def read(output_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """The progress record; an empty one when there is none or it is unreadable."""
     try:
-        with open(path(output_dir), encoding="utf-8") as handle:
-            record = json.load(handle)
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        record = _load(output_dir)
+    except safe_read.READ_ERRORS:
         return {}
     return record if isinstance(record, dict) else {}
 
 
 def problem(output_dir: str | os.PathLike[str]) -> str | None:
-    """Why an existing progress record cannot be used (not JSON, not an object); None when fine or absent."""
+    """Why an existing progress record cannot be used (not JSON, not an object, not a regular file, too large);
+    None when fine or absent."""
     try:
-        with open(path(output_dir), encoding="utf-8") as handle:
-            record = json.load(handle)
+        record = _load(output_dir)
     except FileNotFoundError:
         return None
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        return f"{path(output_dir)} is unreadable ({exc})"
+    except safe_read.READ_ERRORS as exc:
+        return f"{path(output_dir)} is unreadable ({' '.join(str(exc).split())[:PROBLEM_MAX_CHARS]})"
     return None if isinstance(record, dict) else f"{path(output_dir)} holds no JSON object"
 
 
+def _load(output_dir: str | os.PathLike[str]) -> object:
+    """The record as the stop record is read (:func:`slurm_jit.train.output_lock.read_json`): a FIFO is never
+    waited on, nothing over PROGRESS_MAX_BYTES is loaded, every JSON error is a ValueError."""
+    return output_lock.read_json(path(output_dir), PROGRESS_MAX_BYTES)
+
+
 def keep_copy(output_dir: str | os.PathLike[str]) -> Path:
-    """Copy an unusable progress record aside (``launch-progress.json.unreadable``) before it is replaced."""
+    """Move an unusable progress record aside (``launch-progress.json.unreadable``) before it is replaced: renamed,
+    never read (a FIFO would block, a huge file fill memory)."""
     source = path(output_dir)
     target = source.with_name(source.name + ".unreadable")
-    target.write_bytes(source.read_bytes())
+    os.replace(source, target)
     return target
 
 

@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from slurm_jit.timing import TIMING_DIR
+from slurm_jit.train import output_lock
 from slurm_jit.train.refusals import JitRefusal
-from slurm_jit.train.trackers import one_line, printable_name, read_bounded_json, write_small_json
+from slurm_jit.train.trackers import one_line, printable_name, write_small_json
 
 logger = logging.getLogger(__name__)
 
@@ -211,12 +212,12 @@ def _recorded_log_dir(out_dir: Path, record: Path) -> str | None:
     corrupt, not ours, or pointing outside ``out_dir``, into a checkpoint or at a path that cannot be a directory
     (what it names is written into, never trusted blindly)."""
     try:
-        data = read_bounded_json(record, TENSORBOARD_RECORD_MAX_BYTES)
+        data = output_lock.read_json(record, TENSORBOARD_RECORD_MAX_BYTES)
         name = data.get("log_dir") if isinstance(data, dict) else None
         if not printable_name(name) or not _run_dir_name(name):
             raise ValueError(f"log_dir {name!r:.100} is not a run directory inside OUT_DIR")
         os.makedirs(os.path.join(out_dir, name), exist_ok=True)  # a name too long, a file in the way: not later
-    except (OSError, ValueError) as exc:  # read_bounded_json raises nothing else
+    except (OSError, ValueError) as exc:  # read_json raises nothing else
         logger.warning("slurm_jit: %s unusable (%s): TensorBoard starts a new run directory. HINT: delete the "
                        "file; to continue a run, set TENSORBOARD_LOGGING_DIR to its directory", record,
                        one_line(exc))

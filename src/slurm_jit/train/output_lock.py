@@ -68,8 +68,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
-from slurm_jit import slurm
+from slurm_jit import safe_read, slurm
 from slurm_jit.timing import TIMING_DIR
 from slurm_jit.train.output_lock_record import (
     HELD_ERRNOS,
@@ -172,6 +173,16 @@ def held_here(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` itself (not what a symbolic link names) is a lock file this process holds: opening and
     closing it would drop the lock."""
     return _held_here(Path(path))
+
+
+def read_json(path: str | os.PathLike[str], max_bytes: int) -> Any:
+    """A small JSON record under ``OUT_DIR/slurm-jit/`` (a stop record, a rank's report, a tracker's run id), read
+    by :func:`slurm_jit.safe_read.load_json` (a regular file of at most ``max_bytes``, a FIFO never waited on);
+    never this process's lock file through a hard link: closing any descriptor of it would drop the lock, and a
+    second training could take the directory. Raises :data:`slurm_jit.safe_read.READ_ERRORS` only."""
+    if _held_here(Path(path)):
+        raise ValueError(f"a link to this training's {LOCK_NAME}")
+    return safe_read.load_json(path, max_bytes)
 
 
 def _held_here(path: Path) -> bool:

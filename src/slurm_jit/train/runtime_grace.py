@@ -22,10 +22,14 @@ logger = logging.getLogger(__name__)
 def assess(*, step_s: float, save_s: float | None, kill_wait_s: float, lead_s: float | None,
            facts: grace.ClusterFacts | None, latency_steps: int | None = None,
            teardown_s: float = 0.0) -> list[str]:
-    """Warnings (with a HINT each) when the grace this job has is shorter than what it needs. Pure."""
-    inputs = grace.GraceInputs(step_s=step_s, save_s=save_s if save_s else 1e-9, kill_wait_s=kill_wait_s,
-                               latency_steps=latency_steps, teardown_s=teardown_s, margin=grace.Margin())
-    result = grace.compute_grace(inputs)
+    """Warnings (with a HINT each) when the grace this job has is shorter than what it needs; a need no
+    ``--signal`` lead can cover (the calculator's GraceError) is one warning too, never an error. Pure."""
+    try:
+        inputs = grace.GraceInputs(step_s=step_s, save_s=save_s if save_s else 1e-9, kill_wait_s=kill_wait_s,
+                                   latency_steps=latency_steps, teardown_s=teardown_s, margin=grace.Margin())
+        result = grace.compute_grace(inputs)
+    except grace.GraceError as exc:
+        return [str(exc)]
     steps = inputs.steps_to_stop
     needed_s = steps * step_s + (save_s or 0.0) + kill_wait_s + teardown_s
     what = (f"{steps} x longest step {step_s:.1f} s + save {save_s or 0:.1f} s + kill_wait {kill_wait_s:.0f} s"

@@ -30,8 +30,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from slurm_jit import safe_read
 from slurm_jit.timing import TIMING_DIR
-from slurm_jit.train import save_errors
+from slurm_jit.train import output_lock, save_errors
 from slurm_jit.train.save_errors import CheckpointWriteError
 
 STOP_RECORD_NAME = "stop.json"
@@ -47,6 +48,12 @@ HANG_REPORT_GLOB = "hang-rank*.json"  # one per rank whose watchdog fired, besid
 PEER_LOST_GLOB = "peer-lost-rank*.json"  # one per rank that saw a peer gone (train/lost_peers.py)
 FAILED_GLOB = "failed-rank*.json"  # one per rank but 0 whose train() raised its own error: the survivor quotes it
 REPORT_POLL_S = 0.1  # how often a rank waiting for the others' reports looks
+# Read bounds: a file others can write is never loaded beyond them. A report is a few short fields and at most an
+# error cut to 2000 characters (stop_path.py); a ``hung`` record holds one ~300-byte report per hung rank, so
+# 16 MiB is ~50 000 ranks' reports, beyond any run published.
+REPORT_MAX_BYTES = 1024 * 1024
+STOP_RECORD_MAX_BYTES = 16 * 1024 * 1024
+WHY_MAX_CHARS = 200  # of the error in the command's one line
 # The watchdog's thread writes ``hung`` while the main thread may be writing ``jit_stop``: both use one temporary
 # file, so one write at a time (re-entrant: a caller holds it across its decision and its write)
 WRITE_LOCK = threading.RLock()
@@ -100,15 +107,22 @@ def hang_reports(output_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 
 def reports(output_dir: str | os.PathLike[str], glob: str) -> list[dict[str, Any]]:
-    """Every rank's report of one kind (``glob``), by rank."""
+    """Every rank's report of one kind (``glob``), by rank; a file that is no report (not a regular file, over
+    REPORT_MAX_BYTES, not JSON, nested past the recursion limit, a rank that is no plain number) is left out: its
+    rank counts as one without a report."""
     found = []
     for report_path in sorted((Path(output_dir) / TIMING_DIR).glob(glob)):
-        with contextlib.suppress(OSError, json.JSONDecodeError, UnicodeDecodeError):
-            report = json.loads(report_path.read_text(encoding="utf-8"))
-            if isinstance(report, dict):
-                found.append(report)
-    return sorted(found, key=lambda r: int(r.get("rank", 0)))
+        try:
+            report = output_lock.read_json(report_path, REPORT_MAX_BYTES)
+        except safe_read.READ_ERRORS:
+            continue
+        if isinstance(report, dict) and _plain_int(report.get("rank")):
+            found.append(report)
+    return sorted(found, key=lambda r: int(r["rank"]))
 
+
+def _plain_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def wait_for_reports(output_dir: str | os.PathLike[str], glob: str, count: int, wait_s: float) -> list[dict[str, Any]]:
@@ -177,12 +191,21 @@ def _write(target: Path, state: str, fields: dict[str, Any]) -> None:
 
 def read(output_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The stop record, or None when there is none or it is unreadable."""
+    return read_or_why(output_dir)[0]
+
+
+def read_or_why(output_dir: str | os.PathLike[str]) -> tuple[dict[str, Any] | None, str | None]:
+    """(the stop record, None), or (None, why there is none to read: one phrase). Read as the manifest is: a
+    regular file only (a FIFO is never waited on), at most STOP_RECORD_MAX_BYTES, every error caught."""
     try:
-        with open(path(output_dir), encoding="utf-8") as handle:
-            record = json.load(handle)
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-        return None
-    return record if isinstance(record, dict) and record.get("state") in STATES else None
+        record = output_lock.read_json(path(output_dir), STOP_RECORD_MAX_BYTES)
+    except FileNotFoundError:
+        return None, "none written"
+    except safe_read.READ_ERRORS as exc:
+        return None, f"unreadable: {' '.join(str(exc).split())[:WHY_MAX_CHARS]}"
+    if not isinstance(record, dict) or record.get("state") not in STATES:
+        return None, f"not a stop record (want an object whose state is one of {', '.join(STATES)})"
+    return record, None
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -191,9 +214,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         print("usage: python -m slurm_jit.stop_record OUT_DIR  (exit 0 finished, 10 requeue, 11 hung, 1 crashed, "
               "2 no record)", file=sys.stderr)
         sys.exit(EXIT_NO_RECORD)
-    record = read(args[0])
+    record, why = read_or_why(args[0])
     if record is None:
-        print(f"stop_record: no readable {path(args[0])}. HINT: did the job reach train()?", file=sys.stderr)
+        hint = "did the job reach train()?" if why == "none written" else "move it away; ckpt-check OUT_DIR " \
+            "names the newest complete checkpoint to resume from"
+        print(f"stop_record: no readable {path(args[0])} ({why}). HINT: {hint}", file=sys.stderr)
         sys.exit(EXIT_NO_RECORD)
     detail = record.get("checkpoint") or _lost_peer_detail(record) or record.get("error") or _hang_detail(record)
     print(f"{record['state']} step={record.get('step')} {detail}".rstrip())

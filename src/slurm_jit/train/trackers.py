@@ -18,9 +18,7 @@ import logging
 import os
 import re
 import secrets
-import stat
 import string
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,27 +50,6 @@ def _record_path(trainer: Any) -> Path:
     return Path(trainer.args.output_dir) / TIMING_DIR / WANDB_RECORD
 
 
-def read_bounded_json(record: Path, max_bytes: int) -> Any:
-    """A small JSON record of ours, read whole only when it is a regular file of at most ``max_bytes`` (a huge or
-    foreign file is not loaded into memory, a FIFO not waited on); raises OSError or ValueError for anything a
-    file others can write may hold (JSONDecodeError, UnicodeDecodeError, nesting past the recursion limit, an
-    integer of too many digits). Never this process's output lock file, through a symbolic or hard link: closing
-    any descriptor of it would drop the lock (output_lock.py), and a second training could take the directory."""
-    if output_lock.held_here(record):
-        raise ValueError(f"a link to this training's {output_lock.LOCK_NAME}")
-    fd = os.open(record, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
-    with os.fdopen(fd, "rb") as file:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError("not a regular file")
-        raw = file.read(max_bytes + 1)
-    if len(raw) > max_bytes:
-        raise ValueError(f"over {max_bytes} bytes")
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except RecursionError:  # [[[[... : the parser recurses once per level
-        raise ValueError(f"nested deeper than the recursion limit ({sys.getrecursionlimit()})") from None
-
-
 def one_line(exc: BaseException) -> str:
     """An error in a warning line: one line, bounded (a record's field may be megabytes)."""
     return " ".join(str(exc).split())[:ERROR_TEXT_MAX_CHARS]
@@ -100,14 +77,14 @@ def write_small_json(record: Path, data: Any) -> None:
 def _read_record(record: Path) -> dict[str, Any] | None:
     """The record's run id and steps, or None (and one warning line) when it is unusable."""
     try:
-        data = read_bounded_json(record, WANDB_RECORD_MAX_BYTES)
+        data = output_lock.read_json(record, WANDB_RECORD_MAX_BYTES)
         run_id = data.get("run_id") if isinstance(data, dict) else None
         if not isinstance(run_id, str) or not RUN_ID_PATTERN.fullmatch(run_id):
             raise ValueError(f"run_id {run_id!r:.100} is not a W&B run id")
         logged = data.get("logged", {})
         if not isinstance(logged, dict) or not all(isinstance(v, int) for v in logged.values()):
             raise ValueError("logged is not a mapping of keys to steps")
-    except (OSError, ValueError) as exc:  # read_bounded_json raises nothing else
+    except (OSError, ValueError) as exc:  # read_json raises nothing else
         logger.warning("slurm_jit: %s unusable (%s): W&B starts a new run. HINT: delete the file; to continue a "
                        "run, set WANDB_RUN_ID=<its id> and WANDB_RESUME=allow", record, one_line(exc))
         return None
