@@ -124,5 +124,8 @@ def _test_callbacks(opts: argparse.Namespace, rank: int) -> list[Any]:
         def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if opts.slow_train_end and state.global_step < state.max_steps:
                 time.sleep(opts.slow_train_end)
+            stall_here = opts.stall_in == "train_end" and 0 <= opts.stall_at_step <= state.global_step
+            if stall_here and opts.stall_rank in (-1, rank):
+                time.sleep(opts.stall_s)  # this rank ends late (an upload, a slow tracker): its peers wait for it
 
     return [TestHooks()]

@@ -25,7 +25,7 @@ from slurm_jit.train import dist_env
 
 VOCAB = 128
 SEQ_LEN = 32
-STALL_PLACES = ("step", "step_end", "save", "worker")  # --stall-in
+STALL_PLACES = ("step", "step_end", "save", "worker", "train_end")  # --stall-in
 VARIANTS = ("transposed", "renamed")  # --variant: what a library upgrade may change in a model's layout
 
 
@@ -91,7 +91,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="where the stall is: 'step' (on_step_begin), 'step_end' (on_step_end: just before the stop "
                         "round in the side group), 'save' (on_save, inside the first save at or "
                         "after --stall-at-step: a stuck writer), 'worker' (the DataLoader worker's item fetch for "
-                        "that step, with --workers 1)")
+                        "that step, with --workers 1), 'train_end' (on_train_end, once --stall-at-step is reached: "
+                        "a rank slow to end)")
     p.add_argument("--stall-rank", type=int, default=-1, help="the rank that stalls (-1: every rank)")
     p.add_argument("--fail-at-step", type=int, default=0, help="the first train() raises at this step")
     p.add_argument("--train-again", action="store_true", help="after a failed train(), call train() again")

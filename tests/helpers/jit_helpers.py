@@ -97,9 +97,11 @@ def _start(out: Path, args: list[str], env: dict[str, str] | None,
     return ranks, offsets
 
 
-def start_ranks(out: Path, args: list[str], env: dict[str, str] | None = None) -> local_ranks.Ranks:
-    """Start 2 ranks of demo_train (killed after the test if still running); logs under logs-<out name>."""
-    return _start(out, args, env)[0]
+def start_ranks(out: Path, args: list[str], env: dict[str, str] | None = None,
+                program: list[str] | None = None) -> local_ranks.Ranks:
+    """Start 2 ranks of demo_train, or of ``program`` taking its arguments (killed after the test if still
+    running); logs under logs-<out name>."""
+    return _start(out, args, env, program)[0]
 
 
 def _new_log(ranks: local_ranks.Ranks, offsets: list[int]) -> str:

@@ -231,7 +231,8 @@ def test_a_requeue_on_the_same_ranks_after_a_shrink_keeps_the_accumulation(
         killed_then_one_rank: tuple[Path, str, str], stopped: Path) -> None:
     """The chain 2 -> 1 -> 1: checkpoint-6 was written on 1 rank with the accumulation changed 1 -> 2; the same
     command on 1 rank again (a plain same-size resume) must train with 2 again, not the command's 1. Its manifest
-    says so; a checkpoint without that record is a same-size resume as upstream's (the command is the user's)."""
+    says so; a checkpoint without that record keeps its samples per optimizer step on the same ranks too (a
+    command with another accumulation trains with the checkpoint's)."""
     ckpt = killed_then_one_rank[0] / f"checkpoint-{ONE_RANK_STOP_AT}"
     manifest, _ = manifest_file.read(ckpt)
     assert manifest is not None
@@ -250,8 +251,10 @@ def test_a_requeue_on_the_same_ranks_after_a_shrink_keeps_the_accumulation(
     manifest, _ = manifest_file.read(two_rank)
     assert manifest is not None and keep_batch.MANIFEST_KEY not in manifest
     other_command = _trainer(2, PER_RANK_BATCH, 4)
-    assert resume_path.batch_to_keep(other_command, str(two_rank), manifest, elastic_plan.plan(two_rank, 2)) == (
-        None, None)
+    kept, refusal = resume_path.batch_to_keep(other_command, str(two_rank), manifest, elastic_plan.plan(two_rank, 2))
+    assert refusal is None and kept is not None and (kept.accumulation_from, kept.accumulation_to) == (4, 1)
+    assert resume_path.batch_to_keep(_trainer(2, PER_RANK_BATCH, 1), str(two_rank), manifest,
+                                     elastic_plan.plan(two_rank, 2)) == (None, None)
     three = elastic_plan.plan(two_rank, 3, manifest)  # 4 samples on 3 ranks: no integer accumulation
     kept, refusal = resume_path.batch_to_keep(_trainer(3, PER_RANK_BATCH, 1), str(two_rank), manifest, three)
     assert kept is None and refusal is not None and "resume on a number of ranks that divides 4 (1, 2, 4)" in refusal

@@ -1,6 +1,7 @@
 """The hang watchdog on 2 real DeepSpeed ranks: a rank blocked in user code ends every rank as ``hung`` within
 hang_timeout + 30 s, stacks in the log; a frozen rank (SIGSTOP) is the one named; long legitimate phases (a slow
-first step, a slow save, a long evaluation) with a short hang_timeout are never called a hang."""
+first step, a slow save, a long evaluation) with a short hang_timeout are never called a hang; a hang after the
+training's end (a peer slow to end) leaves the record ``finished``."""
 
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ HANG_TIMEOUT_S = 10
 EXIT_WITHIN_S = HANG_TIMEOUT_S + 30  # the issue's bound: every rank gone within hang_timeout + 30 s
 STALL_AT_STEP = 3  # rank 1 blocks in on_step_begin once step 3 is done (checkpoint-2 is the newest complete)
 FOREVER_S = 100_000
+HELPERS = Path(__file__).resolve().parents[1] / "helpers"
+# Rank 0's end-of-training bound in the closing-barrier test (demo_short_long_phases.py; the watchdog's own is
+# max(10 x hang_timeout_s, 600 s)): from the last step to train()'s record, well under this on a loaded host
+END_BOUND_S = 8
 
 
 @dataclass
@@ -117,3 +122,31 @@ def test_a_frozen_rank_is_the_one_named_not_the_rank_waiting_for_it(tmp_path: Pa
     node = record["unreported"][0]["node"]
     assert stop_summary.phrase(record) == (f"hang at step {record['step']} on rank 1 (node {node}), stack "
                                              "in the log"), record
+
+
+def test_a_hang_in_the_closing_barrier_after_the_end_keeps_the_record_finished(tmp_path: Path) -> None:
+    """Both ranks train to the end; rank 1 is slow to end (on_train_end), so rank 0, having written ``finished``,
+    waits for it in the side group's closing barrier, and its end-of-training bound (cut to END_BOUND_S on rank
+    0 only) fires there. The record stays ``finished``: it said ``hung`` (stop_record exit 11, requeued under
+    --retry-on-hang) for a training whose every step and save was done."""
+    out = tmp_path / "out"
+    ranks = jit_helpers.start_ranks(out, [
+        "--max-steps", "4", "--save-steps", "4", "--hang-timeout", "30", "--stall-in", "train_end",
+        "--stall-at-step", "0", "--stall-rank", "1", "--stall-s", str(FOREVER_S)],
+        env={"SHORT_PHASES_RANK": "0", "LONG_PHASE_FACTOR": "0", "LONG_PHASE_MIN_S": str(END_BOUND_S)},
+        program=[str(HELPERS / "demo_short_long_phases.py")])
+    deadline = time.monotonic() + jit_helpers.START_TIMEOUT_S
+    while ranks.procs[0].poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    codes = ranks.wait(0.1)  # SIGKILLs rank 1, still in its on_train_end
+    log = ranks.log(0)
+    assert codes[0] == watchdog.HUNG_EXIT_CODE, (codes, log[-3000:])
+    assert "slurm_jit: hang on rank 0" in log and "in phase 'end of training'" in log, log[-3000:]
+    assert "in barrier" in log.split("slurm_jit: hang on rank 0")[1].splitlines()[0], log[-3000:]
+    record = stop_record.read(out)
+    assert record is not None and record["state"] == "finished", record
+    assert record["step"] == 4 and record["checkpoint"] == str(out / "checkpoint-4"), record
+    cli = subprocess.run([sys.executable, "-m", "slurm_jit.stop_record", str(out)], capture_output=True,
+                         text=True, check=False)
+    assert cli.returncode == stop_record.EXIT_FINISHED, (cli.returncode, cli.stdout, cli.stderr)
+    assert "hang on rank 0 after training reached its end" in log and "stays finished" in log, log[-3000:]

@@ -1,13 +1,21 @@
-"""The global batch kept across a world-size change (train/keep_batch.py): the pure calculator, and what it sets
-in a real TrainingArguments and transformers' DeepSpeed config (no engine: cheap)."""
+"""The global batch kept across a resume (train/keep_batch.py): the pure calculator, what it sets in a real
+TrainingArguments and transformers' DeepSpeed config (no engine: cheap), what the resume pick gives it, and a
+per-device batch changed on the same 2 real DeepSpeed ranks (refused, or kept by the accumulation)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from types import SimpleNamespace
 
+import jit_helpers
 import pytest
 
-from slurm_jit.train import keep_batch
+from slurm_jit import timing
+from slurm_jit.checkpoint import elastic_plan
+from slurm_jit.checkpoint import manifest as manifest_file
+from slurm_jit.train import keep_batch, resume_path
+from slurm_jit.train.jit_config import JitConfig
 from slurm_jit.train.keep_batch import Kept
 
 
@@ -24,7 +32,8 @@ def test_shrink_doubles_and_grow_halves_the_accumulation() -> None:
     kept, refusal = _decide(8, 1, per_device=2, accumulation=4, world=2)
     assert refusal is None and kept is not None and kept.accumulation_to == 2
     assert kept.record() == {"from_world_size": 1, "to_world_size": 2, "accumulation_from": 4,
-                             "accumulation_to": 2, "samples_per_step": 8}
+                             "accumulation_to": 2, "samples_per_step": 8, "per_device_from": None,
+                             "per_device_to": 2}
 
 
 def test_the_same_samples_per_step_need_no_change() -> None:
@@ -101,7 +110,8 @@ def test_an_accumulation_set_in_the_deepspeed_config_only_is_refused_in_one_line
     assert keep_batch.accumulation_refusal(consistent) is None
 
 
-SHRINK = Kept(from_world_size=2, to_world_size=1, accumulation_from=1, accumulation_to=2, samples_per_step=4)
+SHRINK = Kept(from_world_size=2, to_world_size=1, accumulation_from=1, accumulation_to=2, samples_per_step=4,
+              per_device_from=2, per_device_to=2)
 
 
 def test_an_epoch_that_ends_on_a_full_global_batch_needs_no_warning() -> None:
@@ -121,7 +131,8 @@ def test_a_short_epoch_end_is_one_warning_and_drop_last_names_the_other_epoch_le
     assert padded.endswith("HINT: a dataset length that is a multiple of 4 keeps every step's samples"), padded
     dropped = keep_batch.epoch_warning(SHRINK, 22, drop_last=True)
     assert dropped is not None and "an epoch is 5 optimizer steps on 2 ranks and 6 on 1" in dropped, dropped
-    grow = Kept(from_world_size=1, to_world_size=2, accumulation_from=2, accumulation_to=1, samples_per_step=4)
+    grow = Kept(from_world_size=1, to_world_size=2, accumulation_from=2, accumulation_to=1, samples_per_step=4,
+                per_device_from=2, per_device_to=2)
     assert "an epoch is 6 optimizer steps on 1 ranks and 5 on 2" in (keep_batch.epoch_warning(grow, 22, True) or "")
 
 
@@ -140,3 +151,96 @@ def test_a_manifest_without_the_samples_per_step_falls_back_to_the_saved_deepspe
     assert elastic.written_global_batch(ckpt, older, 2) == 4
     assert elastic.written_global_batch(ckpt, {**older, "deepspeed_tag": None}, 2) is None  # as DDP's
     assert "says its samples per optimizer step: not checked" in caplog.text
+
+
+def test_a_per_device_batch_changed_with_the_world_size_never_divides_by_zero() -> None:
+    """Written on 4 ranks at per-device batch 1, resumed on 1 rank at 2: decide() keeps the 4 samples with
+    accumulation 2. The epoch warning rebuilt the old run's accumulation from this run's per-device batch,
+    4 // (2 x 4) = 0, and divided by it (rank 0 only, in train()'s start, while the other ranks waited)."""
+    kept, refusal = keep_batch.decide(written_batch=4, written_by=4, per_device=2, accumulation=1, world_size=1,
+                                      keep=True, where="ckpt-9")
+    assert refusal is None and kept is not None and kept.accumulation_to == 2
+    unknown = keep_batch.epoch_warning(kept, 22, drop_last=True)  # a checkpoint that does not say its batch
+    assert unknown is not None and "\n" not in unknown, unknown
+    assert "does not say its per-device batch: its epoch's number of optimizer steps is not compared" in unknown
+    kept, _ = keep_batch.decide(written_batch=4, written_by=4, per_device=2, accumulation=1, world_size=1,
+                                keep=True, where="ckpt-9", written_per_device=1)
+    assert kept is not None and (kept.per_device_from, kept.per_device_to) == (1, 2)
+    # 4 ranks x 1 (drop_last): 22 // 4 = 5 batches each, 5 steps; 1 rank x 2 x 2: 11 batches, 6 steps. The old
+    # count from this run's batch (2 per device on 4 ranks) would have been 22 // 2 // 4 = 2 batches.
+    dropped = keep_batch.epoch_warning(kept, 22, drop_last=True)
+    assert dropped is not None and "an epoch is 5 optimizer steps on 4 ranks and 6 on 1" in dropped, dropped
+
+
+def test_a_halved_per_device_batch_on_the_same_ranks_names_both_batches() -> None:
+    kept, refusal = keep_batch.decide(written_batch=4, written_by=2, per_device=1, accumulation=1, world_size=2,
+                                      keep=True, where="ckpt-9", written_per_device=2)
+    assert refusal is None and kept is not None and kept.accumulation_to == 2
+    assert kept.line() == ("per-device batch 2 -> 1 on 2 ranks: gradient accumulation 1 -> 2, 4 samples per "
+                           "optimizer step kept")
+    padded = keep_batch.epoch_warning(kept, 22, drop_last=False)
+    assert padded is not None and ("holds other samples on 2 ranks at per-device batch 1 than on 2 ranks at "
+                                   "per-device batch 2") in padded, padded
+    kept, _ = keep_batch.decide(written_batch=4, written_by=2, per_device=2, accumulation=4, world_size=2,
+                                keep=True, where="ckpt-9", written_per_device=2)  # another accumulation, put back
+    assert kept is not None and kept.accumulation_to == 1 and keep_batch.epoch_warning(kept, 22, True) is None
+
+
+def _picker(tmp_path: Path, per_device: int, keep: bool, state_batch: int | None = None) -> SimpleNamespace:
+    """What resume_path.batch_to_keep reads of a JitTrainer (2 ranks, accumulation 1), with a checkpoint
+    directory holding a trainer state whose train_batch_size is ``state_batch`` (none when None)."""
+    if state_batch is not None:
+        (tmp_path / "trainer_state.json").write_text(json.dumps({"train_batch_size": state_batch}))
+    args = SimpleNamespace(world_size=2, per_device_train_batch_size=per_device, gradient_accumulation_steps=1,
+                           auto_find_batch_size=False)
+    return SimpleNamespace(args=args, jit_config=JitConfig(keep_global_batch=keep))
+
+
+def test_the_same_ranks_with_another_per_device_batch_are_refused_or_kept(tmp_path: Path) -> None:
+    """The resume pick on the same number of ranks: keep_global_batch=False refuses another batch (it was
+    accepted: the data position and the LR schedule shifted), True keeps it by the accumulation; the checkpoint's
+    per-device batch comes from its manifest, else (an older one) from its trainer state, else it is unknown; an
+    older manifest without samples_per_step is not checked on the same ranks, as before."""
+    same = elastic_plan.Plan(action=elastic_plan.SAME, written_by=2, world_size=2, zero_stage=2, reason="")
+    manifest = {"world_size": 2, keep_batch.SAMPLES_KEY: 4, keep_batch.PER_DEVICE_KEY: 2}
+    kept, refusal = resume_path.batch_to_keep(_picker(tmp_path, 1, keep=False), str(tmp_path), manifest, same)
+    assert kept is None and refusal is not None and "\n" not in refusal
+    assert "4 samples per optimizer step when written, 2 in this run" in refusal, refusal
+    assert refusal.endswith("HINT: keep per_device_train_batch_size x gradient_accumulation_steps x world size at 4")
+    kept, refusal = resume_path.batch_to_keep(_picker(tmp_path, 1, keep=True), str(tmp_path), manifest, same)
+    assert refusal is None and kept is not None and (kept.accumulation_to, kept.per_device_from) == (2, 2)
+    older = {"world_size": 2, keep_batch.SAMPLES_KEY: 4}  # no per_device_batch: the trainer state says it
+    kept, _ = resume_path.batch_to_keep(_picker(tmp_path, 1, keep=True, state_batch=2), str(tmp_path), older, same)
+    assert kept is not None and kept.per_device_from == 2
+    (tmp_path / "trainer_state.json").unlink()
+    kept, _ = resume_path.batch_to_keep(_picker(tmp_path, 1, keep=True), str(tmp_path), older, same)
+    assert kept is not None and kept.per_device_from is None and kept.accumulation_to == 2
+    oldest = {"world_size": 2}
+    assert resume_path.batch_to_keep(_picker(tmp_path, 1, keep=False), str(tmp_path), oldest, same) == (None, None)
+    assert resume_path.batch_to_keep(_picker(tmp_path, 2, keep=False), str(tmp_path), manifest, same) == (None, None)
+
+
+@pytest.mark.deepspeed
+def test_a_halved_per_device_batch_on_the_same_two_ranks_is_refused_or_kept(jit_zero2_run: Path, copy_run) -> None:
+    """A requeue on the same 2 ranks after the user halved per_device_train_batch_size (an out-of-memory error):
+    keep_global_batch=False refuses it on both ranks in one line before any step; the default keeps the 4 samples
+    per optimizer step with accumulation 2, trains on, and every later manifest records the batch."""
+    manifest, _ = manifest_file.read(jit_zero2_run / "checkpoint-6")
+    assert manifest is not None and manifest[keep_batch.PER_DEVICE_KEY] == 2, manifest
+    out = copy_run(jit_zero2_run)
+    refused = jit_helpers.run_logged(out, ["--max-steps", "8", "--resume", "--batch-size", "1",
+                                           "--refuse-batch-change"])
+    assert refused.codes == [2, 2], (refused.codes, refused.log[-4000:])
+    assert ("4 samples per optimizer step when written, 2 in this run" in refused.log
+            and "HINT: keep per_device_train_batch_size x gradient_accumulation_steps x world size at 4"
+            in refused.log), refused.log[-4000:]
+    assert "Traceback" not in refused.log and not (out / "checkpoint-8").exists()
+    kept = jit_helpers.run_logged(out, ["--max-steps", "8", "--save-steps", "8", "--resume", "--batch-size", "1"])
+    assert kept.codes == [0, 0], (kept.codes, kept.log[-4000:])
+    assert ("slurm_jit: per-device batch 2 -> 1 on 2 ranks: gradient accumulation 1 -> 2, 4 samples per optimizer "
+            "step kept") in kept.log, kept.log[-4000:]
+    manifest, _ = manifest_file.read(out / "checkpoint-8")
+    assert manifest is not None and manifest[keep_batch.SAMPLES_KEY] == 4, manifest
+    assert manifest[keep_batch.PER_DEVICE_KEY] == 1 and manifest[keep_batch.MANIFEST_KEY]["accumulation_to"] == 2
+    batch = [r for r in timing.read_records(out) if r["event"] == keep_batch.TIMING_EVENT]
+    assert [(r["per_device_from"], r["per_device_to"], r["accumulation_to"]) for r in batch] == [(2, 1, 2)], batch

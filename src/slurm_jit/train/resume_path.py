@@ -160,23 +160,29 @@ def prepare_elastic(trainer: JitTrainer, path: str, manifest: dict[str, Any]) ->
 def batch_to_keep(trainer: JitTrainer, path: str, manifest: dict[str, Any],
                   decided: elastic_plan.Plan) -> tuple[keep_batch.Kept | None, str | None]:
     """Rank 0: the accumulation that keeps the checkpoint's samples per optimizer step (keep_batch.decide), or
-    why none does, on a resume by another number of ranks; also on the same number when the checkpoint's run kept
-    them (its manifest says so): the command's accumulation is still the one written for the first world size of
-    the chain (a requeue on 1 rank after 2 -> 1). Under auto_find_batch_size the per-device batch is the one the
-    checkpoint's run found (upstream's train() restores it from the trainer state)."""
-    if not decided.resumable or (decided.action == elastic_plan.SAME and not manifest.get(keep_batch.MANIFEST_KEY)):
+    why none does, on any resume: by another number of ranks, or by the same number with another per-device batch
+    or accumulation than the checkpoint's run (a per-device batch halved for an out-of-memory error; a requeue on
+    1 rank after 2 -> 1, whose command still has the first world size's accumulation). A manifest of an older
+    version (no samples_per_step) on the same number of ranks is not checked, as that version did not. Under
+    auto_find_batch_size the per-device batch is the one the checkpoint's run found (upstream's train() restores
+    it from the trainer state)."""
+    same = decided.action == elastic_plan.SAME
+    unrecorded = elastic_plan.recorded_samples(manifest) is None and not manifest.get(keep_batch.MANIFEST_KEY)
+    if not decided.resumable or (same and unrecorded):
         return None, None
     written_by = int(decided.written_by or manifest.get("world_size") or 0)
     written = elastic.written_global_batch(Path(path), manifest, written_by)
     if written is None:  # logged there: not checked, not refused
         return None, None
     per_device = int(trainer.args.per_device_train_batch_size)
+    found = _found_batch_size(path)  # the trainer state's: the checkpoint's run's per-device batch
     if trainer.args.auto_find_batch_size:
-        per_device = _found_batch_size(path) or per_device
+        per_device = found or per_device
+    written_per_device = _positive(manifest.get(keep_batch.PER_DEVICE_KEY)) or found  # an older manifest: the state's
     return keep_batch.decide(written_batch=written, written_by=written_by, per_device=per_device,
                              accumulation=int(trainer.args.gradient_accumulation_steps),
                              world_size=int(trainer.args.world_size), keep=trainer.jit_config.keep_global_batch,
-                             where=path)
+                             where=path, written_per_device=written_per_device)
 
 
 def _found_batch_size(path: str) -> int | None:
@@ -185,8 +191,12 @@ def _found_batch_size(path: str) -> int | None:
         state = json.loads((Path(path) / TRAINER_STATE_NAME).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    size = state.get("train_batch_size") if isinstance(state, dict) else None
-    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
+    return _positive(state.get("train_batch_size") if isinstance(state, dict) else None)
+
+
+def _positive(value: Any) -> int | None:
+    """``value`` when it is a positive whole number (a manifest's or trainer state's), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _keep_batch(trainer: JitTrainer, kept: keep_batch.Kept) -> None:

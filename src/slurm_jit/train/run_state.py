@@ -55,6 +55,7 @@ class Run:
     # hold the changed accumulation, e.g. a second train(), changes nothing but must not drop it from the chain)
     batch_record: dict[str, int] | None = None
     stop_recorded: bool = False  # rank 0 wrote jit_stop (right after the stop checkpoint's manifest)
+    finish_recorded: bool = False  # rank 0 wrote finished (train() returned): a hang after it keeps the record
     trackers_told: bool = False  # the trackers (W&B, TensorBoard) were told how this job ended
     trial: Any = None
     ignore_keys_for_eval: list[str] | None = None

@@ -119,6 +119,7 @@ def save_checkpoint(trainer: JitTrainer, model: Any, trial: Any, upstream: Upstr
             "contents": contents, "weights": weights, "run_id": run.lineage if run and run.lineage else None,
             "owed_evaluation": bool(run and run.eval_owed),
             keep_batch.SAMPLES_KEY: keep_batch.samples_per_step(trainer),
+            keep_batch.PER_DEVICE_KEY: keep_batch.per_device_batch(trainer),
             **({keep_batch.MANIFEST_KEY: run.batch_record} if run and run.batch_record else {}),
         })
         phases.mark("manifest")

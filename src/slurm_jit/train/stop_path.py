@@ -213,6 +213,9 @@ def record_hang(trainer: JitTrainer, run: Run, hang: watchdog.Hang) -> None:
     ranks = stop_record.wait_for_reports(out_dir, stop_record.HANG_REPORT_GLOB, int(trainer.args.world_size), wait_s)
     unreported = _unreported(trainer, ranks)
     with stop_record.WRITE_LOCK:  # the main thread's jit_stop is written whole, and then said, before this reads
+        if run.finish_recorded:  # training reached its end, every save complete: nothing to requeue for
+            _keep_finished(trainer, hang)
+            return
         if run.stop_recorded:  # the stop checkpoint is complete: still a JIT stop (requeue), the hang after it
             stop_record.write(out_dir, "jit_stop", step=trainer.state.global_step, checkpoint=run.checkpoint,
                               signal=signal_name(run.latch.first_signum), ranks=ranks,
@@ -224,6 +227,15 @@ def record_hang(trainer: JitTrainer, run: Run, hang: watchdog.Hang) -> None:
     if not run.stop_recorded:  # the trackers say which rank hung (a JIT stop's summary was already logged)
         trackers.log_hang_to_trackers(trainer, {"state": "hung", "step": hang.step, "ranks": ranks,
                                                 "unreported": unreported})
+
+
+def _keep_finished(trainer: JitTrainer, hang: watchdog.Hang) -> None:
+    """A hang after rank 0 wrote ``finished`` (the side group's closing barrier, waiting for a peer still ending):
+    the record stays ``finished``, as after a lost peer (lost_peers.KEPT_STATES); this line says why exit 87."""
+    logger.error("slurm_jit: hang on rank %d after training reached its end (%.0f s in '%s', waiting in %s): the "
+                 "stop record stays finished, no requeue. HINT: the other ranks' logs say which one was still "
+                 "ending; its checkpoints are complete (`ckpt-check %s`)", hang.rank, hang.since_s, hang.phase,
+                 hang.frame, trainer.args.output_dir)
 
 
 def _unreported(trainer: JitTrainer, reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -275,6 +287,8 @@ def record_end(trainer: JitTrainer, run: Run) -> None:
         if not run.stop_recorded and not run.hung:  # a watchdog that fired meanwhile writes its own record
             stop_record.write(str(trainer.args.output_dir), state, step=trainer.state.global_step,
                               checkpoint=run.checkpoint, signal=signal_name(run.latch.first_signum))
+            # the watchdog runs on through the side group's closing barrier: a hang there keeps this record
+            run.stop_recorded, run.finish_recorded = run.stopped, not run.stopped
 
 
 @signals.worker_deaths_held()  # a DataLoader worker's death must not cut the record short
