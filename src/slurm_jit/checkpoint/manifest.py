@@ -39,7 +39,8 @@ WEIGHTS_FROZEN_EXCLUDED = "frozen-excluded"
 WEIGHTS_FROZEN_EXCLUDED_MASTER_ONLY = "frozen-excluded-master-only"
 # "frozen_fingerprint" (optional; absent in manifests written before it, which resume unchecked): a checkpoint
 # whose weights leave the frozen base out (FROZEN_LEFT_OUT) records what those tensors were (train/frozen_weights.py):
-# {"algorithm": "xxh3_128", "digest": hex, "count": n, "tensors": {name: "dtype[shape]:xxh3_64 hex"}}
+# {"algorithm": "xxh3_128", "digest": hex, "count": n, "tensors": {name: "dtype[shape]:xxh3_64 hex"}}, an entry
+# ending in "+quant:xxh3_64 hex" for a quantised tensor's state
 FROZEN_FINGERPRINT = "frozen_fingerprint"
 WEIGHTS_LAYOUTS = (WEIGHTS_FULL, WEIGHTS_MASTER_ONLY, WEIGHTS_FROZEN_EXCLUDED, WEIGHTS_FROZEN_EXCLUDED_MASTER_ONLY)
 FROZEN_LEFT_OUT = (WEIGHTS_FROZEN_EXCLUDED, WEIGHTS_FROZEN_EXCLUDED_MASTER_ONLY)  # the frozen base is the model built

@@ -4,9 +4,11 @@ A PEFT model's saves leave its frozen base out (``weights: frozen-excluded``, as
 ``exclude_frozen_parameters``): a resume takes the frozen weights from the model the user's script built. Another
 base (another model, revision, seed, dtype or quantisation) would then train the checkpoint's adapters on weights
 they were never trained with, silently. So a fingerprint of the frozen tensors (xxh3 over each one's name, dtype,
-shape and bytes) is computed once per ``train()``, on rank 0 before DeepSpeed casts or wraps the model, written
-into the manifest of every checkpoint that leaves them out (``frozen_fingerprint``), and compared before any step
-of a resume: a difference is refused in one line naming how many differ and the first one.
+shape and bytes, and a quantised one's scales) is computed once per ``train()``, before DeepSpeed casts or wraps
+the model (rank 0 hashes; a base partitioned by ``zero.Init`` is gathered tensor by tensor on every rank, so each
+rank's partition counts), written into the manifest of every checkpoint that leaves them out
+(``frozen_fingerprint``), and compared before any step of a resume: a difference is refused in one line naming
+how many differ and the first one.
 
 Models that are not PEFT keep their frozen parameters in every checkpoint (their elastic resume restores them from
 the saved module: ``elastic_unheld.py``); their manifests carry no fingerprint. Manifests written before this field
@@ -15,9 +17,11 @@ resume unchecked.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +32,11 @@ from slurm_jit.checkpoint.manifest import FROZEN_FINGERPRINT, FROZEN_LEFT_OUT, f
 logger = logging.getLogger(__name__)
 
 ALGORITHM = "xxh3_128"  # the overall digest; each tensor's own: xxh3_64 (a name to point at, not a checksum)
-ZERO3_PART = "zero3:"  # an entry over a ZeRO-3 partition (this rank's bytes), not over the whole tensor
+# Recorded before the whole tensor was gathered: an entry over rank 0's ZeRO-3 partition only, which no run can
+# reproduce on another number of ranks; such entries are checked for dtype and shape only (a warning says so)
+LEGACY_ZERO3_PART = "zero3:"
+QUANT_PART = "+quant:"  # then the xxh3_64 of a quantised tensor's state kept beside its bytes (bitsandbytes)
+NOT_GATHERED = "not-gathered"  # a partitioned tensor rank 0 could not gather alone (matches no recorded entry)
 FIRST_SHOWN = 1  # differing names a refusal shows (the count says how many)
 HINT = ("HINT: resume with the base model the checkpoint was trained on (the same model, revision, dtype and "
         "quantisation, built the same way), or start a new run in another output_dir")
@@ -46,44 +54,109 @@ class Fingerprint:
 
 
 def tensor_entry(tensor: Any) -> str:
-    """``dtype[shape]:xxh3_64`` of one tensor's bytes (a CPU copy of a device tensor; no numpy dtype needed). A
-    parameter that ZeRO-3 partitioned as it was built (``zero.Init``, as ``from_pretrained`` under a ZeRO-3
-    config does) holds no data of its own: its full shape, and the bytes of this rank's partition (``zero3:``)."""
-    partition = getattr(tensor, "ds_tensor", None)
+    """``dtype[shape]:xxh3_64`` of one whole tensor's bytes (a CPU copy of a device tensor; no numpy dtype needed),
+    then ``+quant:xxh3_64`` of the state a quantised one keeps beside its bytes (:func:`_quant_entry`). A parameter
+    that ZeRO-3 partitioned as it was built (``zero.Init``) is gathered first (:func:`of_model`): one rank's
+    partition is not the tensor, and hashing it would miss a difference in another rank's."""
     shape = list(getattr(tensor, "ds_shape", tensor.shape))
-    flat = (tensor if partition is None else partition).detach().contiguous().reshape(-1)
-    data = flat.view(_byte_dtype()).cpu().numpy() if flat.numel() else b""
-    kind = "" if partition is None else ZERO3_PART
-    return f"{str(tensor.dtype).removeprefix('torch.')}{shape}:{kind}{xxhash.xxh3_64_hexdigest(data)}"
+    if tensor.numel() != math.prod(shape):
+        raise ValueError(f"a ZeRO-3 partition ({tensor.numel()} of {math.prod(shape)} elements) is not the whole "
+                         "tensor: gather it first (of_model)")
+    return f"{_kind_of(tensor, shape)}:{xxhash.xxh3_64_hexdigest(_bytes(tensor))}{_quant_entry(tensor)}"
 
 
-def _byte_dtype() -> Any:
+def _kind_of(tensor: Any, shape: list[int]) -> str:
+    return f"{str(tensor.dtype).removeprefix('torch.')}{shape}"
+
+
+def _bytes(tensor: Any) -> Any:
     import torch
 
-    return torch.uint8
+    flat = tensor.detach().contiguous().reshape(-1)
+    return flat.view(torch.uint8).cpu().numpy() if flat.numel() else b""
+
+
+def _quant_entry(tensor: Any) -> str:
+    """bitsandbytes keeps a quantised weight's scales beside its bytes, which are the same under another scheme:
+    the 4-bit ``quant_state`` (its serialised form, ``as_dict``: absmax, quant map, block size, quant type, dtype,
+    shape and double quantisation's nested state) and the 8-bit ``SCB``. "" for any other tensor."""
+    import torch
+
+    as_dict = getattr(getattr(tensor, "quant_state", None), "as_dict", None)
+    items: dict[str, Any] = dict(as_dict(packed=False)) if callable(as_dict) else {}
+    if getattr(tensor, "SCB", None) is not None:
+        items["SCB"] = tensor.SCB
+    if not items:
+        return ""
+    digest = xxhash.xxh3_64()
+    for key in sorted(items):
+        value = items[key]
+        if isinstance(value, torch.Tensor):
+            digest.update(f"{key}\0{_kind_of(value, list(value.shape))}\0".encode())
+            digest.update(_bytes(value))
+        else:
+            digest.update(f"{key}\0{value!r}\n".encode())
+    return f"{QUANT_PART}{digest.hexdigest()}"
 
 
 def fingerprint(named: Iterable[tuple[str, Any]]) -> Fingerprint:
-    """The fingerprint of ``named`` (name, tensor) pairs, in any order: sorted by name before hashing."""
-    tensors = {name: tensor_entry(tensor) for name, tensor in named}
+    """The fingerprint of ``named`` (name, whole tensor) pairs, in any order: sorted by name before hashing."""
+    return _of_entries({name: tensor_entry(tensor) for name, tensor in named})
+
+
+def _of_entries(entries: dict[str, str]) -> Fingerprint:
     digest = xxhash.xxh3_128()
-    for name in sorted(tensors):
-        digest.update(f"{name}\0{tensors[name]}\n".encode())
-    return Fingerprint(digest=digest.hexdigest(), tensors=dict(sorted(tensors.items())))
+    for name in sorted(entries):
+        digest.update(f"{name}\0{entries[name]}\n".encode())
+    return Fingerprint(digest=digest.hexdigest(), tensors=dict(sorted(entries.items())))
 
 
-def of_model(model: Any) -> Fingerprint:
-    """The fingerprint of ``model``'s frozen parameters (requires_grad False; a tied one under its first name)."""
+@contextlib.contextmanager
+def _whole(param: Any, gather: bool) -> Iterator[bool]:
+    """Within: whether ``param`` is whole here. One that ZeRO-3 partitioned (``ds_status`` NOT_AVAILABLE, the same
+    on every rank) is gathered from every rank's partition by DeepSpeed (``GatheredParameters``, a collective:
+    every rank takes part), and partitioned again after; ``gather`` False (rank 0 alone): it stays partitioned."""
+    status = getattr(param, "ds_status", None)
+    if getattr(status, "name", None) != "NOT_AVAILABLE":
+        yield True
+    elif not gather:
+        yield False
+    else:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+            yield True
+
+
+def _frozen_entries(model: Any, hashed: bool, gather: bool) -> dict[str, str]:
+    """Each frozen parameter's entry (requires_grad False; a tied one under its first name); ``hashed`` False: none
+    (a rank that only takes part in the gathers)."""
+    entries: dict[str, str] = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            continue
+        with _whole(param, gather) as whole:
+            if hashed:
+                shape = list(getattr(param, "ds_shape", param.shape))
+                entries[name] = tensor_entry(param) if whole else f"{_kind_of(param, shape)}:{NOT_GATHERED}"
+    return entries
+
+
+def of_model(model: Any, gather: bool = True) -> Fingerprint:
+    """The fingerprint of ``model``'s frozen parameters. Where ZeRO-3 partitioned them every rank must call
+    :func:`at_start` instead (the gathers are collectives); ``gather`` False: one rank alone, a partitioned
+    parameter's entry says it was not gathered (it matches no recorded one)."""
     t0 = time.monotonic()
-    found = fingerprint((name, p) for name, p in model.named_parameters() if not p.requires_grad)
+    found = _of_entries(_frozen_entries(model, hashed=True, gather=gather))
     logger.info("slurm_jit: frozen-weights fingerprint of %d tensors in %.3f s", len(found.tensors),
                 time.monotonic() - t0)
     return found
 
 
 def at_start(model: Any, is_rank0: bool) -> Fingerprint | None:
-    """At the start of ``train()``: the fingerprint of a PEFT model's frozen weights (the ones its saves leave out),
-    before DeepSpeed casts them, on rank 0; None for any other model or rank. Every rank refuses (one line) frozen
+    """At the start of ``train()``, on every rank: the fingerprint of a PEFT model's frozen weights (the ones its
+    saves leave out), before DeepSpeed casts them, on rank 0 (the other ranks take part in the gathers of a base
+    ZeRO-3 partitioned as it was built); None for any other model or rank. Every rank refuses (one line) frozen
     weights without data (the meta device: offloaded, or not loaded), which no checkpoint could be checked against."""
     from slurm_jit.train.slim_save import excludes_frozen
 
@@ -97,7 +170,10 @@ def at_start(model: Any, is_rank0: bool) -> Fingerprint | None:
                          f"'{no_data[0]}': a checkpoint leaves the frozen weights out and takes them from the model "
                          "as built, so they must be loaded. HINT: load the base model fully (no device_map with disk "
                          "offload, no init on the meta device) before the Trainer")
-    return of_model(model) if is_rank0 else None
+    if is_rank0:
+        return of_model(model)
+    _frozen_entries(model, hashed=False, gather=True)
+    return None
 
 
 def manifest_fields(weights: str, found: Fingerprint | None) -> dict[str, Any]:
@@ -121,10 +197,35 @@ def resume_refusal(ckpt_dir: str, manifest: dict[str, Any], model: Any,
         return (f"{ckpt_dir}: its manifest's {FROZEN_FINGERPRINT} is malformed, so the frozen weights this run "
                 "supplies cannot be checked. HINT: resume from another checkpoint, or start a new run in another "
                 "output_dir"), True
-    now = found if found is not None else of_model(model)
-    if recorded.get("digest") == now.digest and saved == now.tensors:
+    entries, unchecked = _as_recorded(saved, (found if found is not None else of_model(model, gather=False)).tensors)
+    if unchecked:
+        logger.warning("slurm_jit: %s: %d frozen tensors were recorded over rank 0's ZeRO-3 partition only (an earlier "
+                       "version), first '%s': their dtype and shape are checked, not their values", ckpt_dir,
+                       len(unchecked), unchecked[0])
+    if recorded.get("digest") == _of_entries(entries).digest and saved == entries:
         return None, True
-    return f"{ckpt_dir}: {difference(saved, now.tensors)}. {HINT}", set(saved) == set(now.tensors)
+    return f"{ckpt_dir}: {difference(saved, entries)}. {HINT}", set(saved) == set(entries)
+
+
+def _as_recorded(saved: dict[str, str], now: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+    """This model's entries as the checkpoint's version recorded them: without the quantisation state where its
+    entry has none (written before that was hashed), and an entry over rank 0's ZeRO-3 partition only
+    (``LEGACY_ZERO3_PART``) taken as recorded where dtype and shape agree; those names, whose values go unchecked."""
+    entries, unchecked = {}, []
+    for name, entry in now.items():
+        old = saved.get(name)
+        if old is not None and QUANT_PART not in old:
+            entry = entry.split(QUANT_PART)[0]
+        if old is not None and LEGACY_ZERO3_PART in old and _kind(old) == _kind(entry):
+            entry = old
+            unchecked.append(name)
+        entries[name] = entry
+    return entries, unchecked
+
+
+def _kind(entry: str) -> str:
+    """An entry's ``dtype[shape]``."""
+    return entry.split(":")[0]
 
 
 def raise_deferred(refusal: str | None) -> None:
@@ -147,10 +248,13 @@ def difference(saved: dict[str, str], now: dict[str, str]) -> str:
         first = f"'{name}' is not frozen in this model"
     elif name not in saved:
         first = f"'{name}' was not frozen in the checkpoint"
-    elif saved[name].split(":")[0] != now[name].split(":")[0]:
-        first = f"'{name}' was {saved[name].split(':')[0]}, is {now[name].split(':')[0]} now"
-    elif (ZERO3_PART in saved[name]) != (ZERO3_PART in now[name]):
-        first = f"'{name}' was built partitioned by ZeRO-3 (zero.Init) in one of the two runs only"
+    elif _kind(saved[name]) != _kind(now[name]):
+        first = f"'{name}' was {_kind(saved[name])}, is {_kind(now[name])} now"
+    elif saved[name].split(QUANT_PART)[0] == now[name].split(QUANT_PART)[0]:
+        first = (f"'{name}' has the same bytes under another quantisation state (bitsandbytes: quant type, block "
+                 "size, double quantisation)")
+    elif now[name].endswith(NOT_GATHERED):
+        first = f"'{name}' is partitioned by ZeRO-3 in this model and was not gathered"
     else:
         first = f"'{name}' has other values"
     return (f"its frozen weights (left out of it) are not this model's: "
