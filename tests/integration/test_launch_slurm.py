@@ -140,6 +140,11 @@ def test_user_scancel_is_never_requeued(tmp_path: Path, jobs: list[str]) -> None
     assert job["JobState"] == "CANCELLED" and job["Restarts"] == "0", job_log(out, job_id)[-3000:]
     assert "restart 1" not in job_log(out, job_id)
     assert all("policy: requeue" not in d for d in _decisions(job_log(out, job_id)))
+    # scancel killed the batch shell with the ranks: no after_step, no slurm-jit: line; status says it from Slurm
+    status = subprocess.run([sys.executable, str(SUBMIT), "status", str(out)], capture_output=True, text=True,
+                            check=False, timeout=60)
+    assert status.returncode == 0 and "stopped:  user cancel (restart 0), not requeued: Slurm says CANCELLED " \
+        "(scancel)" in status.stdout, status
 
 
 def test_maximum_requeues_reached(tmp_path: Path, jobs: list[str]) -> None:

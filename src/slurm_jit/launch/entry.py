@@ -1,4 +1,5 @@
-"""Check ``--function module:function`` at submit time, without running the user's code.
+"""Check the training entry at submit time, without running the user's code: ``--function module:function``,
+or the program of ``-- PROGRAM ARGS`` (:func:`check_program`).
 
 A typo would otherwise fail in every rank at the start of every run of the job. The module is found with
 :func:`importlib.util.find_spec` (which imports its parent packages, not the module itself) and its source is
@@ -10,7 +11,10 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import os
 import re
+
+from slurm_jit.launch.command import Command
 
 DOTTED_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 HINT = "HINT: module:function, e.g. mypkg.train:main, with the module on PYTHONPATH"
@@ -56,3 +60,20 @@ def check_function(target: str, here: bool = True) -> None:
     names = _top_level_names(tree)
     if names is not None and function_name not in names:
         raise ValueError(f"--function {target}: {module_name} ({found.origin}) defines no {function_name}. {HINT}")
+
+
+def check_program(program: str) -> None:
+    """Raise ValueError (one line with a HINT) for a training program every rank would fail to exec (as
+    :meth:`Command.problem` finds it), before anything is written, in a dry run too."""
+    problem = Command([program]).problem()
+    if problem is None:
+        return
+    if os.sep not in program and os.path.isfile(program):  # exec looks a bare name up on PATH, never in "."
+        raise ValueError(f"the training program {program}: a file here, but a program without a / is looked up "
+                         f"on PATH, not in this directory. HINT: -- ./{program} (with chmod +x {program}), or run "
+                         f"it through its interpreter (-- python {program})")
+    if os.path.isfile(program) and not os.access(program, os.X_OK):
+        raise ValueError(f"the training program {program} is not executable: every rank would fail to start it. "
+                         f"HINT: chmod +x {program}, or run it through its interpreter (-- python {program})")
+    raise ValueError(f"the training program {problem}, so every rank would fail to start it. HINT: its path "
+                     "(e.g. -- ./train.sh), or a program on PATH (e.g. -- python train.py)")

@@ -6,6 +6,8 @@
   sbatch would take for the batch script itself;
 - :func:`check_output_dir`: an output directory sbatch's ``--output`` pattern and the job's tools can carry;
 - :func:`check_job_name`: a job name ``scontrol show job`` prints on one line;
+- :func:`check_resources`, :func:`time_limit_s`: ``--mem``, ``--gpus-per-node`` and a ``--time`` sbatch takes,
+  refused before anything is written (a job with no time limit never gets its warning);
 - :func:`signal_lead`: the one calculation of N of ``--signal=TERM@N`` (submit and ``status`` both print it).
 """
 
@@ -13,12 +15,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Mapping, Sequence
 
 from slurm_jit import timing
+from slurm_jit.grace import calc as grace_calc
 from slurm_jit.grace import cli as grace_cli
 from slurm_jit.grace.calc import GraceError, GraceResult, Term, compute_grace
+from slurm_jit.grace.sbatch_script import parse_time_limit
 
 # sbatch options the JIT job writes itself (sbatch's command line wins over #SBATCH lines, so an extra argument
 # would silently replace them), with their one-letter forms. --signal without the JIT lead, --no-requeue, an
@@ -160,6 +165,35 @@ def check_job_name(name: str) -> None:
                          "e.g. --job-name train-gpt")
 
 
+# sbatch(1)'s value forms, as Slurm reads them: --mem's str_to_mbytes (a whole number, an optional K/M/G/T unit
+# and B; 0 is "all the node's memory"), --gpus-per-node's "[type:]count", comma-separated per type.
+MEM_VALUE = re.compile(r"\d+(?:[KMGTkmgt][Bb]?)?")
+GPUS_VALUE = re.compile(r"(?:[A-Za-z0-9_.-]+:)?\d+(?:,(?:[A-Za-z0-9_.-]+:)?\d+)*")
+NO_TIME_LIMIT = "0, UNLIMITED or INFINITE"  # sbatch(1): a time limit of 0 means none
+
+
+def check_resources(mem: object, gpus_per_node: object) -> None:
+    """ValueError (one line, HINT) for a ``--mem`` or ``--gpus-per-node`` sbatch would refuse (after the launcher
+    wrote the job's files, were it left to sbatch)."""
+    if mem is not None and not MEM_VALUE.fullmatch(str(mem)):
+        raise ValueError(f"--mem {mem}: not a memory size sbatch reads. HINT: a whole number with an optional unit "
+                         "K, M, G or T (default M), e.g. --mem 64G")
+    if gpus_per_node is not None and not GPUS_VALUE.fullmatch(str(gpus_per_node)):
+        raise ValueError(f"--gpus-per-node {gpus_per_node}: not sbatch's [type:]count. HINT: a whole number of GPUs "
+                         "per node, 0 or more, e.g. --gpus-per-node 4 or --gpus-per-node a100:4")
+
+
+def time_limit_s(time: str) -> int:
+    """``--time`` in seconds; ValueError (one line, HINT) for none (0, UNLIMITED, INFINITE, 00): Slurm would never
+    send the job its --signal warning, so no JIT stop could ever happen."""
+    limit_s = parse_time_limit(time)
+    if not limit_s:
+        raise ValueError(f"--time {time}: no time limit ({NO_TIME_LIMIT}), so Slurm would never send the job its "
+                         "--signal warning and no JIT checkpoint would ever be saved. HINT: the limit the job runs "
+                         "under, e.g. --time 4:00:00 (the partition's MaxTime at most)")
+    return limit_s
+
+
 def _timing_log_world_size(output_dir: str) -> int | None:
     """The world size of the newest run in the output dir's timing log (None: no log, or none recorded)."""
     try:
@@ -182,15 +216,14 @@ def signal_lead(output_dir: str, *, world_size: int | None = None, nodes: int | 
     """N of ``--signal=TERM@N`` and its terms, with warnings: ``given_lead_s`` itself, or the grace calculator
     over the given times and the timing log of ``from_dir`` (an earlier run's OUT_DIR; default ``output_dir``;
     ``world_size`` None: its newest run's). Raises GraceError (one line with a HINT) when neither is enough."""
-    if given_lead_s is not None:
-        if given_lead_s < 1:
-            raise GraceError(f"--signal-lead {given_lead_s}: must be 1 or more. HINT: e.g. --signal-lead 300")
-        return GraceResult(terms=(Term(name="given", seconds=given_lead_s, source="--signal-lead"),),
-                           needed_s=given_lead_s, lead_s=given_lead_s), []
     if from_dir is not None and not _has_timing_log(from_dir):
         raise GraceError(f"--from {from_dir}: no timing log with records there ({timing.timing_dir(from_dir)}). "
                          "HINT: the --output-dir of a run the JitTrainer trained in, or give --step-time and "
                          "--save-time")
+    if given_lead_s is not None:
+        times = {"--step-time": step_time, "--save-time": save_time, "--eval-time": eval_time,
+                 "--kill-wait": kill_wait, "--margin": margin}
+        return _given_lead(given_lead_s, times, from_dir), []
     log_dir = from_dir or output_dir
     world_size = world_size or _timing_log_world_size(log_dir)
     has_log = _has_timing_log(log_dir)
@@ -203,6 +236,24 @@ def signal_lead(output_dir: str, *, world_size: int | None = None, nodes: int | 
     )
     inputs, warnings, _ = grace_cli.gather_inputs(sizing, {})
     return compute_grace(inputs), warnings
+
+
+def _given_lead(lead_s: int, times: Mapping[str, str | None], from_dir: str | None) -> GraceResult:
+    """``--signal-lead N`` itself. The times and ``--from`` it overrides are still read (a typo is refused, not
+    dropped unseen) and named in the term's source, which the plan prints."""
+    if lead_s < 1:
+        raise GraceError(f"--signal-lead {lead_s}: must be 1 or more. HINT: e.g. --signal-lead 300")
+    for option, value in times.items():
+        if value is None:
+            continue
+        if option == "--margin":
+            grace_calc.parse_margin(value)
+        else:
+            grace_calc.parse_duration(value, what=option, allow_zero=option == "--kill-wait")
+    overridden = [f"{option} {value}" for option, value in times.items() if value is not None]
+    overridden += [f"--from {from_dir}"] if from_dir is not None else []
+    source = "--signal-lead" + (f"; it overrides {', '.join(overridden)} (not used)" if overridden else "")
+    return GraceResult(terms=(Term(name="given", seconds=lead_s, source=source),), needed_s=lead_s, lead_s=lead_s)
 
 
 def _has_timing_log(output_dir: str) -> bool:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from slurm_jit import slurm, timing
-from slurm_jit.launch import gate, output_claim, progress, sbatch_options
+from slurm_jit.launch import gate, output_claim, policy, progress, sbatch_options
 from slurm_jit.train import stop_record, stop_summary
 
 EXIT_OK, EXIT_ERROR = 0, 2
@@ -34,15 +34,39 @@ def out_dir_of_job(job_id: str) -> str | None:
     return None
 
 
-def _job_lines(job_id: str | None) -> list[str]:
+def _show_job(job_id: str | None) -> dict[str, str] | None:
+    """The job as slurmctld shows it; None without a job id, or when slurmctld no longer knows it."""
+    if not job_id:
+        return None
+    try:
+        return slurm.show_job(job_id)
+    except slurm.SlurmError:
+        return None
+
+
+def _job_lines(job_id: str | None, job: dict[str, str] | None) -> list[str]:
     if not job_id:
         return ["job:      none recorded yet (no stop has been handled by the launcher)"]
-    try:
-        job = slurm.show_job(job_id)
-    except slurm.SlurmError:
+    if job is None:
         return [f"job:      {job_id}: no longer known to slurmctld (ended more than MinJobAge ago)"]
     return [f"job:      {job_id} {slurm.job_state(job)}, restarts {job.get('Restarts', '?')}, "
             f"run time {job.get('RunTime', '?')} of {job.get('TimeLimit', '?')}"]
+
+
+def _stopped_line(history: list[dict[str, object]], job_id: str | None, job: dict[str, str] | None) -> str | None:
+    """The last stop: the launcher's decision, or a cancel only Slurm knows of. A plain ``scancel`` kills the
+    batch shell with the ranks, so after_step never runs and never records it: Slurm's CANCELLED says it."""
+    last = history[-1] if history else None
+    cancelled = job is not None and slurm.job_state(job) in policy.CANCELLED_STATES
+    if cancelled and job is not None and not (last and str(last.get("job_id")) == job_id
+                                              and last.get("cause") == policy.CAUSE_USER_CANCEL):
+        return (f"stopped:  {policy.CAUSE_USER_CANCEL} (restart {job.get('Restarts', '?')}), not requeued: Slurm "
+                "says CANCELLED (scancel); it ended the batch shell too, so the log has no slurm-jit: line for it")
+    if last is None:
+        return None
+    verdict = str(last.get("outcome") or ("requeued" if last.get("requeue") else "not requeued"))
+    step = "" if last.get("step") is None else f" at step {last.get('step')}"
+    return f"stopped:  {last.get('cause')}{step} (restart {last.get('restart')}), {verdict}: {last.get('reason')}"
 
 
 def _grace_line(out_dir: str) -> str:
@@ -141,17 +165,14 @@ def report(out_dir: str, job_id: str | None) -> list[str]:
     recorded = output_claim.recorded_jobs(out_dir)
     job_id = job_id or (recorded[-1] if recorded else None) \
         or (str(saved["job_id"]) if str(saved.get("job_id", "")).isdigit() else None)
-    lines = [f"output:   {out_dir}", *_job_lines(job_id), *_log_lines(out_dir, job_id)]
+    job = _show_job(job_id)
+    lines = [f"output:   {out_dir}", *_job_lines(job_id, job), *_log_lines(out_dir, job_id)]
     trouble = progress.problem(out_dir)
     if trouble:
         lines.append(f"warning:  {trouble}: the launcher's history is ignored")
-    history = progress.history(saved)
-    if history:
-        last = history[-1]
-        verdict = str(last.get("outcome") or ("requeued" if last.get("requeue") else "not requeued"))
-        step = "" if last.get("step") is None else f" at step {last.get('step')}"
-        lines.append(f"stopped:  {last.get('cause')}{step} (restart {last.get('restart')}), "
-                     f"{verdict}: {last.get('reason')}")
+    stopped = _stopped_line(progress.history(saved), job_id, job)
+    if stopped is not None:
+        lines.append(stopped)
     record = stop_record.read(out_dir)
     lines.extend(_ranks_line(out_dir))
     lines.append("record:   " + (f"{record['state']} step={record.get('step')} job={record.get('job_id')} "

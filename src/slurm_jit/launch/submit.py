@@ -30,7 +30,7 @@ from slurm_jit import slurm
 from slurm_jit.checkpoint import elastic_plan
 from slurm_jit.grace import cli as grace_cli
 from slurm_jit.grace.calc import GraceError, GraceResult
-from slurm_jit.grace.sbatch_script import ScriptError, parse_time_limit
+from slurm_jit.grace.sbatch_script import ScriptError
 from slurm_jit.launch import entry, gate, node_range, ops, output_claim, policy, sbatch_options, submitit_hooks, task
 from slurm_jit.launch.command import Command
 from slurm_jit.launch.executor import FailedSubmission, JitExecutor
@@ -286,19 +286,22 @@ def build_job(args: argparse.Namespace) -> Launch:
         raise ValueError("no --output-dir. HINT: the directory the training writes its checkpoints to")
     if not args.time:
         raise ValueError("no --time. HINT: the job's time limit, e.g. --time 4:00:00 (minutes alone work too)")
-    limit_s = parse_time_limit(str(args.time))
+    limit_s = sbatch_options.time_limit_s(str(args.time))
     args.output_dir = sbatch_options.check_output_dir(args.output_dir)
     args.nodes = node_range.parse(1 if args.nodes is None else args.nodes)
     args.ntasks_per_node = _count(args.ntasks_per_node, "--ntasks-per-node", default=1, minimum=1)
+    if args.cpus_per_task is not None:
+        args.cpus_per_task = _count(args.cpus_per_task, "--cpus-per-task", default=1, minimum=1)
     args.max_requeues = _count(args.max_requeues, "--max-requeues", default=DEFAULT_MAX_REQUEUES, minimum=0)
     args.retry_on_failure = _count(args.retry_on_failure, "--retry-on-failure", default=0, minimum=0)
     args.retry_on_hang = _count(args.retry_on_hang, "--retry-on-hang", default=policy.DEFAULT_RETRY_ON_HANG,
                                 minimum=0)
     _check_values(args)
+    sbatch_options.check_resources(args.mem, args.gpus_per_node)
     sbatch_options.check_extra_args(args.sbatch_arg or [])
     sbatch_options.check_environment(os.environ)
     result = _grace(args)
-    if limit_s is not None and result.lead_s >= limit_s:
+    if result.lead_s >= limit_s:
         raise ValueError(f"--signal lead {result.lead_s} s is not shorter than --time {args.time} ({limit_s} s). "
                          f"HINT: a longer --time, or a faster step/save")
     spec = training_spec(args)
@@ -347,9 +350,7 @@ def training_spec(args: argparse.Namespace) -> dict[str, Any]:
     program = args.command[0]
     if not program.strip():
         raise ValueError("the training command's program is empty. HINT: e.g. -- python train.py")
-    if "/" in program and os.path.isfile(program) and not os.access(program, os.X_OK):
-        raise ValueError(f"the training program {program} is not executable: every rank would fail to start it. "
-                         f"HINT: chmod +x {program}, or run it through its interpreter (-- python {program})")
+    entry.check_program(program)
     return {"argv": list(args.command)}
 
 
