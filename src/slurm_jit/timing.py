@@ -269,7 +269,7 @@ def _read_file(path: Path) -> Iterable[dict[str, Any]]:
         if not isinstance(record, dict) or not isinstance(record.get("event"), str):
             raise TimingLogError(f"{path}:{lineno}: not a timing record")
         dur = record.get("dur_s")
-        if record["event"] != "start" and not (isinstance(dur, int | float) and math.isfinite(dur) and dur >= 0):
+        if record["event"] != "start" and _seconds(dur) is None:
             raise TimingLogError(f"{path}:{lineno}: bad dur_s {dur!r}")
         yield record
 
@@ -355,7 +355,15 @@ def _plain_int(value: Any) -> bool:
 
 
 def _seconds(value: Any) -> float | None:
-    return float(value) if isinstance(value, int | float) and math.isfinite(value) and value >= 0 else None
+    """``value`` as seconds when it is a finite number, 0 or more (an integer of 400 digits is valid JSON and
+    too large for a float: no number of seconds either), else None."""
+    if not isinstance(value, int | float):
+        return None
+    try:
+        seconds = float(value)
+    except OverflowError:
+        return None
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
 
 
 def _steps_by_mode(records: list[dict[str, Any]]) -> dict[str, StepStats]:

@@ -155,6 +155,26 @@ def test_a_lead_not_shorter_than_the_time_limit_is_refused(ex: JitExecutor) -> N
         ex.submit(executor_helpers.add, 1, 2)
 
 
+@pytest.mark.parametrize("limit", [0, "0", "UNLIMITED", "infinite"], ids=["int-0", "str-0", "UNLIMITED", "infinite"])
+def test_no_time_limit_is_refused_before_sbatch(ex: JitExecutor, monkeypatch: pytest.MonkeyPatch,
+                                                limit: object) -> None:
+    # sbatch(1): a time limit of 0 (UNLIMITED, INFINITE) is none, so Slurm never sends the --signal warning and no
+    # JIT checkpoint is ever taken. Before: the lead-vs-limit check was skipped and the job submitted.
+    gateway = Gateway()
+    monkeypatch.setattr(slurm, "runner", gateway)
+    ex.update_parameters(timeout_min=limit)
+    with pytest.raises(JitExecutorError, match="no time limit") as refused:
+        ex.submit(executor_helpers.add, 1, 2)
+    assert "\n" not in str(refused.value) and "HINT: " in str(refused.value), refused.value
+    assert gateway.calls == []
+
+
+def test_a_signal_lead_of_true_is_refused(tmp_path: Path) -> None:
+    # Before: True is an int in Python: --signal=TERM@True in the script, refused only by sbatch after the submit
+    with pytest.raises(JitExecutorError, match="signal_lead_s=True: whole seconds"):
+        JitExecutor(folder=tmp_path / "logs", output_dir=tmp_path / "out", signal_lead_s=True)
+
+
 def test_no_step_time_and_no_timing_log_is_refused_in_one_line(tmp_path: Path) -> None:
     executor = JitExecutor(folder=tmp_path / "logs", output_dir=tmp_path / "out")
     with pytest.raises(JitExecutorError, match="no step time. HINT: give step_time_s"):

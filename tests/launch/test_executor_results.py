@@ -5,6 +5,7 @@ gateway is faked at its one boundary (tests/integration/test_executor_slurm.py r
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -307,3 +308,16 @@ def test_a_job_slurm_forgot_without_a_result_is_done_and_says_purged(
     assert lines[0] == (f"job {JOB} ended and left no result, and Slurm no longer knows it (MinJobAge after its end, "
                         f"or slurmctld's state was reset). HINT: see its error log {job.task(0).paths.stderr}")
     assert lines[1] == "Error stream produced:" and lines[-1] == "MemoryError"
+
+
+@pytest.mark.timeout(30)
+def test_a_fifo_in_place_of_a_log_is_never_waited_on(job_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A FIFO (or device) where the task's logs should be: the error says there is no stream, at once; opening it
+    would block exception() and result() until a writer came."""
+    monkeypatch.setattr(JitJob, "_results_timeout_s", 0)
+    job = _job(job_env / "logs", monkeypatch, "FAILED")
+    paths = job.task(0).paths
+    paths.folder.mkdir(parents=True)
+    os.mkfifo(paths.stderr)
+    os.mkfifo(paths.stdout)
+    assert str(job.exception()).splitlines()[1:] == [f"No output/error stream produced ! Check: {paths.stdout}"]

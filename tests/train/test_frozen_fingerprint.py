@@ -14,9 +14,10 @@ from typing import Any
 
 import pytest
 import torch
-from jit_helpers import run_demo
+from jit_helpers import run_demo, run_logged
 
-from slurm_jit.checkpoint.manifest import FROZEN_FINGERPRINT, WEIGHTS_FROZEN_EXCLUDED, WEIGHTS_MASTER_ONLY
+from slurm_jit.checkpoint import protocol
+from slurm_jit.checkpoint.manifest import FROZEN_FINGERPRINT, WEIGHTS_FROZEN_EXCLUDED, WEIGHTS_FULL, WEIGHTS_MASTER_ONLY
 from slurm_jit.train import frozen_weights
 
 
@@ -67,7 +68,10 @@ def _manifest(named: list[tuple[str, torch.Tensor]]) -> dict[str, object]:
 
 def test_only_a_save_that_leaves_the_frozen_weights_out_records_them() -> None:
     found = frozen_weights.fingerprint(_named())
-    assert frozen_weights.manifest_fields(WEIGHTS_MASTER_ONLY, found) == {}
+    assert frozen_weights.manifest_fields(WEIGHTS_FULL, found) == {}
+    assert frozen_weights.manifest_fields(WEIGHTS_MASTER_ONLY, None) == {}  # not PEFT: at_start found none
+    # a PEFT model under ZeRO-3: its layout is fp32-master-only, and its saves leave the frozen base out too
+    assert frozen_weights.manifest_fields(WEIGHTS_MASTER_ONLY, found)[FROZEN_FINGERPRINT]["digest"] == found.digest
     assert frozen_weights.manifest_fields(WEIGHTS_FROZEN_EXCLUDED, None) == {}
     recorded = _manifest(_named())[FROZEN_FINGERPRINT]
     assert recorded["count"] == 3 and recorded["digest"] == found.digest  # type: ignore[index]
@@ -267,3 +271,28 @@ def test_a_zero3_base_differing_in_rank1s_partition_only_is_refused_on_2_ranks(t
     why = found["refusal"]
     assert why is not None and "\n" not in why and "HINT:" in why, why
     assert "first: 'base_model.model.transformer.h.0.mlp.c_fc.weight' has other values" in why, why
+
+
+ZERO3_LORA = ["--lora", "--zero-stage", "3", "--max-steps", "2", "--save-steps", "2"]
+OTHER_BASE_SEED = "43"  # --seed: the script builds the same architecture with other base weights
+
+
+@pytest.mark.deepspeed
+def test_a_zero3_lora_checkpoint_records_the_fingerprint_and_another_base_is_refused(tmp_path: Path) -> None:
+    """A real LoRA training under ZeRO-3 on 2 ranks: its checkpoints leave the frozen base out (DeepSpeed's
+    exclude_frozen_parameters) under the layout fp32-master-only, and must record the fingerprint the start
+    gathered; a resume whose script builds another base is refused in one line on both ranks, before any step.
+    Before: manifest_fields recorded it for the frozen-excluded layouts only, so no ZeRO-3 checkpoint had one and
+    the adapters resumed on any base (the gather at every start was done for nothing)."""
+    out = tmp_path / "out"
+    run_demo(out, ZERO3_LORA, world_size=2)
+    manifest = json.loads((out / "checkpoint-2" / protocol.MANIFEST_NAME).read_text())
+    assert manifest["weights"] == WEIGHTS_MASTER_ONLY, manifest["weights"]
+    recorded = manifest.get(FROZEN_FINGERPRINT)
+    assert isinstance(recorded, dict) and recorded["count"] > 0, sorted(manifest)
+    result = run_logged(out, [*ZERO3_LORA, "--max-steps", "4", "--resume", "--seed", OTHER_BASE_SEED])
+    assert result.codes == [2, 2] and "Traceback" not in result.log, result.log[-4000:]
+    refusals = [line for line in result.log.splitlines() if line.startswith("demo_train: slurm_jit: ")]
+    assert len(refusals) == 2 and all("frozen tensors differ from this model's" in line and "HINT:" in line
+                                      for line in refusals), result.log[-4000:]
+    assert not (out / "checkpoint-4").exists()

@@ -64,6 +64,21 @@ def test_a_missing_stop_record_is_exit_2_and_a_good_one_its_state(tmp_path: Path
     assert ran.stdout.strip() == f"jit_stop step=4 {tmp_path / 'checkpoint-4'}"
 
 
+@pytest.mark.parametrize("name", ["run\udcff", "run\nnext"])
+def test_a_record_of_an_output_dir_with_an_odd_name_is_its_state_in_one_line(tmp_path: Path, name: str) -> None:
+    # An output_dir whose name holds a byte that is not UTF-8 (Python's path is then a lone surrogate, written by
+    # json as "\udcff") or a line break. Before: under a UTF-8 locale (stdout strict) print() raised
+    # UnicodeEncodeError, exit 1 ("crashed": no requeue of a JIT stop); a line break made the one line two.
+    out = tmp_path / name
+    out.mkdir()
+    stop_record.write(out, "jit_stop", step=4, checkpoint=str(out / "checkpoint-4"))
+    ran = subprocess.run([sys.executable, "-m", "slurm_jit.stop_record", str(out)], capture_output=True,
+                         timeout=CLI_TIMEOUT_S, check=False, env={**os.environ, "PYTHONIOENCODING": "utf-8"})
+    assert ran.returncode == stop_record.EXIT_REQUEUE, ran.stderr[-2000:]
+    (line,) = ran.stdout.decode().splitlines()
+    assert line.startswith("jit_stop step=4 ") and line.endswith("/checkpoint-4"), line
+
+
 @pytest.mark.timeout(60)  # before: the FIFO report was waited on forever
 def test_reports_are_read_whatever_else_lies_beside_them(tmp_path: Path) -> None:
     # Before: a report with "rank": null (or "x", or [1]) raised out of reports(), so the ``failed``/``hung``

@@ -62,6 +62,9 @@ ODD_RECORDS = {
     "save-step-list": {"event": "save", "kind": "jit", "step": [5], "dur_s": 2.0, "bytes": 10},
     "save-run-id-list": {"event": "save", "kind": "jit", "run_id": [1], "step": 9, "dur_s": 2.0, "bytes": 10},
     "world-size-true": {"event": "step", "world_size": True, "step": 11, "dur_s": 1.0, "warmup": False},
+    "world-size-list": {"event": "step", "world_size": [5], "step": 11, "dur_s": 1.0, "warmup": False},
+    "stop-teardown-huge-integer": {"event": "stop", "step": 9, "dur_s": 1.0, "teardown_s": 10**400},
+    "agreement-kill-wait-huge-integer": {"event": "agreement", "dur_s": 0.1, "mode": "x", "kill_wait_s": 10**400},
 }
 
 
@@ -93,6 +96,18 @@ def test_an_odd_record_neither_stops_the_grace_check_nor_the_summary(
     assert summary.saves["jit"].max_bytes == 1000 and summary.saves["jit"].count >= 1, summary.saves
     warnings = runtime_grace.check_and_warn(str(tmp_path), 1.0, "start")
     assert len(warnings) == 1 and "signal lead 1 s < needed" in warnings[0], warnings
+
+
+def test_a_duration_too_large_for_a_float_is_a_bad_record_not_an_overflow(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: math.isfinite(10**400) raised OverflowError (a JSON integer of 401 digits is valid JSON, under
+    # Python's 4300-digit limit) out of read_records: out of rank 0's training loop through the grace check.
+    path = _healthy_log(tmp_path)
+    _append(path, {"event": "step", "step": 12, "dur_s": 10**400, "warmup": False})
+    with pytest.raises(timing.TimingLogError, match=f"{path}:12: bad dur_s"):
+        timing.read_records(tmp_path)
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    assert runtime_grace.check_and_warn(str(tmp_path), 1.0, "start", world_size=2) == []
 
 
 def test_a_need_beyond_slurms_largest_lead_is_a_warning_not_an_error(

@@ -82,7 +82,8 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
         if not isinstance(exclude_hung_node, bool):  # bool("no") is True: a string or a number is refused
             raise JitExecutorError(f"exclude_hung_node={exclude_hung_node!r}: True or False. HINT: "
                                    "exclude_hung_node=True")
-        if signal_lead_s is not None and (not isinstance(signal_lead_s, int) or signal_lead_s < 1):
+        if signal_lead_s is not None and (isinstance(signal_lead_s, bool) or not isinstance(signal_lead_s, int)
+                                          or signal_lead_s < 1):
             raise JitExecutorError(f"signal_lead_s={signal_lead_s!r}: whole seconds, 1 or more. HINT: e.g. 300")
         text = os.fspath(output_dir)
         if not text or any(not c.isprintable() for c in text):
@@ -297,7 +298,11 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
             limit_s = parse_time_limit(str(self.parameters.get("time", 5)))
         except ScriptError as exc:
             raise JitExecutorError(f"timeout_min: {exc}") from None
-        if limit_s is not None and lead_s >= limit_s:
+        if limit_s is None:  # sbatch(1): 0 is no time limit, so Slurm would never send the warning
+            raise JitExecutorError(f"timeout_min={self.parameters.get('time')!r} is no time limit (0, UNLIMITED or "
+                                   "INFINITE): Slurm would never send the --signal warning, so no JIT checkpoint "
+                                   "would be taken. HINT: a time limit, e.g. timeout_min=240")
+        if lead_s >= limit_s:
             raise JitExecutorError(f"--signal lead {lead_s} s is not shorter than the time limit ({limit_s} s). "
                                    "HINT: a longer timeout_min, or a faster step/save")
         try:

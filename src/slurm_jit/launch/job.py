@@ -17,7 +17,7 @@ from typing import Any
 from submitit.core import core, utils
 from submitit.slurm.slurm import SlurmJob
 
-from slurm_jit import slurm
+from slurm_jit import safe_read, slurm
 
 # States in which the job may still write results (or run again): not done. REQUEUED/REQUEUE_* between a
 # requeue and the next run; COMPLETING while the batch shell's last line (the runner's finish) may still write.
@@ -167,9 +167,9 @@ class JitJob(SlurmJob):  # type: ignore[type-arg]
 def _tail(path: Path) -> str:
     """The last :data:`LOG_TAIL_LINES` lines of a log ("" when there is none): the log grows with every requeue."""
     try:
-        with path.open("rb") as f:
+        with safe_read.open_regular(path) as f:  # a FIFO or device in the log folder is never waited on
             f.seek(max(0, f.seek(0, os.SEEK_END) - LOG_TAIL_BYTES))
             data = f.read()
-    except OSError:
+    except safe_read.READ_ERRORS:
         return ""
     return "\n".join(data.decode(errors="replace").splitlines()[-LOG_TAIL_LINES:]).strip()

@@ -27,7 +27,7 @@ from typing import Any
 
 import xxhash
 
-from slurm_jit.checkpoint.manifest import FROZEN_FINGERPRINT, FROZEN_LEFT_OUT, frozen_tensors
+from slurm_jit.checkpoint.manifest import FROZEN_FINGERPRINT, FROZEN_LEFT_OUT, WEIGHTS_MASTER_ONLY, frozen_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -177,8 +177,11 @@ def at_start(model: Any, is_rank0: bool) -> Fingerprint | None:
 
 
 def manifest_fields(weights: str, found: Fingerprint | None) -> dict[str, Any]:
-    """The manifest's ``frozen_fingerprint`` of a save that leaves the frozen weights out, else nothing."""
-    if weights not in FROZEN_LEFT_OUT or found is None:
+    """The manifest's ``frozen_fingerprint`` of a save that leaves the frozen weights out, else nothing: a PEFT
+    model's (``found``: :func:`at_start` computes it for those only), in the frozen-excluded layouts and in
+    ZeRO-3's ``fp32-master-only``, which every ZeRO-3 save gets and whose PEFT saves leave the base out too
+    (DeepSpeed's ``exclude_frozen_parameters``)."""
+    if weights not in (*FROZEN_LEFT_OUT, WEIGHTS_MASTER_ONLY) or found is None:
         return {}
     return {FROZEN_FINGERPRINT: found.as_manifest()}
 

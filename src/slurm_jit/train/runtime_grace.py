@@ -88,8 +88,8 @@ def check_and_warn(output_dir: str, kill_wait_s: float, when: str, world_size: i
     warnings = assess(step_s=measured.step_s, save_s=measured.save_s, kill_wait_s=kill_wait_s, lead_s=lead_s,
                       facts=_cluster_facts(), latency_steps=measured.latency_steps,
                       teardown_s=measured.teardown_s or 0.0)
-    sizes = {r.get("world_size") for r in records}
-    others = sorted(s for s in sizes if isinstance(s, int) and s != world_size) if world_size else []
+    sizes = {r.get("world_size") for r in records if isinstance(r.get("world_size"), int)}  # [5] is no key
+    others = sorted(s for s in sizes if s != world_size) if world_size else []
     if others:  # the step time of this world size is not the others': say which one the need was sized from
         warnings = [f"{w} (sized from world size {world_size}'s steps; world size {others} steps, from before "
                     "the elastic resume, are not this run's)" for w in warnings]

@@ -221,8 +221,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"stop_record: no readable {path(args[0])} ({why}). HINT: {hint}", file=sys.stderr)
         sys.exit(EXIT_NO_RECORD)
     detail = record.get("checkpoint") or _lost_peer_detail(record) or record.get("error") or _hang_detail(record)
-    print(f"{record['state']} step={record.get('step')} {detail}".rstrip())
+    _say(f"{record['state']} step={record.get('step')} {detail}".rstrip())
     sys.exit(EXIT_BY_STATE[record["state"]])
+
+
+def _say(line: str) -> None:
+    """``line`` on stdout as one line whatever it quotes: a path's byte that is not UTF-8 (a lone surrogate in
+    Python) or a line break is written escaped (``\\udcff``, ``\\n``); a print() under a strict UTF-8 stdout
+    would raise, exit 1, read as "crashed"."""
+    shown = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in line)
+    sys.stdout.buffer.write(shown.encode(sys.stdout.encoding or "utf-8", "backslashreplace") + b"\n")
+    sys.stdout.flush()
 
 
 def _lost_peer_detail(record: dict[str, Any]) -> str:
