@@ -244,3 +244,15 @@ def test_a_halved_per_device_batch_on_the_same_two_ranks_is_refused_or_kept(jit_
     assert manifest[keep_batch.PER_DEVICE_KEY] == 1 and manifest[keep_batch.MANIFEST_KEY]["accumulation_to"] == 2
     batch = [r for r in timing.read_records(out) if r["event"] == keep_batch.TIMING_EVENT]
     assert [(r["per_device_from"], r["per_device_to"], r["accumulation_to"]) for r in batch] == [(2, 1, 2)], batch
+
+
+def test_one_process_driving_two_gpus_resumes_its_own_batch_unchanged(tmp_path: Path) -> None:
+    """One process over 2 GPUs (DataParallel, no launcher): transformers' train batch is per-device x n_gpu, and
+    that is what the manifest records; the resume on the same setup compares like with like (it was refused under
+    keep_global_batch=False, or given half the accumulation's worth of samples again, under True)."""
+    same = elastic_plan.Plan(action=elastic_plan.SAME, written_by=1, world_size=1, zero_stage=0, reason="")
+    manifest = {"world_size": 1, keep_batch.SAMPLES_KEY: 4, keep_batch.PER_DEVICE_KEY: 4}
+    for keep in (False, True):
+        trainer = _picker(tmp_path, 2, keep=keep)
+        trainer.args.world_size, trainer._train_batch_size = 1, 4  # 2 per GPU x 2 GPUs
+        assert resume_path.batch_to_keep(trainer, str(tmp_path), manifest, same) == (None, None)

@@ -174,7 +174,7 @@ def batch_to_keep(trainer: JitTrainer, path: str, manifest: dict[str, Any],
     written = elastic.written_global_batch(Path(path), manifest, written_by)
     if written is None:  # logged there: not checked, not refused
         return None, None
-    per_device = int(trainer.args.per_device_train_batch_size)
+    per_device = keep_batch.per_device_batch(trainer)  # x n_gpu under one process's DataParallel, as saved
     found = _found_batch_size(path)  # the trainer state's: the checkpoint's run's per-device batch
     if trainer.args.auto_find_batch_size:
         per_device = found or per_device
