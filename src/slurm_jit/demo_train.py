@@ -112,6 +112,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="with --lora: comma-separated modules that train whole beside it (LoraConfig.modules_to_save)")
     p.add_argument("--full-jit-save", action="store_true",
                    help="JitConfig(slim_jit_save=False): JIT saves write DeepSpeed's full model-states file")
+    p.add_argument("--async-periodic-saves", action="store_true",
+                   help="JitConfig(async_periodic_saves=True): periodic saves written in the background")
     p.add_argument("--step-times", action="store_true",
                    help="rank 0 appends each step's end time to OUT/step-times-rank0.jsonl (the benchmarks)")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -421,6 +423,7 @@ def _train(args: argparse.Namespace, common: dict[str, Any], trainer_cls: Any = 
                                signals=tuple(args.signals.split(",")), jit_save_model_weights=args.jit_save_weights,
                                slim_jit_save=not args.full_jit_save, hang_timeout_s=_hang_timeout(args.hang_timeout),
                                keep_global_batch=not args.refuse_batch_change,
+                               async_periodic_saves=args.async_periodic_saves,
                                **({"side_group_timeout_s": args.side_group_timeout}
                                   if args.side_group_timeout is not None else {}))
         except ValueError as exc:  # one line with its HINT, as every refusal

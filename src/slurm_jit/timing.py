@@ -19,6 +19,10 @@ global rank, so ranks never contend for a lock, and kept across restarts: every 
     {"v": 1, "event": "batch", ..., "dur_s": 0, "from_world_size": 2, "to_world_size": 1,
      "accumulation_from": 1, "accumulation_to": 2, "samples_per_step": 4}
     {"v": 1, "event": "exit", ..., "step": 14, "dur_s": 1.2, "time": 1.7e9}
+    {"v": 1, "event": "save_blocked", ..., "step": 12, "dur_s": 0.3, "kind": "periodic", "staged_bytes": 123456,
+     "phases": {"wait_previous": 0.0, "begin": 0.01, "write": 0.2, "stage": 0.05, ...}}
+    {"v": 1, "event": "save_background", ..., "step": 12, "dur_s": 2.9, "kind": "periodic", "bytes": 123456,
+     "write_s": 2.1, "fsync_s": 0.5, "commit_s": 0.3, "staged_bytes": 123456}
 
 ``agreement`` (once per run, after warm-up): how the ranks read their stop rounds from then on (``dur_s``: the
 agreed cost of one blocking round); ``stop`` (on a JIT stop): ``dur_s`` from this rank's first signal until
@@ -27,7 +31,9 @@ on another world size): the gradient accumulation changed to keep the global bat
 ``exit`` (after a JIT stop, written by a watcher process once the rank's process has ended, train/exit_watch.py):
 ``dur_s`` from ``train()`` returning (the stop record's ``end_time``) until the process was gone: DeepSpeed's and
 gloo's shutdown, the script's own end, the interpreter's exit; the grace calculator adds the longest to the
-teardown.
+teardown. ``save_blocked`` and ``save_background`` (an async periodic save, JitConfig(async_periodic_saves=True)):
+the seconds training was blocked, and those of the background write and commit (rank 0: until the manifest); they
+are not ``save`` records: the grace calculator sizes the (synchronous) JIT save from synchronous saves only.
 
 The first ``WARMUP_STEPS`` steps of every run are marked ``warmup`` (they include one-time compilation and
 allocation) and are left out of the step statistics. This module imports no torch.
@@ -127,6 +133,18 @@ class TimingLog:
         """One save on this rank; ``phases``: where its seconds went, in order (train/save_path.py SAVE_PHASES)."""
         self._write({"event": "save", "step": step, "kind": kind, "dur_s": dur_s, "bytes": nbytes,
                      **({"phases": phases} if phases else {})})
+        self.flush()
+
+    def save_blocked(self, step: int, kind: str, dur_s: float, nbytes: int, phases: dict[str, float]) -> None:
+        """An async periodic save: the seconds training was blocked (train/async_save/periodic.py)."""
+        self._write({"event": "save_blocked", "step": step, "kind": kind, "dur_s": dur_s, "staged_bytes": nbytes,
+                     "phases": phases})
+        self.flush()
+
+    def save_background(self, step: int, kind: str, dur_s: float, nbytes: int, fields: dict[str, Any]) -> None:
+        """An async periodic save: the seconds of its background write and commit, apart from training's."""
+        self._write({**fields, "event": "save_background", "step": step, "kind": kind, "dur_s": dur_s,
+                     "bytes": nbytes})
         self.flush()
 
     def conversion(self, step: int, dur_s: float, bytes: int, from_world_size: int) -> None:  # noqa: A002

@@ -55,6 +55,10 @@ class JitConfig:
     # save's time (docs/benchmarks.md). The manifest's xxh3-128 of every file guards the bytes; torch.load,
     # DeepSpeed and zero_to_fp32.py do not check the CRC (zipfile and `unzip -t` report it). True: torch's default
     zip_crc32: bool = False
+    # Periodic saves staged in host memory and written by a background thread while training goes on
+    # (train/async_save/periodic.py, issue #23): DeepSpeed ZeRO-0/1/2 only; JIT and final saves stay synchronous.
+    # Off until proven by issue #23's kill tests: False is the synchronous save of every checkpoint
+    async_periodic_saves: bool = False
 
     def __post_init__(self) -> None:
         for name in ("kill_wait_s", "side_group_timeout_s", "convert_timeout_s"):
@@ -64,6 +68,9 @@ class JitConfig:
                 raise ValueError(f"hang_timeout_s={self.hang_timeout_s!r}. HINT: a number of seconds, "
                                  f"{watchdog.AUTO!r} (derived from the steps measured) or None (no watchdog)")
             _check_seconds("hang_timeout_s", self.hang_timeout_s, allow_zero=False)
+        if not isinstance(self.async_periodic_saves, bool):
+            raise ValueError(f"async_periodic_saves={self.async_periodic_saves!r}. HINT: True (periodic saves "
+                             "written in the background) or False (the default: synchronous saves)")
         if not isinstance(self.keep_global_batch, bool):
             raise ValueError(f"keep_global_batch={self.keep_global_batch!r}. HINT: True (the default: change the "
                              "gradient accumulation on another world size) or False (refuse such a resume)")

@@ -75,4 +75,5 @@ class Run:
     frozen: Any = None  # rank 0: the frozen weights' fingerprint (frozen_weights.py), computed at the start
     frozen_refusal: str | None = None  # every rank: a frozen-weights refusal raised after the load (not before)
     watchdog: Watchdog | None = None  # this rank's hang watchdog, from the first step until train() ends
+    async_saves: Any = None  # JitConfig(async_periodic_saves=True): train/async_save/periodic.py's AsyncSaves
     hung: bool = False  # the watchdog fired: the process is writing its hang record and exiting

@@ -22,6 +22,7 @@ from torch.utils.serialization import config as torch_serialization
 
 from slurm_jit.checkpoint import protocol
 from slurm_jit.train import frozen_weights, keep_batch, save_errors, signals, slim_save, stop_path
+from slurm_jit.train.async_save import periodic as async_periodic
 
 if TYPE_CHECKING:
     from slurm_jit.train.trainer import JitTrainer
@@ -90,6 +91,7 @@ def save_checkpoint(trainer: JitTrainer, model: Any, trial: Any, upstream: Upstr
     """One checkpoint of this step, complete by the protocol's definition before anything rotates."""
     run = trainer._jit_run
     step = trainer.state.global_step
+    async_periodic.before_save(trainer)  # an async save in flight is durable and committed before any other save
     if run is not None and run.saved_step == step:
         return  # this step is already saved by this run
     kind = (run.save_kind if run and run.save_kind else None) or (
@@ -102,26 +104,21 @@ def save_checkpoint(trainer: JitTrainer, model: Any, trial: Any, upstream: Upstr
     _begin(trainer, ckpt, step, kind)
     phases.mark("begin")
     with save_errors.disk_full_is_one_line(ckpt):  # one clear line; the sentinel stays, nothing rotates
-        with zip_crc32(trainer.jit_config.zip_crc32):
+        with zip_crc32(trainer.jit_config.zip_crc32), async_periodic.collecting(trainer, kind) as collected:
             contents, weights = upstream_save(trainer, model, trial, kind, upstream)
         phases.mark("write")
-        # Callbacks run on every save (JIT too) before the manifest: what they add or rewrite is in it.
-        trainer.control = trainer._upstream_on_save(trainer.args, trainer.state, trainer.control)
-        fault_sleep_s = float(os.environ.get(FAULT_SAVE_SLEEP_ENV, "0") or 0)
-        if fault_sleep_s > 0:
-            time.sleep(fault_sleep_s)
+        if async_periodic.submit(trainer, collected, ckpt, step, kind, phases, t0,
+                                 fields=manifest_fields(trainer, contents, weights),
+                                 on_save=lambda: run_callbacks(trainer)):
+            return  # written and committed in the background (train/async_save/periodic.py)
+        run_callbacks(trainer)
+        fault_sleep()
         phases.mark("callbacks")
         protocol.fsync_tree(ckpt)
         phases.mark("fsync")
         trainer._agreement.barrier()
         phases.mark("barrier")
-        nbytes = write_manifest(trainer, ckpt, step, kind, {
-            "contents": contents, "weights": weights, "run_id": run.lineage if run and run.lineage else None,
-            "owed_evaluation": bool(run and run.eval_owed),
-            keep_batch.SAMPLES_KEY: keep_batch.samples_per_step(trainer),
-            keep_batch.PER_DEVICE_KEY: keep_batch.per_device_batch(trainer),
-            **({keep_batch.MANIFEST_KEY: run.batch_record} if run and run.batch_record else {}),
-        })
+        nbytes = write_manifest(trainer, ckpt, step, kind, manifest_fields(trainer, contents, weights))
         phases.mark("manifest")
     if run is not None:
         run.saved_step, run.saved_contents = step, contents
@@ -133,6 +130,31 @@ def save_checkpoint(trainer: JitTrainer, model: Any, trial: Any, upstream: Upstr
     trainer._agreement.barrier()
     phases.mark("rotate")
     _done(trainer, step, kind, ckpt, time.monotonic() - t0, nbytes, phases.seconds)
+
+
+def run_callbacks(trainer: JitTrainer) -> None:
+    """The callbacks' on_save: on every save (JIT too) before the manifest, so that what they add or rewrite is
+    in it."""
+    trainer.control = trainer._upstream_on_save(trainer.args, trainer.state, trainer.control)
+
+
+def fault_sleep() -> None:
+    """Fault injection (FAULT_SAVE_SLEEP_ENV): a save that stalls (an async save's background write stalls)."""
+    fault_sleep_s = float(os.environ.get(FAULT_SAVE_SLEEP_ENV, "0") or 0)
+    if fault_sleep_s > 0:
+        time.sleep(fault_sleep_s)
+
+
+def manifest_fields(trainer: JitTrainer, contents: str, weights: str) -> dict[str, Any]:
+    """What this save's manifest records beside its files (the synchronous and the async path alike)."""
+    run = trainer._jit_run
+    return {
+        "contents": contents, "weights": weights, "run_id": run.lineage if run and run.lineage else None,
+        "owed_evaluation": bool(run and run.eval_owed),
+        keep_batch.SAMPLES_KEY: keep_batch.samples_per_step(trainer),
+        keep_batch.PER_DEVICE_KEY: keep_batch.per_device_batch(trainer),
+        **({keep_batch.MANIFEST_KEY: run.batch_record} if run and run.batch_record else {}),
+    }
 
 
 @contextlib.contextmanager
@@ -201,7 +223,13 @@ def write_manifest(trainer: JitTrainer, ckpt: Path, step: int, kind: str, fields
     parts = agreement.gather(protocol.file_entries(ckpt, rels[agreement.rank::agreement.world_size]))
     if not trainer._is_rank0 or parts is None:
         return 0
-    files = {rel: entry for part in parts for rel, entry in part.items()}
+    return seal(trainer, ckpt, step, kind, fields, {rel: entry for part in parts for rel, entry in part.items()})
+
+
+def seal(trainer: JitTrainer, ckpt: Path, step: int, kind: str, fields: dict[str, Any],
+         files: dict[str, dict[str, Any]]) -> int:
+    """Rank 0: the manifest from every file's entry (gathered from the ranks, or from the async save's done
+    markers), then the sentinel removed. Returns the bytes."""
     fields = dict(fields)
     weights = fields.pop("weights")
     duplicate = sum(e["size"] for rel, e in files.items() if _duplicate_weights(rel, weights))

@@ -41,7 +41,8 @@ checks the private ones at construction):
 ``_load_optimizer_and_scheduler``   the exact restore of the engine's state after DeepSpeed's load (exact_resume)
 ``_save_checkpoint``                every save through the protocol: sentinel, manifest, then rotation (save_path)
 ``save_model``                      a JIT save leaves out the consolidated weights unless asked (save_path)
-``_finalize_training``              upstream's end-of-training deletion (save_total_limit=1) is turned off
+``_finalize_training``              an async save in flight committed first; upstream's end-of-training deletion
+                                    (save_total_limit=1) is turned off
 ``_load_best_model``                skipped after a JIT stop; across world sizes by the universal copy
 ``_finish_current_push``            a JIT stop does not wait for a Hub push in progress
 ==================================  ============================================================================
@@ -80,6 +81,7 @@ from slurm_jit.train import (
     writable,
 )
 from slurm_jit.train.agreement import StopAgreement
+from slurm_jit.train.async_save import periodic as async_periodic
 from slurm_jit.train.jit_config import JitConfig
 from slurm_jit.train.refusals import JitRefusal, refused_settings
 from slurm_jit.train.run_state import Run, StopBeforeFirstStep
@@ -138,6 +140,7 @@ class JitTrainer(transformers.Trainer):
         refusal = refused_settings(save_on_each_node=bool(self.args.save_on_each_node), ds_config=self._ds_config())
         if refusal is None and self.is_deepspeed_enabled:
             refusal = keep_batch.accumulation_refusal(self.accelerator.state.deepspeed_plugin.hf_ds_config)
+        refusal = refusal or async_periodic.refusal(self)
         if refusal:
             raise JitRefusal(f"slurm_jit: {refusal}")
         self.add_callback(_JitCallback(self))
@@ -247,6 +250,7 @@ class JitTrainer(transformers.Trainer):
         # First, as nothing below may raise before them: the load wrappers are for this train() only.
         elastic.uninstall_universal_load()
         slim_save.uninstall_load()
+        async_periodic.close_after_failure(self)  # after finish(): nothing left; after a failure: bounded
         # Every path closes the side group: a failed train() must not leave a round in flight for the next
         # one, nor a gloo group for the interpreter's exit. After a failure no barrier (a peer may be gone).
         self._close_agreement(clean)
@@ -324,6 +328,7 @@ class JitTrainer(transformers.Trainer):
                            **kwargs: Any) -> Any:
         # Upstream deletes every checkpoint-* but the best here when save_total_limit == 1 (the JIT checkpoint
         # and quarantined directories included): rotation is ours alone, after each manifest.
+        async_periodic.finish(self)  # an async save in flight committed before the best model is loaded
         limit = self.args.save_total_limit
         self.args.save_total_limit = None
         try:

@@ -1,7 +1,7 @@
 """Asynchronous periodic saves (issue #23), their parts: training copies a save's states into host memory
 (:mod:`.staging`, guarded by :mod:`.memory_guard`) and continues; one background thread per process writes them
-durably (:mod:`.writer`). Not wired into the trainer yet: :mod:`slurm_jit.train.save_path` still saves every
-checkpoint synchronously.
+durably (:mod:`.writer`); each rank's done marker, and rank 0's commit once all exist (:mod:`.commit`). Wired into
+the trainer behind ``JitConfig(async_periodic_saves=True)`` (off by default) by :mod:`.periodic`.
 """
 
 from slurm_jit.train.async_save.memory_guard import HOST_MEMORY_MARGIN_BYTES, HostMemoryError, check_host_memory

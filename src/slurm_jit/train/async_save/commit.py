@@ -1,0 +1,109 @@
+"""The barrier-free commit of an async periodic save: per-rank done markers, and rank 0's manifest once all exist.
+
+Each rank's background thread, once its files are durable, writes its done marker (:func:`write_marker`): the
+sizes and checksums of the files it wrote in the background (:func:`slurm_jit.checkpoint.protocol.file_entries`),
+through a temporary file, fsync and rename, so that a marker is either whole or absent. Rank 0's thread waits for
+all ``world_size`` markers (:func:`wait_for_markers`, with a deadline) and then :func:`commit`: the files no marker
+lists (the small files every rank wrote synchronously before its background write, durable before its marker) are
+hashed, the markers removed, and the manifest written by the caller's ``seal`` (the synchronous path's own
+:func:`slurm_jit.train.save_path.seal`), which removes the sentinel last. No collective runs in a thread.
+
+Until then the sentinel stays: a directory with markers and no manifest is ``incomplete`` by the protocol
+(:mod:`slurm_jit.checkpoint.protocol`), never ``corrupt``. The markers' names start with ``.`` + the manifest's
+name, which :func:`~slurm_jit.checkpoint.protocol.payload_files` leaves out; they are removed before the manifest
+is written, so that a committed checkpoint holds the files a synchronous save writes, and nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from slurm_jit.checkpoint import formats, protocol
+
+MARKER_PREFIX = f".{protocol.MANIFEST_NAME}.done-rank"  # + the global rank
+POLL_S = 0.05  # how often rank 0 looks for the other ranks' markers: a save's write takes far longer
+# How long rank 0 waits for the other ranks' markers after its own: the ranks write shares of about one size, so a
+# rank still writing after 10x rank 0's own write time (and at least COMMIT_WAIT_MIN_S) is taken as failed.
+COMMIT_WAIT_MIN_S = 300.0
+COMMIT_WAIT_FACTOR = 10.0
+
+
+class CommitError(RuntimeError):
+    """The checkpoint could not be committed; it stays incomplete. The message is one line with a HINT."""
+
+
+def marker_path(ckpt: Path, rank: int) -> Path:
+    return ckpt / f"{MARKER_PREFIX}{rank}"
+
+
+def write_marker(ckpt: Path, rank: int, entries: dict[str, dict[str, Any]]) -> None:
+    """This rank's share of ``ckpt`` is durable: its files' entries, in a marker that is whole or absent."""
+    target = marker_path(ckpt, rank)
+    tmp = target.with_name(f"{target.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        json.dump({"rank": rank, "files": entries}, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.rename(tmp, target)
+    protocol.fsync_dir(ckpt)
+
+
+def read_markers(ckpt: Path, world_size: int) -> dict[int, dict[str, dict[str, Any]]]:
+    """The markers present now: rank -> its files' entries (a marker that is not one is a CommitError)."""
+    found = {}
+    for rank in range(world_size):
+        path = marker_path(ckpt, rank)
+        if not path.exists():
+            continue
+        try:
+            marker = formats.load_json(path)
+            if not isinstance(marker, dict):
+                raise ValueError("not a JSON object")
+            files = marker["files"]
+            if marker.get("rank") != rank or not isinstance(files, dict):
+                raise ValueError("not this rank's marker")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CommitError(f"slurm_jit: {path} is not a done marker ({type(exc).__name__}: {exc}); {ckpt} "
+                              "stays incomplete. HINT: nothing but slurm_jit writes these files") from None
+        found[rank] = files
+    return found
+
+
+def wait_for_markers(ckpt: Path, world_size: int, timeout_s: float,
+                     poll_s: float = POLL_S) -> dict[int, dict[str, dict[str, Any]]]:
+    """Every rank's marker, once all exist; CommitError at the deadline (the checkpoint stays incomplete)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = read_markers(ckpt, world_size)
+        if len(found) == world_size:
+            return found
+        if time.monotonic() >= deadline:
+            missing = [r for r in range(world_size) if r not in found]
+            raise CommitError(
+                f"slurm_jit: {ckpt} not committed: rank(s) {missing} did not report their files durable within "
+                f"{timeout_s:.1f} s; it stays incomplete ({protocol.SENTINEL_NAME} kept), the previous complete "
+                "checkpoint is the resume point. HINT: those ranks' logs say why their background write failed")
+        time.sleep(poll_s)
+
+
+def commit(ckpt: Path, world_size: int, timeout_s: float,
+           seal: Callable[[dict[str, dict[str, Any]]], int], poll_s: float = POLL_S) -> int:
+    """Rank 0: once every marker exists, the manifest of every file (``seal``), then the sentinel removed.
+    Returns what ``seal`` returns (the bytes)."""
+    markers = wait_for_markers(ckpt, world_size, timeout_s, poll_s)
+    listed = {rel: entry for entries in markers.values() for rel, entry in entries.items()}
+    present = protocol.payload_files(ckpt)
+    gone = sorted(set(listed) - set(present))
+    if gone:
+        raise CommitError(f"slurm_jit: {ckpt} not committed: {gone[0]} is in a done marker but not on disk; it "
+                          "stays incomplete. HINT: something else removed files from the checkpoint directory")
+    files = {**protocol.file_entries(ckpt, [rel for rel in present if rel not in listed]), **listed}
+    for rank in markers:
+        marker_path(ckpt, rank).unlink()
+    protocol.fsync_dir(ckpt)
+    return seal(files)

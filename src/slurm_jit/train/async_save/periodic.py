@@ -1,0 +1,302 @@
+"""Asynchronous periodic saves in the JitTrainer (``JitConfig(async_periodic_saves=True)``, issue #23).
+
+Owns the async save in flight of one ``train()`` (:class:`AsyncSaves`, on ``Run.async_saves``) and the hooks
+:mod:`slurm_jit.train.save_path` calls. A periodic save with the flag on goes, on the training thread:
+
+1. the sentinel (``save_path``, as every save), then upstream's save with DeepSpeed's checkpoint engine swapped
+   for :class:`CollectingEngine`: the model states and each rank's optimizer states are collected, not written;
+   the Trainer's small files (RNG, trainer state, scheduler, config, ``latest``, ``zero_to_fp32.py``) and the
+   consolidated weights (rank 0's ``save_model``) are written as today;
+2. the collected states copied into host memory (:class:`~.staging.HostStager`), the ranks agree that all staged
+   (one gather and broadcast on the side group), the callbacks' ``on_save``, and the copies handed to the
+   :class:`~.writer.BackgroundWriter`; training continues.
+
+The background thread writes and fsyncs the files, fsyncs the directory tree (this rank's synchronous files), and
+writes this rank's done marker; rank 0's thread then waits for every marker and commits (:mod:`.commit`): the
+manifest of the synchronous path (``save_path.seal``), the sentinel removed last, then the rotation. The commit is
+rank 0's thread's, not the next step boundary's: no collective in a thread, no delay by a long step, and training
+waits for nothing unless the next save comes first.
+
+Every other save (JIT, final, a synchronous periodic one) and the end of training (``_finalize_training``, before
+the best model is loaded) first wait for the save in flight to be committed (:func:`before_save`, :func:`finish`);
+a second periodic save due while one is in flight waits too (logged): never a queue. A JIT stop at the step of an
+async save waits for it and writes no second checkpoint. Where host memory cannot hold the staging buffers
+(:class:`~.memory_guard.HostMemoryError`, one line) every rank saves this and later checkpoints synchronously.
+The timing log records the seconds training was blocked (``save_blocked``) apart from the background write and
+commit (``save_background``); neither is a ``save`` record, so the grace calculator still sizes the JIT save from
+synchronous saves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from slurm_jit.checkpoint import protocol
+from slurm_jit.train.async_save import commit as commit_mod
+from slurm_jit.train.async_save import writer as writer_mod  # the module: writer imports save_path, which imports us
+from slurm_jit.train.async_save.memory_guard import HostMemoryError
+from slurm_jit.train.async_save.staging import HostStager, StagedSave
+
+if TYPE_CHECKING:
+    from slurm_jit.train.trainer import JitTrainer
+
+logger = logging.getLogger(__name__)
+
+ASYNC_KIND = "periodic"  # the only kind saved in the background: a JIT save and the final one stay synchronous
+TORCH_ENGINE = "TorchCheckpointEngine"  # DeepSpeed's default engine: save() is one torch.save
+FAILED_CLOSE_WAIT_S = 60.0  # after a failed train(): how long the save in flight may still finish
+
+
+class CollectingEngine:
+    """Stands in for DeepSpeed's torch checkpoint engine during one save: ``save`` collects (path, state) instead
+    of writing (a legacy-format file, which the background writer does not write, is written at once); everything
+    else is the original's."""
+
+    def __init__(self, original: Any) -> None:
+        self.original = original
+        self.collected: list[tuple[Path, Any]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.original, name)
+
+    def save(self, state_dict: Any, path: str) -> None:
+        if not self.original.zipfile_serialization:
+            self.original.save(state_dict, path)
+            return
+        self.collected.append((Path(path), state_dict))
+
+
+@dataclass
+class _InFlight:
+    """One async save from its submission until the training thread has seen it committed."""
+
+    step: int
+    ckpt: Path
+    contents: str
+    submitted_at: float
+    nbytes: int
+    after_s: float = 0.0  # the background thread's marker, and on rank 0 the wait for the others and the commit
+
+
+@dataclass
+class AsyncSaves:
+    """The async periodic saves of one ``train()`` (``Run.async_saves``)."""
+
+    stager: HostStager
+    writer: writer_mod.BackgroundWriter
+    disabled: bool = False  # a HostMemoryError: synchronous saves from then on
+    in_flight: _InFlight | None = None
+    waited_s: float = 0.0  # the last wait for a save in flight (the next save's blocked time includes it)
+    closed: bool = False
+
+
+def refusal(trainer: JitTrainer) -> str | None:
+    """Why ``async_periodic_saves=True`` cannot work with this trainer (one line with a HINT), or None."""
+    if not trainer.jit_config.async_periodic_saves:
+        return None
+    hint = "HINT: set JitConfig(async_periodic_saves=False) (synchronous periodic saves)"
+    if not trainer.is_deepspeed_enabled:
+        return f"JitConfig(async_periodic_saves=True) needs DeepSpeed (its checkpoint engine is what is staged). {hint}"
+    ds_config = trainer.accelerator.state.deepspeed_plugin.deepspeed_config
+    if (ds_config.get("zero_optimization") or {}).get("stage") == 3:
+        return f"JitConfig(async_periodic_saves=True) supports ZeRO stages 0-2 (ZeRO-3 is not tested yet). {hint}"
+    return None
+
+
+def _saves(trainer: JitTrainer, create: bool) -> AsyncSaves | None:
+    run = trainer._jit_run
+    if run is None or not trainer.jit_config.async_periodic_saves:
+        return None
+    if run.async_saves is None and create:
+        run.async_saves = AsyncSaves(HostStager(sharing_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)),
+                                     writer_mod.BackgroundWriter(zip_crc32=trainer.jit_config.zip_crc32))
+    saves: AsyncSaves | None = run.async_saves
+    return saves
+
+
+@contextlib.contextmanager
+def collecting(trainer: JitTrainer, kind: str) -> Iterator[CollectingEngine | None]:
+    """Around upstream's save: DeepSpeed's checkpoint engine collects instead of writing, where this save goes
+    to the background (yields the collector, else None: a synchronous save)."""
+    saves = _saves(trainer, create=True) if kind == ASYNC_KIND else None
+    engine: Any = trainer.model_wrapped if trainer.is_deepspeed_enabled else None
+    if saves is None or saves.disabled or saves.closed or engine is None:
+        yield None
+        return
+    original = engine.checkpoint_engine
+    if type(original).__name__ != TORCH_ENGINE:  # another engine (decoupled, fast, DataStates) writes its own way
+        if not saves.disabled:
+            logger.warning("slurm_jit: async periodic saves need DeepSpeed's %s, not %s: saving synchronously",
+                           TORCH_ENGINE, type(original).__name__)
+        saves.disabled = True
+        yield None
+        return
+    collector = CollectingEngine(original)
+    engine.checkpoint_engine = collector
+    try:
+        yield collector
+    finally:
+        engine.checkpoint_engine = original
+
+
+def _stage(saves: AsyncSaves, collected: list[tuple[Path, Any]]) -> StagedSave | HostMemoryError:
+    """The collected states in host memory, keyed by file name (stable across steps: the buffers are reused)."""
+    try:
+        return saves.stager.stage({path.name: state for path, state in collected})
+    except HostMemoryError as exc:
+        return exc
+
+
+def _all_staged(trainer: JitTrainer, ok: bool) -> bool:
+    agreement = trainer._agreement
+    parts = agreement.gather(ok)
+    return bool(agreement.broadcast(all(parts) if parts is not None else None))
+
+
+def _fall_back(trainer: JitTrainer, saves: AsyncSaves, staged: StagedSave | HostMemoryError,
+               collected: list[tuple[Path, Any]]) -> None:
+    """Some rank could not stage: every rank writes this save synchronously, and every later one."""
+    from slurm_jit.train import save_path  # noqa: PLC0415 (save_path imports this module)
+
+    if isinstance(staged, HostMemoryError):
+        logger.warning("%s", staged)
+    else:
+        staged.release()
+    saves.stager.free()
+    saves.disabled = True
+    if trainer._is_rank0:
+        logger.warning("slurm_jit: async periodic saves off for this run: a rank's host memory cannot hold its "
+                       "staging buffer; every checkpoint is saved synchronously")
+    with save_path.zip_crc32(trainer.jit_config.zip_crc32):
+        for path, state in collected:
+            torch.save(state, path)
+
+
+def submit(trainer: JitTrainer, collector: CollectingEngine | None, ckpt: Path, step: int, kind: str,
+           phases: Any, t0: float, *, fields: dict[str, Any], on_save: Callable[[], None]) -> bool:
+    """After upstream's save: stage the collected states and start their background write (True: the save is
+    the background's from here), or write them now (False: the caller goes on with the synchronous save)."""
+    saves = _saves(trainer, create=False)
+    if collector is None or saves is None:
+        return False
+    staged = _stage(saves, collector.collected)
+    if not _all_staged(trainer, isinstance(staged, StagedSave)):
+        _fall_back(trainer, saves, staged, collector.collected)
+        return False
+    assert isinstance(staged, StagedSave)
+    phases.mark("stage")
+    on_save()
+    phases.mark("callbacks")
+    rank, world = int(trainer.args.process_index), int(trainer.args.world_size)
+    items = [(path, staged.states[path.name]) for path, _ in collector.collected]
+    job = _InFlight(step, ckpt, fields["contents"], time.monotonic(), staged.nbytes)
+    after = _after(trainer, job, rank, world, kind, fields, [str(p.relative_to(ckpt)) for p, _ in items])
+    if saves.writer.submit(ckpt, items, wait_if_busy=False, after=after,
+                           release=staged.release) is writer_mod.Submitted.REFUSED_BUSY:
+        staged.release()  # cannot be: before_save waited; never two writes on one thread
+        raise RuntimeError("slurm_jit: the background writer is still busy. HINT: a bug: report it")
+    saves.in_flight = job
+    phases.mark("submit")
+    blocked_s = time.monotonic() - t0
+    run = trainer._jit_run
+    if run is not None and run.timing is not None:
+        run.timing.save_blocked(step, kind, blocked_s, staged.nbytes,
+                                {"wait_previous": round(saves.waited_s, 6), **phases.seconds})
+    saves.waited_s = 0.0
+    logger.log(logging.INFO if trainer._is_rank0 else logging.DEBUG, "slurm_jit: %s checkpoint %s: training "
+               "blocked %.2f s (%d bytes staged); written in the background", kind, ckpt, blocked_s, staged.nbytes)
+    return True
+
+
+def _after(trainer: JitTrainer, job: _InFlight, rank: int, world: int, kind: str, fields: dict[str, Any],
+           rels: list[str]) -> Callable[[], None]:
+    """What the background thread does once this rank's files are durable: the rest of its share durable, its
+    marker; rank 0: the commit and the rotation."""
+    from slurm_jit.train import save_path  # noqa: PLC0415 (save_path imports this module)
+
+    run_dir = job.ckpt.parent
+
+    def after() -> None:
+        t_after = time.monotonic()
+        save_path.fault_sleep()  # fault injection: a slow disk under the background write
+        protocol.fsync_tree(job.ckpt)  # this rank's synchronous files, written before the submit
+        commit_mod.write_marker(job.ckpt, rank, protocol.file_entries(job.ckpt, rels))
+        if rank == 0:
+            own_s = time.monotonic() - job.submitted_at
+            timeout_s = max(commit_mod.COMMIT_WAIT_MIN_S, commit_mod.COMMIT_WAIT_FACTOR * own_s)
+            nbytes = commit_mod.commit(job.ckpt, world, timeout_s,
+                                       lambda files: save_path.seal(trainer, job.ckpt, job.step, kind, fields, files))
+            save_path.rotate_checkpoints_safely(trainer, run_dir, just_written=job.ckpt)
+            logger.info("slurm_jit: %s checkpoint %s complete in the background, %.2f s after its submission "
+                        "(%d bytes)", kind, job.ckpt, time.monotonic() - job.submitted_at, nbytes)
+        job.after_s = time.monotonic() - t_after
+
+    return after
+
+
+def before_save(trainer: JitTrainer) -> None:
+    """Before any save: the async save in flight durable and committed (a wait, logged), and taken as saved."""
+    saves = _saves(trainer, create=False)
+    if saves is None or saves.in_flight is None:
+        return
+    job = saves.in_flight
+    t0 = time.monotonic()
+    if saves.writer.in_flight:
+        logger.info("slurm_jit: the save of step %d waits for the async save of step %d (still being written)",
+                    trainer.state.global_step, job.step)
+    from slurm_jit.train import stop_path  # noqa: PLC0415 (stop_path imports save_path, which imports this)
+
+    stop_path.feed(trainer, "save")  # the hang watchdog gives the wait a save's long bound
+    saves.in_flight = None
+    saves.writer.wait()  # raises the background write's error (one line), the sentinel kept
+    saves.waited_s = time.monotonic() - t0
+    _taken_as_saved(trainer, job, saves.writer)
+
+
+def _taken_as_saved(trainer: JitTrainer, job: _InFlight, writer: writer_mod.BackgroundWriter) -> None:
+    """The training thread sees the save committed (rank 0; other ranks: their share durable)."""
+    run = trainer._jit_run
+    if run is None:
+        return
+    run.saved_step, run.saved_contents, run.checkpoint = job.step, job.contents, str(job.ckpt)
+    stats = writer.last_stats
+    if run.timing is not None and stats is not None and stats.ckpt_dir == job.ckpt:
+        run.timing.save_background(job.step, ASYNC_KIND, stats.total_s + job.after_s, stats.nbytes, {
+            "write_s": round(stats.write_s, 6), "fsync_s": round(stats.fsync_s, 6),
+            "commit_s": round(job.after_s, 6), "staged_bytes": job.nbytes})
+
+
+def finish(trainer: JitTrainer) -> None:
+    """The end of training (before the best model is loaded): the save in flight committed, the thread ended,
+    the staging buffers freed."""
+    saves = _saves(trainer, create=False)
+    if saves is None or saves.closed:
+        return
+    before_save(trainer)
+    saves.closed = True
+    saves.writer.close()
+    saves.stager.free()
+
+
+def close_after_failure(trainer: JitTrainer) -> None:
+    """train() raised: the save in flight may finish (bounded), its error only logged; the thread ended."""
+    saves = _saves(trainer, create=False)
+    if saves is None or saves.closed:
+        return
+    saves.closed = True
+    try:
+        if not saves.writer.close(FAILED_CLOSE_WAIT_S):
+            logger.error("slurm_jit: the async save of %s still being written after %.0f s; it stays incomplete",
+                         saves.in_flight.ckpt if saves.in_flight else "?", FAILED_CLOSE_WAIT_S)
+    except Exception as exc:  # noqa: BLE001 - the error that ended train() goes on, this one is logged
+        logger.error("%s", exc)
+    saves.stager.free()

@@ -1,0 +1,139 @@
+"""An async periodic save is committed by rank 0 only once every rank's done marker exists (issue #23): the manifest
+lists the markers' entries and the files written synchronously, the markers are gone, the sentinel removed last;
+a missing or lying marker leaves the checkpoint incomplete (sentinel kept, no manifest), never corrupt. Real files,
+the protocol's own manifest writer. Also: the flag's default and its refusals."""
+
+from __future__ import annotations
+
+import functools
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+from slurm_jit.checkpoint import manifest, protocol
+from slurm_jit.train.async_save import commit
+from slurm_jit.train.async_save.periodic import CollectingEngine
+from slurm_jit.train.jit_config import JitConfig
+from slurm_jit.train.refusals import JitRefusal
+from slurm_jit.train.trainer import JitTrainer
+
+STEP = 5
+SHORT_WAIT_S = 0.3  # the deadline for a marker that never comes
+
+
+def _checkpoint(tmp_path: Path) -> Path:
+    """checkpoint-5 mid-save: the sentinel, the small files (synchronous), each rank's big file (background)."""
+    ckpt = tmp_path / f"checkpoint-{STEP}"
+    protocol.write_sentinel(ckpt, STEP, "periodic")
+    (ckpt / protocol.TRAINER_STATE_NAME).write_text('{"global_step": 5}')
+    (ckpt / "rng_state_0.pth").write_bytes(b"rng0")
+    (ckpt / "rng_state_1.pth").write_bytes(b"rng1")
+    (ckpt / "global_step5").mkdir()
+    for rank in (0, 1):
+        (ckpt / "global_step5" / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(bytes([rank]) * 99)
+    return ckpt
+
+
+def _mark(ckpt: Path, rank: int) -> None:
+    rel = f"global_step5/zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+    commit.write_marker(ckpt, rank, protocol.file_entries(ckpt, [rel]))
+
+
+def _seal(ckpt: Path, files: dict[str, dict[str, Any]]) -> int:
+    written = protocol.write_manifest(ckpt, step=STEP, kind="periodic", world_size=2, zero_stage=2,
+                                      deepspeed_tag="global_step5", files=files)
+    return int(written["total_bytes"])
+
+
+def test_every_marker_present_commits_the_manifest_of_every_file(tmp_path: Path) -> None:
+    ckpt = _checkpoint(tmp_path)
+    _mark(ckpt, 0)
+    _mark(ckpt, 1)
+    nbytes = commit.commit(ckpt, 2, SHORT_WAIT_S, functools.partial(_seal, ckpt))
+    written, why = manifest.read(ckpt)
+    assert written is not None, why
+    assert sorted(written["files"]) == sorted(protocol.payload_files(ckpt)) == [
+        "global_step5/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "global_step5/zero_pp_rank_1_mp_rank_00_optim_states.pt", "rng_state_0.pth", "rng_state_1.pth",
+        protocol.TRAINER_STATE_NAME]
+    assert written["files"] == protocol.file_entries(ckpt, sorted(written["files"]))  # true sizes and hashes
+    assert nbytes == sum(e["size"] for e in written["files"].values())
+    assert not (ckpt / protocol.SENTINEL_NAME).exists()
+    assert not list(ckpt.glob(f"{commit.MARKER_PREFIX}*")), "markers left in a committed checkpoint"
+
+
+@pytest.mark.parametrize("present", [[], [0], [1]])
+def test_a_missing_marker_leaves_it_incomplete(tmp_path: Path, present: list[int]) -> None:
+    ckpt = _checkpoint(tmp_path)
+    for rank in present:
+        _mark(ckpt, rank)
+    missing = [r for r in (0, 1) if r not in present]
+    with pytest.raises(commit.CommitError, match=re.escape(f"rank(s) {missing} did not report")) as err:
+        commit.commit(ckpt, 2, SHORT_WAIT_S, functools.partial(_seal, ckpt), poll_s=0.01)
+    assert "\n" not in str(err.value) and "HINT:" in str(err.value)
+    assert not (ckpt / protocol.MANIFEST_NAME).exists()
+    assert (ckpt / protocol.SENTINEL_NAME).exists()
+    assert protocol.inspect(ckpt, STEP).status is protocol.Status.INCOMPLETE  # markers are not corruption
+
+
+def test_a_marker_naming_a_file_not_on_disk_is_not_committed(tmp_path: Path) -> None:
+    ckpt = _checkpoint(tmp_path)
+    _mark(ckpt, 0)
+    _mark(ckpt, 1)
+    (ckpt / "global_step5" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    with pytest.raises(commit.CommitError, match="in a done marker but not on disk"):
+        commit.commit(ckpt, 2, SHORT_WAIT_S, functools.partial(_seal, ckpt))
+    assert (ckpt / protocol.SENTINEL_NAME).exists() and not (ckpt / protocol.MANIFEST_NAME).exists()
+
+
+def test_a_marker_that_arrives_later_is_waited_for(tmp_path: Path) -> None:
+    ckpt = _checkpoint(tmp_path)
+    _mark(ckpt, 0)
+    calls = []
+
+    def seal(files: dict[str, dict[str, Any]]) -> int:
+        calls.append(files)
+        return _seal(ckpt, files)
+
+    late = threading.Timer(0.2, _mark, (ckpt, 1))
+    late.start()
+    try:
+        commit.commit(ckpt, 2, 30.0, seal, poll_s=0.01)
+    finally:
+        late.join()
+    assert len(calls) == 1 and protocol.inspect(ckpt, STEP).status is not protocol.Status.CORRUPT
+
+
+def test_the_collecting_engine_collects_zip_saves_and_writes_legacy_ones(tmp_path: Path) -> None:
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+    engine = TorchCheckpointEngine()
+    engine.zipfile_serialization = True
+    collector = CollectingEngine(engine)
+    state = {"w": torch.ones(3)}
+    collector.save(state, str(tmp_path / "a.pt"))
+    assert collector.collected == [(tmp_path / "a.pt", state)] and not (tmp_path / "a.pt").exists()
+    assert collector.name == engine.name  # everything else is the original's
+    engine.zipfile_serialization = False
+    collector.save(state, str(tmp_path / "legacy.pt"))
+    assert (tmp_path / "legacy.pt").exists() and len(collector.collected) == 1
+
+
+def test_the_flag_is_off_by_default_and_must_be_a_bool() -> None:
+    assert JitConfig().async_periodic_saves is False
+    with pytest.raises(ValueError, match="async_periodic_saves='yes'. HINT"):
+        JitConfig(async_periodic_saves="yes")  # type: ignore[arg-type]
+
+
+def test_the_flag_without_deepspeed_is_refused_in_one_line(tmp_path: Path) -> None:
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=32, n_positions=16, n_embd=16,
+                                                                 n_layer=1, n_head=2))
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[])
+    with pytest.raises(JitRefusal, match=r"async_periodic_saves=True\) needs DeepSpeed") as err:
+        JitTrainer(model=model, args=args, jit_config=JitConfig(async_periodic_saves=True))
+    assert "\n" not in str(err.value) and "HINT:" in str(err.value)
