@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import fake_slurm
 import pytest
 
 from slurm_jit import slurm
@@ -32,19 +33,7 @@ def plan_argv(stderr_or_stdout: str) -> list[str]:
     return shlex.split(line.removeprefix("  sbatch:   "))
 
 
-class Gateway:
-    """The Slurm gateway's runner: sbatch answers job 4242, scontrol show job a RUNNING job; every argv kept."""
-
-    def __init__(self) -> None:
-        self.calls: list[list[str]] = []
-
-    def __call__(self, argv: Sequence[str], timeout_s: float) -> str:
-        self.calls.append(list(argv))
-        if argv[0] == "sbatch":
-            return "4242\n"
-        if argv[:3] == ["scontrol", "show", "job"]:
-            return f"JobId={argv[3]} JobName=x\n   JobState=RUNNING Reason=None\n   Restarts=0\n"
-        return ""
+Gateway = fake_slurm.SubmitGateway
 
 
 def test_a_submit_runs_exactly_the_sbatch_argv_its_dry_run_printed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -4,9 +4,9 @@ the same. The Slurm gateway is faked at its one boundary (a refusal must never r
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 
+import fake_slurm
 import pytest
 
 from slurm_jit import slurm
@@ -16,19 +16,7 @@ BASE = ["--time", "30", "--signal-lead", "60"]
 CMD = ["--", "python", "train.py"]
 
 
-class Gateway:
-    """sbatch answers job 4242, scontrol a RUNNING job; every argv kept (a refusal must leave it empty)."""
-
-    def __init__(self) -> None:
-        self.calls: list[list[str]] = []
-
-    def __call__(self, argv: Sequence[str], timeout_s: float) -> str:
-        self.calls.append(list(argv))
-        if argv[0] == "sbatch":
-            return "4242\n"
-        if argv[:3] == ["scontrol", "show", "job"]:
-            return f"JobId={argv[3]} JobName=x\n   JobState=RUNNING Reason=None\n   Restarts=0\n"
-        return ""
+Gateway = fake_slurm.SubmitGateway
 
 
 def run_main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[object, str]:
