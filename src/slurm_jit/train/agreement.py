@@ -21,6 +21,7 @@ A gloo side group keeps GPU runs free of an extra device synchronisation.
 from __future__ import annotations
 
 import datetime
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,8 @@ import torch.distributed as dist
 from slurm_jit.grace import calc
 from slurm_jit.train import dist_env
 from slurm_jit.train.refusals import JitRefusal
+
+logger = logging.getLogger(__name__)
 
 SIDE_GROUP_TIMEOUT_S = 1800  # torch.distributed's default collective timeout
 
@@ -169,12 +172,19 @@ class StopAgreement:
         exception") when the peer rank has already exited. ``wait_for_peers=False`` (after a failure, when a
         peer may never come): drop the round in flight and tear the group down without a barrier.
         """
-        if wait_for_peers:
-            self._drain()
+        try:
+            if wait_for_peers:
+                self._drain()
+                if self.distributed and self.group is not None:
+                    dist.barrier(group=self.group)
+        except RuntimeError as exc:  # gloo's errors (DistError is one): a peer gone after the work was done
+            # Only a clean end waits here: the stop record (finished, jit_stop) is written and stays; a traceback
+            # would make a done rank look crashed (its peer ended first, e.g. rank 0 by its end-of-training bound).
+            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+            logger.warning("slurm_jit: rank %d: a peer was gone at the closing barrier (%s); the side group is "
+                           "torn down without it, what was saved stays", self.rank, first)
         self._pending = None
         if self.distributed and self.group is not None:
-            if wait_for_peers:
-                dist.barrier(group=self.group)
             dist.destroy_process_group(self.group)
             self.group = None
             self.distributed = False
