@@ -5,6 +5,7 @@
     grace-calc --step-time 30s --params 7B --zero-stage 2 --world-size 8 --probe /scratch/me
     grace-calc check train.sbatch --from OUT_DIR                 # exit 0 enough, 1 not enough, 2 error
     grace-calc check --job 12345 --step-time 2m --save-time 2m
+    grace-calc goodput --from OUT_DIR --gpus 1024 --time-limit 24h --restart 5m   # goodput at scale (goodput.md)
 
 Exit codes: 0 fine; 1 (check) the lead is too short or the signal cannot reach the training; 2 bad input.
 """
@@ -23,6 +24,7 @@ from typing import Any, NoReturn
 
 from slurm_jit import slurm, timing
 from slurm_jit.grace import calc as grace
+from slurm_jit.grace import goodput_cli
 from slurm_jit.grace.calc import ClusterFacts, GraceError, GraceInputs, GraceResult
 from slurm_jit.grace.sbatch_script import SbatchScript, parse_script, read_script
 from slurm_jit.grace.script_check import CheckReport, Finding, check_script
@@ -40,7 +42,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (and exit 2), like every other error of grace-calc."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_ERROR, f"{PROG}: error: {message}. HINT: see {PROG} --help\n")
+        self.exit(EXIT_ERROR, f"{PROG}: error: {message}. HINT: see {self.prog} --help\n")
 
 
 def _add_sizing(p: argparse.ArgumentParser) -> None:
@@ -78,7 +80,8 @@ def _add_sizing(p: argparse.ArgumentParser) -> None:
     s.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+def build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argparse.ArgumentParser]:
+    """grace-calc's, grace-calc check's and grace-calc goodput's parsers."""
     calc = _Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_sizing(calc)
     check = _Parser(prog=f"{PROG} check", description="Check an sbatch script or a submitted job's --signal.")
@@ -86,7 +89,7 @@ def build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     target.add_argument("script", nargs="?", help="the sbatch script")
     target.add_argument("--job", help="a submitted job's id (its batch script, time limit and partition)")
     _add_sizing(check)
-    return calc, check
+    return calc, check, goodput_cli.build_parser(_Parser)
 
 
 # --- gathering the terms --------------------------------------------------------------------------------
@@ -407,7 +410,9 @@ def _job_script(job_id: str) -> tuple[SbatchScript, list[str]]:
 
 def run(argv: Sequence[str], env: Mapping[str, str]) -> tuple[int, str]:
     """(exit code, what to print) for one command line; raises GraceError and friends on bad input."""
-    calc, check = build_parsers()
+    calc, check, goodput = build_parsers()
+    if argv and argv[0] == "goodput":
+        return EXIT_OK, goodput_cli.run(goodput.parse_args(list(argv[1:])), env)
     checking = bool(argv) and argv[0] == "check"
     args = (check if checking else calc).parse_args(list(argv[1:] if checking else argv))
     inputs, warnings, samples = gather_inputs(args, env)
