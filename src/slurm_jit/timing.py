@@ -33,7 +33,9 @@ on another world size): the gradient accumulation changed to keep the global bat
 gloo's shutdown, the script's own end, the interpreter's exit; the grace calculator adds the longest to the
 teardown. ``save_blocked`` and ``save_background`` (an async periodic save, JitConfig(async_periodic_saves=True)):
 the seconds training was blocked, and those of the background write and commit (rank 0: until the manifest); they
-are not ``save`` records: the grace calculator sizes the (synchronous) JIT save from synchronous saves only.
+are not ``save`` records: the grace calculator sizes the (synchronous) JIT save from synchronous saves only, and
+counts the longest background write and commit (with the longest block) as a term of its own, ``async_save``: a JIT
+stop waits for the save in flight (:func:`async_save_stats`, grace/estimates.py).
 
 The first ``WARMUP_STEPS`` steps of every run are marked ``warmup`` (they include one-time compilation and
 allocation) and are left out of the step statistics. This module imports no torch.
@@ -230,6 +232,22 @@ class TimingSummary:
     teardown_max_s: float | None = None  # longest time from a JIT save's end until train() returned
     n_exits: int = 0  # "exit" records: a rank's process gone after a JIT stop (train/exit_watch.py)
     exit_max_s: float | None = None  # longest time from train() returning after a JIT stop to the process's end
+    async_saves: AsyncSaveStats | None = None  # async periodic saves (save_blocked/save_background); None: none
+
+
+@dataclass(frozen=True, kw_only=True)
+class AsyncSaveStats:
+    """Async periodic saves (``save_blocked`` and ``save_background`` records): two separate figures, training's
+    blocked seconds and the background's write and commit, each save's slowest rank (rank 0's background commits,
+    so its record holds the wait for the other ranks' markers too)."""
+
+    count: int  # async saves submitted (each (run, step) once)
+    blocked_max_s: float  # the longest training was blocked by one (its wait for the save before it included)
+    blocked_median_s: float  # the median, over saves, of each save's slowest rank
+    n_background: int  # of those, saves whose background write was seen committed (a killed run's last one is not)
+    background_max_s: float | None  # the longest write + fsync + commit in the background; None: none seen ended
+    background_median_s: float | None
+    staged_max_bytes: int  # the largest staging buffer one rank filled (its host memory's extra copy)
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:
@@ -352,6 +370,33 @@ def summarize(records: Iterable[dict[str, Any]]) -> TimingSummary:
         teardown_max_s=max(teardowns) if teardowns else None,
         n_exits=len(exits),
         exit_max_s=max(exits) if exits else None,
+        async_saves=async_save_stats(records),
+    )
+
+
+def async_save_stats(records: Iterable[dict[str, Any]]) -> AsyncSaveStats | None:
+    """The async periodic saves of a timing log, per save its slowest rank; None when it has none."""
+    blocked: dict[tuple[str, Any], float] = {}
+    background: dict[tuple[str, Any], float] = {}
+    staged = 0
+    for record in records:
+        event = record["event"]
+        if event in ("save_blocked", "save_background"):
+            into = blocked if event == "save_blocked" else background
+            key = _sample_key(record)
+            into[key] = max(into.get(key, 0.0), float(record["dur_s"]))
+            staged = max(staged, _recorded_bytes(record.get("staged_bytes")))
+    if not blocked and not background:
+        return None
+    waits, writes = sorted(blocked.values()), sorted(background.values())
+    return AsyncSaveStats(
+        count=len(blocked.keys() | background.keys()),
+        blocked_max_s=waits[-1] if waits else 0.0,
+        blocked_median_s=_percentile(waits, 50) if waits else 0.0,
+        n_background=len(writes),
+        background_max_s=writes[-1] if writes else None,
+        background_median_s=_percentile(writes, 50) if writes else None,
+        staged_max_bytes=staged,
     )
 
 

@@ -74,3 +74,22 @@ def test_a_cgroup_limit_under_the_host_memory_refuses(monkeypatch) -> None:
     monkeypatch.setattr(memory_guard, "cgroup_room", lambda *_: 2 * GIB)
     with pytest.raises(HostMemoryError, match="the cgroup's memory limit: 2.00 GiB available"):
         check_host_memory(2 * GIB)
+
+
+def test_the_margin_from_the_environment_refuses_on_the_real_numbers_of_this_machine(monkeypatch) -> None:
+    check_host_memory(64 * 1024**2)  # the default 1 GiB margin: fits
+    monkeypatch.setenv(memory_guard.MARGIN_ENV, "1PiB")  # more than any machine here has: nothing fits
+    with pytest.raises(HostMemoryError, match=r"less a 1048576\.00 GiB safety margin\); periodic saves stay"):
+        check_host_memory(64 * 1024**2)
+    monkeypatch.setenv(memory_guard.MARGIN_ENV, "0")
+    assert memory_guard.margin_from_env() == 0
+
+
+@pytest.mark.parametrize("bad", ["lots", "-1GiB", "1e400"])
+def test_a_margin_that_is_no_size_is_one_line_and_keeps_the_saves_synchronous(monkeypatch, bad: str) -> None:
+    monkeypatch.setenv(memory_guard.MARGIN_ENV, bad)
+    with pytest.raises(HostMemoryError) as caught:
+        check_host_memory(1)
+    line = str(caught.value)
+    assert "\n" not in line and memory_guard.MARGIN_ENV in line and "HINT:" in line
+    assert "periodic saves stay synchronous" in line

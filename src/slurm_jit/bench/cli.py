@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from slurm_jit.bench import (
+    async_saves,
     ckpt_check_speed,
     disk,
     gpu,
@@ -43,16 +44,24 @@ class Profile:
     trials_per_delay: int  # staggered-signal trials per delay and trainer (0: not run)
     extra_signal_trials: int  # more JitTrainer trials with simultaneous signals, for row 5's count
     ckpt_count: int  # checkpoints ckpt-check's quick mode reads
+    # the async-vs-sync pair's save_steps and wall time (issue #23); None: not in this profile unless --only async
+    async_saves: async_saves.Settings | None
 
 
 QUICK = Profile(flag="--quick", model=runs.Model(width=128, layers=2, heads=2), zero3=False, overhead_steps=0,
-                overhead_repeats=0, trials_per_delay=0, extra_signal_trials=0, ckpt_count=10)
+                overhead_repeats=0, trials_per_delay=0, extra_signal_trials=0, ckpt_count=10,
+                # not in CI's smoke run (two more 2-rank runs under a 90-minute budget); --quick --only async runs
+                # them: ~50 s of two 12 s runs plus their starts, async saves every 3 steps, synchronous every 30
+                async_saves=None)
+QUICK_ASYNC = async_saves.Settings(save_steps=30, wall_s=12.0)
 # The issue's reference model (GPT-2 width 512, 8 layers: ~300 MB of resumable state, ~405 MB written).
 DEFAULT = Profile(flag="", model=runs.Model(width=512, layers=8), zero3=True, overhead_steps=150,
-                  overhead_repeats=1, trials_per_delay=2, extra_signal_trials=0, ckpt_count=100)
+                  overhead_repeats=1, trials_per_delay=2, extra_signal_trials=0, ckpt_count=100,
+                  async_saves=async_saves.Settings(save_steps=50, wall_s=120.0))
 # Width 768, 13 layers: 92 M parameters, 1.1 GB (1.03 GiB) of fp32 master weights + Adam moments; 20 signal trials.
 FULL = Profile(flag="--full", model=runs.Model(width=768, layers=13, heads=12), zero3=True, overhead_steps=300,
-               overhead_repeats=2, trials_per_delay=5, extra_signal_trials=4, ckpt_count=100)
+               overhead_repeats=2, trials_per_delay=5, extra_signal_trials=4, ckpt_count=100,
+               async_saves=async_saves.Settings(save_steps=50, wall_s=240.0))
 
 # Every row of every profile, in order: a row a profile does not run is reported skipped.
 ROW_NAMES = (
@@ -63,8 +72,10 @@ ROW_NAMES = (
     "watchdog_overhead_median", "watchdog_wakeups_per_min", "signal_exit_prediction_min",
     "signal_exit_prediction_max", "staggered_ours_completed", "staggered_upstream_completed", "ckpt_check_quick_s",
     "ckpt_check_deep_over_disk_read", "ckpt_check_deep_over_sha256sum", "resume_over_fresh_start",
-    "resume_load_over_disk_read", *gpu.GPU_ROWS,
+    "resume_load_over_disk_read", *async_saves.ROW_NAMES, *gpu.GPU_ROWS,
 )
+# --only NAME: one group of rows alone (the others reported skipped)
+ONLY = {"async": "async periodic saves against synchronous ones (issue #23)"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -75,6 +86,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="bench-results", help="results.json and results.md go here")
     p.add_argument("--work-dir", default=None, help="where the runs write (default: OUT/work, removed after)")
     p.add_argument("--keep-work", action="store_true", help="keep the runs' output directories")
+    p.add_argument("--only", choices=sorted(ONLY), help="run one group of rows alone: "
+                   + "; ".join(f"{k}: {v}" for k, v in ONLY.items()))
     return p
 
 
@@ -92,8 +105,11 @@ def _section(rows: list[Row], name: str, fn: Callable[[], list[Row]]) -> None:
         logger.info("bench: %s rows:\n%s", name, report.text_table(rows[before:]))
 
 
-def measure(profile: Profile, work: Path) -> list[Row]:
+def measure(profile: Profile, work: Path, only: str | None = None) -> list[Row]:
     rows: list[Row] = []
+    if only == "async":
+        _section(rows, "async_saves", lambda: _async_rows(profile, work))
+        return rows
     z2: list[save.JitSave] = []
     limits: list[disk.DiskLimits] = []
 
@@ -120,6 +136,8 @@ def measure(profile: Profile, work: Path) -> list[Row]:
                                                               2 * profile.overhead_repeats))
     _section(rows, "signals", lambda: _signal_rows(profile, work, ours))
     _section(rows, "ckpt_check_quick", lambda: [ckpt_check_speed.quick_row(work / "ckpt-check", profile.ckpt_count)])
+    if profile.async_saves is not None:
+        _section(rows, "async_saves", lambda: _async_rows(profile, work))
     _section(rows, "gpu", gpu.rows)
     return rows
 
@@ -135,10 +153,15 @@ def _signal_rows(profile: Profile, work: Path, ours: save.JitSave) -> list[Row]:
     return [*signal_exit.rows(trials), *staggered.rows(trials)]
 
 
-def _complete(rows: list[Row], profile: Profile) -> list[Row]:
+def _async_rows(profile: Profile, work: Path) -> list[Row]:
+    return async_saves.rows(work / "async-saves", profile.model, profile.async_saves or QUICK_ASYNC)
+
+
+def _complete(rows: list[Row], profile: Profile, only: str | None = None) -> list[Row]:
     """Every row of ROW_NAMES in order; one this profile did not run is skipped with the reason."""
     by_name = {r.name: r for r in rows}
-    why = f"not run by `tools/bench {profile.flag}`".replace(" `", "`") + " (see --help)"
+    command = " ".join(part for part in ("tools/bench", profile.flag, f"--only {only}" if only else "") if part)
+    why = f"not run by `{command}` (see --help)"
     ordered = [by_name.pop(n) if n in by_name else skipped(n, "-", "-", "-", why) for n in ROW_NAMES]
     return ordered + list(by_name.values())  # the errors of broken sections last
 
@@ -153,13 +176,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         shutil.rmtree(work)
     work.mkdir(parents=True)
     meta: dict[str, Any] = {
-            "profile_flag": profile.flag, "machine": report.machine(work), "load_start": report.load_average(),
+            "profile_flag": profile.flag + (f" --only {args.only}" if args.only else ""),
+            "machine": report.machine(work), "load_start": report.load_average(),
             "started_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "model": {"width": profile.model.width, "layers": profile.model.layers,
                       "params": profile.model.params()}}
     started = time.monotonic()
     try:
-        rows = _complete(measure(profile, work), profile)
+        rows = _complete(measure(profile, work, args.only), profile, args.only)
     finally:
         if not args.keep_work:
             shutil.rmtree(work, ignore_errors=True)

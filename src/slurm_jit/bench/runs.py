@@ -80,7 +80,7 @@ def step_times(out: Path) -> list[float]:
     return [json.loads(line)["time"] for line in path.read_text().splitlines() if line.strip()]
 
 
-def _rss_bytes(ranks: local_ranks.Ranks) -> int:
+def rss_bytes(ranks: local_ranks.Ranks) -> int:
     total = 0
     for proc in ranks.procs:
         try:
@@ -108,7 +108,7 @@ def _wait_steps(ranks: local_ranks.Ranks, out: Path, before: int, steps: int, ou
         if times and outcome.first_step_at is None:
             outcome.first_step_at = times[0]
         if len(times) >= 2:
-            outcome.steady_rss_bytes = max(outcome.steady_rss_bytes, _rss_bytes(ranks))
+            outcome.steady_rss_bytes = max(outcome.steady_rss_bytes, rss_bytes(ranks))
         if len(times) >= steps:
             return True
         if any(p.poll() is not None for p in ranks.procs):
@@ -150,7 +150,7 @@ def _signal_and_watch(ranks: local_ranks.Ranks, out: Path, plan: tuple[float, ..
         now = time.monotonic()
         while due and due[0][0] <= now:
             ranks.signal(due.pop(0)[1], signal.SIGTERM)
-        outcome.stop_rss_bytes = max(outcome.stop_rss_bytes, _rss_bytes(ranks))
+        outcome.stop_rss_bytes = max(outcome.stop_rss_bytes, rss_bytes(ranks))
         if outcome.ckpt_seen_at is None and _ckpts(out) - before:
             outcome.ckpt_seen_at, outcome.ckpt_seen_wall = now, time.time()
         time.sleep(POLL_S)

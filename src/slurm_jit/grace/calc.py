@@ -44,6 +44,8 @@ from __future__ import annotations
 from slurm_jit.grace.estimates import (  # noqa: F401
     Conversion,
     Measured,
+    async_note,
+    async_save_term,
     checkpoint_bytes_per_node,
     conversion_estimate,
     conversion_finding,
@@ -53,6 +55,7 @@ from slurm_jit.grace.estimates import (  # noqa: F401
     measured_terms,
     select_world_size,
     shrunk_terms,
+    staging_line,
 )
 from slurm_jit.grace.formula import (  # noqa: F401
     GraceInputs,

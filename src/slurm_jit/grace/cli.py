@@ -201,7 +201,8 @@ def _samples(summary: timing.TimingSummary) -> dict[str, Any]:
     return {"steps": summary.n_steps, "runs": summary.n_runs, "evals": summary.n_evals,
             "saves": {k: v.count for k, v in summary.saves.items()},
             "world_sizes": sorted(summary.world_sizes), "stops": summary.n_stops,
-            "agreement_modes": sorted(summary.steps_by_mode)}
+            "agreement_modes": sorted(summary.steps_by_mode),
+            "async_saves": asdict(summary.async_saves) if summary.async_saves else None}
 
 
 def _shrunk(args: argparse.Namespace, world_size: int | None) -> tuple[grace.Measured, dict[str, Any]] | None:
@@ -230,6 +231,7 @@ def gather_inputs(
     world_size = _world_size(args, env)
     measured, samples = _measured(args, world_size)
     step = save = evaluation = kill_wait_measured = teardown = None
+    async_save = (0.0, "")
     latency: tuple[int | None, str] = (None, "")
     warnings: list[str] = []
     if measured is not None:
@@ -237,6 +239,7 @@ def gather_inputs(
         evaluation = _term(measured.eval_s, measured.eval_source)
         kill_wait_measured = _term(measured.kill_wait_s, "recorded by the trainer in the timing log")
         teardown = (measured.teardown_s or 0.0, measured.teardown_source)
+        async_save = (measured.async_save_s, measured.async_save_source)
         latency = (measured.latency_steps, measured.latency_source)
         warnings = list(measured.warnings)
     if args.step_time is not None:
@@ -263,7 +266,8 @@ def gather_inputs(
     inputs = GraceInputs(
         step_s=step[0], save_s=save[0], eval_s=evaluation[0] if evaluation else 0.0, kill_wait_s=kill_wait[0],
         latency_steps=latency[0], teardown_s=teardown[0] if teardown else 0.0, margin=margin,
-        sources={"step": step[1], "save": save[1], "kill_wait": kill_wait[1],
+        async_save_s=async_save[0],
+        sources={"step": step[1], "save": save[1], "kill_wait": kill_wait[1], "async_save": async_save[1],
                  **({"latency": latency[1]} if latency[1] else {}),
                  **({"teardown": teardown[1]} if teardown else {}),
                  **({"eval": evaluation[1]} if evaluation else {})},
@@ -351,6 +355,14 @@ def next_conversion(output_dir: str | os.PathLike[str], world_size: int | None) 
                             seconds=seconds, source=source)
 
 
+def staging_note(output_dir: str | os.PathLike[str], ranks_per_node: int) -> str | None:
+    """The staging buffers' size for the launcher's plan, from the timing log's async saves; None: not knowable."""
+    try:
+        return grace.staging_line(timing.load_summary(output_dir).async_saves, ranks_per_node)
+    except timing.TimingLogError:
+        return None
+
+
 # --- output ---------------------------------------------------------------------------------------------
 
 
@@ -434,6 +446,8 @@ def run(argv: Sequence[str], env: Mapping[str, str]) -> tuple[int, str]:
     notes += grace.cluster_notes(result, facts)[0]
     if conversion is not None:
         notes.append(grace.conversion_note(conversion))
+    if samples.get("async_saves"):
+        notes.append(grace.async_note(samples["async_saves"]))
     if args.json:
         text = render_json(result, facts, notes, warnings, samples, report, conversion)
     else:

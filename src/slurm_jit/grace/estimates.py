@@ -57,6 +57,8 @@ class Measured:
     teardown_s: float | None
     teardown_source: str
     warnings: tuple[str, ...]
+    async_save_s: float = 0.0  # a JIT stop's wait for an async periodic save in flight (0: the log has none)
+    async_save_source: str = "no async periodic saves in the timing log"
 
 
 def _worst_stop_window(summary: timing.TimingSummary, step_stat: str) -> tuple[float, int, str, int] | None:
@@ -107,6 +109,8 @@ def measured_terms(summary: timing.TimingSummary, *, step_stat: str = "max") -> 
         total = sum(s.count for s in summary.saves.values())
         save_s, save_source = stats.max_dur_s, f"longest of {total} saves ({kind}) in the timing log"
     teardown_s, teardown_source = _teardown(summary)
+    async_save_s, async_save_source, async_warning = async_save_term(summary.async_saves)
+    warnings += [async_warning] if async_warning else []
     return Measured(
         step_s=step_s,
         step_source=step_source,
@@ -120,7 +124,55 @@ def measured_terms(summary: timing.TimingSummary, *, step_stat: str = "max") -> 
         teardown_s=teardown_s,
         teardown_source=teardown_source,
         warnings=tuple(warnings),
+        async_save_s=async_save_s,
+        async_save_source=async_save_source,
     )
+
+
+def async_save_term(stats: timing.AsyncSaveStats | None) -> tuple[float, str, str | None]:
+    """(seconds, source, warning) of the ``async_save`` term: what a JIT stop can wait for an async periodic save.
+
+    The JIT save is synchronous and sized from synchronous saves only (the ``save`` term); but before it starts it
+    waits until the async save in flight is committed (train/async_save/periodic.py ``before_save``). The worst
+    instant for a signal is just before an async save's step ends: training is blocked for its staging (the longest
+    ``save_blocked``, which includes a wait for the save before it), then its whole background write and commit
+    (the longest ``save_background``) can still be left when the stop reaches the JIT save. Their sum bounds the
+    wait whatever the step and kill_wait terms already cover (they may overlap it: an upper bound)."""
+    if stats is None:
+        return 0.0, "no async periodic saves in the timing log", None
+    n = f"{stats.count} async periodic save{'s' if stats.count != 1 else ''} in the timing log"
+    if stats.background_max_s is None:
+        warning = (f"none of the {n} was seen written to its end (a killed run): the wait for one in flight is "
+                   "not counted. HINT: size again from a run that saved in the background and went on, or give "
+                   "--save-time with room for it")
+        return (stats.blocked_max_s, f"longest training block {stats.blocked_max_s:.3g} s of {n}; no background "
+                "write seen to end", warning)
+    return (stats.blocked_max_s + stats.background_max_s,
+            f"longest training block {stats.blocked_max_s:.3g} s + longest background write and commit "
+            f"{stats.background_max_s:.3g} s (of {n}): a JIT stop waits for the async save in flight, worst when "
+            "the signal comes just before one", None)
+
+
+def async_note(figures: dict[str, Any]) -> str:
+    """One line for grace-calc's notes: the async saves' figures (``asdict`` of timing.AsyncSaveStats)."""
+    background = ("none seen to end" if figures["background_max_s"] is None else
+                  f"median {figures['background_median_s']:.3g} s, longest {figures['background_max_s']:.3g} s "
+                  f"(of {figures['n_background']})")
+    return (f"async periodic saves: {figures['count']} in the timing log; training blocked per save median "
+            f"{figures['blocked_median_s']:.3g} s, longest {figures['blocked_max_s']:.3g} s; background write and "
+            f"commit {background}; staging buffer up to {format_bytes(figures['staged_max_bytes'])} per rank (host "
+            "memory). They are not the save term: the JIT save is synchronous, sized from synchronous saves")
+
+
+def staging_line(stats: timing.AsyncSaveStats | None, ranks_per_node: int) -> str | None:
+    """The launcher's plan: the host memory async periodic saves take for their staging buffers (the timing log's
+    largest one, the one extra copy of a rank's checkpoint share); None when the log has no async save."""
+    if stats is None or not stats.staged_max_bytes:
+        return None
+    per_rank = stats.staged_max_bytes
+    node = f", {format_bytes(per_rank * ranks_per_node)} on a node of {ranks_per_node}" if ranks_per_node > 1 else ""
+    return (f"async periodic saves stage up to {format_bytes(per_rank)} per rank in host memory{node} (the timing "
+            f"log's largest of {stats.count}); where it does not fit, the saves stay synchronous (one line)")
 
 
 def shrunk_terms(measured: Measured, from_world_size: int, world_size: int) -> Measured:
@@ -140,6 +192,7 @@ def shrunk_terms(measured: Measured, from_world_size: int, world_size: int) -> M
         step_source=f"{measured.step_source}, {why}",
         save_s=measured.save_s * scale if measured.save_s is not None else None,
         save_source=f"{measured.save_source}, {why}",
+        async_save_s=measured.async_save_s * scale,  # each rank stages and writes from/to times its share too
         warnings=(*measured.warnings, warning),
     )
 

@@ -1,4 +1,5 @@
-"""The formula: the terms of the grace period (step x latency, evaluation, save, kill wait, teardown, margin), their
+"""The formula: the terms of the grace period (step x latency, evaluation, save, kill wait, teardown, an
+async periodic save in flight, margin), their
 sum and the ``--signal`` lead N that covers it (:func:`compute_grace`). Pure: no I/O, no clock.
 """
 
@@ -63,6 +64,7 @@ class GraceInputs:
     kill_wait_s: float = DEFAULT_KILL_WAIT_S  # the trainer's wait after the signal, before the checkpoint
     latency_steps: int | None = None  # steps from the signal to the stop (1 or 2); None: the trainer's rule
     teardown_s: float = 0.0  # from the end of the save until train() returns
+    async_save_s: float = 0.0  # the JIT stop's wait for an async periodic save in flight (0: no async saves)
     margin: Margin = field(default_factory=Margin)  # safety margin on top
     sources: Mapping[str, str] = field(default_factory=dict)  # term name -> where its number came from
 
@@ -70,6 +72,7 @@ class GraceInputs:
         for name, value, zero_ok in (
             ("step", self.step_s, False), ("save", self.save_s, False),
             ("eval", self.eval_s, True), ("kill_wait", self.kill_wait_s, True), ("teardown", self.teardown_s, True),
+            ("async_save", self.async_save_s, True),
         ):
             finite = isinstance(value, int | float) and math.isfinite(value)
             ok = finite and (value >= 0 if zero_ok else value > 0)
@@ -114,7 +117,7 @@ def compute_grace(inputs: GraceInputs) -> GraceResult:
     """Sum the terms; raises GraceError when the result cannot be a Slurm --signal lead."""
     steps = inputs.steps_to_stop
     step_term_s = steps * inputs.step_s
-    timed_s = step_term_s + inputs.eval_s + inputs.save_s + inputs.teardown_s
+    timed_s = step_term_s + inputs.eval_s + inputs.save_s + inputs.teardown_s + inputs.async_save_s
     src = inputs.sources
     latency = src.get("latency", latency_reason(steps))
     terms = (
@@ -124,7 +127,11 @@ def compute_grace(inputs: GraceInputs) -> GraceResult:
         Term(name="save", seconds=inputs.save_s, source=src.get("save", "given")),
         Term(name="kill_wait", seconds=inputs.kill_wait_s, source=src.get("kill_wait", "given")),
         Term(name="teardown", seconds=inputs.teardown_s, source=src.get("teardown", "not counted")),
-        Term(name="margin", seconds=inputs.margin.seconds(timed_s), source=inputs.margin.describe()),
+        # only where the run saves in the background: a log without async saves keeps its terms as they were
+        *([Term(name="async_save", seconds=inputs.async_save_s, source=src.get("async_save", "given"))]
+          if inputs.async_save_s else []),
+        Term(name="margin", seconds=inputs.margin.seconds(timed_s),
+             source=inputs.margin.describe() + (" (+async_save)" if inputs.async_save_s else "")),
     )
     needed_s = sum(t.seconds for t in terms)
     # round() first so that 120 + 120 + 3 in floating point is 243, not 244 after ceil.

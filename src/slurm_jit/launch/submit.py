@@ -379,6 +379,7 @@ def plan_lines(launch: Launch, checked: gate.GateResult) -> list[str]:
     sizes = nodes.world_sizes(per_node)
     ranks = f"{sizes[0]}-{sizes[-1]}" if nodes.elastic else str(launch.world_size)
     elastic_nodes = node_range.plan_line(nodes, per_node)
+    staging = grace_cli.staging_note(launch.output_dir, per_node)
     return [
         f"plan: {nodes.sbatch_value()} node(s) x {per_node} task(s) = {ranks} ranks, one srun task each; "
         f"--time={launch.time}",
@@ -387,6 +388,7 @@ def plan_lines(launch: Launch, checked: gate.GateResult) -> list[str]:
         f"  python:   {launch.python} (the batch script's and every task's interpreter; --python to change)",
         f"  ops:      {ops.plan_line(ops.job_env(), gpus=bool(ex.parameters.get('gpus_per_node')))}",
         f"  grace:    {terms} = {result.needed_s:g} s",
+        *([f"  staging:  {staging}"] if staging else []),
         f"  signal:   #SBATCH --signal=TERM@{result.lead_s} (no B:, so it reaches the ranks); "
         f"export SLURM_JIT_SIGNAL_LEAD_S={result.lead_s}",
         f"  requeue:  {requeue}",

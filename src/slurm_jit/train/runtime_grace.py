@@ -2,7 +2,8 @@
 
 Run by the JitTrainer on global rank 0 under Slurm, after warm-up (once the agreement mode is recorded) and after
 the first save. The need is what :func:`slurm_jit.grace.calc.compute_grace` counts from the timing log, without
-the margin: kill_wait + latency steps x the longest step + the longest save + the teardown; what the job has
+the margin: kill_wait + latency steps x the longest step + the longest save + the teardown (+ the wait for an
+async periodic save in flight, where the run saves in the background); what the job has
 is ``SLURM_JIT_SIGNAL_LEAD_S`` (exported by this project's launchers and sbatch scripts: the N of
 ``--signal=TERM@N``), and, at preemption, the partition's GraceTime. Warnings only, never an error.
 """
@@ -21,19 +22,21 @@ logger = logging.getLogger(__name__)
 
 def assess(*, step_s: float, save_s: float | None, kill_wait_s: float, lead_s: float | None,
            facts: grace.ClusterFacts | None, latency_steps: int | None = None,
-           teardown_s: float = 0.0) -> list[str]:
+           teardown_s: float = 0.0, async_save_s: float = 0.0) -> list[str]:
     """Warnings (with a HINT each) when the grace this job has is shorter than what it needs; a need no
     ``--signal`` lead can cover (the calculator's GraceError) is one warning too, never an error. Pure."""
     try:
         inputs = grace.GraceInputs(step_s=step_s, save_s=save_s if save_s else 1e-9, kill_wait_s=kill_wait_s,
-                                   latency_steps=latency_steps, teardown_s=teardown_s, margin=grace.Margin())
+                                   latency_steps=latency_steps, teardown_s=teardown_s, margin=grace.Margin(),
+                                   async_save_s=async_save_s)
         result = grace.compute_grace(inputs)
     except grace.GraceError as exc:
         return [str(exc)]
     steps = inputs.steps_to_stop
-    needed_s = steps * step_s + (save_s or 0.0) + kill_wait_s + teardown_s
+    needed_s = steps * step_s + (save_s or 0.0) + kill_wait_s + teardown_s + async_save_s
     what = (f"{steps} x longest step {step_s:.1f} s + save {save_s or 0:.1f} s + kill_wait {kill_wait_s:.0f} s"
-            f" + teardown {teardown_s:.1f} s")
+            f" + teardown {teardown_s:.1f} s" + (f" + async save in flight {async_save_s:.1f} s" if async_save_s
+                                                 else ""))
     warnings = []
     if lead_s is None:
         warnings.append(f"{grace.LEAD_ENV_VAR} is not set, so the signal lead cannot be checked (needed: {what}"
@@ -87,7 +90,7 @@ def check_and_warn(output_dir: str, kill_wait_s: float, when: str, world_size: i
         lead_s = None
     warnings = assess(step_s=measured.step_s, save_s=measured.save_s, kill_wait_s=kill_wait_s, lead_s=lead_s,
                       facts=_cluster_facts(), latency_steps=measured.latency_steps,
-                      teardown_s=measured.teardown_s or 0.0)
+                      teardown_s=measured.teardown_s or 0.0, async_save_s=measured.async_save_s)
     sizes = {r.get("world_size") for r in records if isinstance(r.get("world_size"), int)}  # [5] is no key
     others = sorted(s for s in sizes if s != world_size) if world_size else []
     if others:  # the step time of this world size is not the others': say which one the need was sized from
