@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import ckpt_factory
 from jit_helpers import (
@@ -18,6 +19,7 @@ from jit_helpers import (
 )
 
 from slurm_jit.checkpoint import protocol
+from slurm_jit.train import save_path
 
 KILL_MID_DELETE = textwrap.dedent("""
     import os, signal, sys
@@ -67,3 +69,16 @@ def test_rotation_never_deletes_the_only_full_checkpoint_under_save_only_model(t
     checkpoints, _ = protocol.scan(tmp_path)
     assert protocol.rotation_victims(checkpoints, 1, keep=[model_only]) == []
     assert protocol.find_resumable(tmp_path).checkpoint.path == full  # type: ignore[union-attr]
+
+
+def test_a_background_rotation_keeps_the_best_checkpoint_of_its_submit(tmp_path: Path) -> None:
+    """An async save's rotation runs in rank 0's writer thread while training goes on: an evaluation there may
+    already name as best a checkpoint not yet written. The best one when the save was submitted stays (it was
+    deleted under save_total_limit=1, and a kill then left no best checkpoint at all)."""
+    best = ckpt_factory.checkpoint(tmp_path, 2, created=1_700_000_000.0)
+    ckpt_factory.checkpoint(tmp_path, 4, created=1_700_000_100.0)
+    written = ckpt_factory.checkpoint(tmp_path, 6, created=1_700_000_200.0)
+    trainer = SimpleNamespace(args=SimpleNamespace(save_total_limit=1), _jit_run=None,
+                              state=SimpleNamespace(best_model_checkpoint=str(tmp_path / "checkpoint-8")))
+    save_path.rotate_checkpoints_safely(trainer, tmp_path, just_written=written, best_before=str(best))
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-6"]

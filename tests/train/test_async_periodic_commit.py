@@ -6,14 +6,17 @@ the protocol's own manifest writer. Also: the flag's default and its refusals.""
 from __future__ import annotations
 
 import functools
+import os
 import re
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import transformers
+from disk_helpers import fill, tmpfs
 
 from slurm_jit.checkpoint import manifest, protocol
 from slurm_jit.train.async_save import commit
@@ -24,6 +27,8 @@ from slurm_jit.train.trainer import JitTrainer
 
 STEP = 5
 SHORT_WAIT_S = 0.3  # the deadline for a marker that never comes
+LONG_WAIT_S = 30.0  # a deadline the test must not reach
+RACE_S = 2.0  # how long a rank's fsync of the tree races another rank's marker writes (thousands of rounds)
 
 
 def _checkpoint(tmp_path: Path) -> Path:
@@ -79,6 +84,64 @@ def test_a_missing_marker_leaves_it_incomplete(tmp_path: Path, present: list[int
     assert not (ckpt / protocol.MANIFEST_NAME).exists()
     assert (ckpt / protocol.SENTINEL_NAME).exists()
     assert protocol.inspect(ckpt, STEP).status is protocol.Status.INCOMPLETE  # markers are not corruption
+
+
+def test_a_ranks_failed_marker_stops_the_commit_at_once_not_at_the_deadline(tmp_path: Path) -> None:
+    # A rank whose background write failed (its thread alone) wrote a failed marker: rank 0 used to wait for its
+    # done marker until the deadline (300 s at least) while training went on.
+    ckpt = _checkpoint(tmp_path)
+    _mark(ckpt, 0)
+    commit.write_failed_marker(ckpt, 1, "slurm_jit: the background write of x failed: OSError: boom. HINT: h\nmore")
+    t0 = time.monotonic()
+    with pytest.raises(commit.CommitError, match=r"rank 1's background write failed \(slurm_jit: .*boom") as err:
+        commit.commit(ckpt, 2, LONG_WAIT_S, functools.partial(_seal, ckpt), poll_s=0.01)
+    assert time.monotonic() - t0 < LONG_WAIT_S / 10
+    assert "\n" not in str(err.value) and "HINT:" in str(err.value)
+    assert (ckpt / protocol.SENTINEL_NAME).exists() and not (ckpt / protocol.MANIFEST_NAME).exists()
+    assert protocol.inspect(ckpt, STEP).status is protocol.Status.INCOMPLETE  # a failed marker is no corruption
+    assert commit.failed_marker_path(ckpt, 1).name not in protocol.payload_files(ckpt)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+@pytest.mark.parametrize("partial", [True, False])
+def test_a_failed_marker_appears_on_a_full_disk(tmp_path: Path, partial: bool) -> None:
+    # The background write failed because the disk is full: the failed marker must still appear, or rank 0 waits
+    # for the deadline. Its own partial files are removed first (room for the reason); with none, an empty marker.
+    with tmpfs(tmp_path / "full", 512 * 1024) as mount:
+        ckpt = _checkpoint(mount)
+        own = ckpt / "global_step5" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+        _mark(ckpt, 0)
+        fill(mount)
+        commit.write_failed_marker(ckpt, 1, "slurm_jit: x could not be written: no space. HINT: h",
+                                   [own] if partial else [])
+        assert commit.failed_marker_path(ckpt, 1).exists() and own.exists() is not partial
+        reason = "no space" if partial else "no reason: its disk was full"
+        with pytest.raises(commit.CommitError, match=f"rank 1's background write failed \\(.*{reason}"):
+            commit.commit(ckpt, 2, LONG_WAIT_S, functools.partial(_seal, ckpt), poll_s=0.01)
+        assert protocol.inspect(ckpt, STEP).status is protocol.Status.INCOMPLETE
+
+
+def test_a_rank_fsyncing_its_tree_survives_another_ranks_marker_being_renamed_into_place(tmp_path: Path) -> None:
+    # Each rank's thread fsyncs the whole checkpoint tree while the other ranks' threads write their markers (a
+    # .tmp renamed into place) or a failed write's test file: a file gone between the listing and its open failed
+    # the save (FileNotFoundError) on a rank whose own files were fine. Real files, real threads, for RACE_S.
+    ckpt = _checkpoint(tmp_path)
+    stop = threading.Event()
+
+    def churn() -> None:
+        while not stop.is_set():
+            _mark(ckpt, 1)
+            commit.marker_path(ckpt, 1).unlink()
+
+    other = threading.Thread(target=churn, daemon=True)
+    other.start()
+    deadline = time.monotonic() + RACE_S
+    try:
+        while time.monotonic() < deadline:
+            protocol.fsync_tree(ckpt)
+    finally:
+        stop.set()
+        other.join(SHORT_WAIT_S * 10)
 
 
 def test_a_marker_naming_a_file_not_on_disk_is_not_committed(tmp_path: Path) -> None:

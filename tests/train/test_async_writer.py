@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 import zero2_states
-from disk_helpers import tmpfs
+from disk_helpers import fill, tmpfs
 from torch.utils.serialization import config as torch_serialization
 
+from slurm_jit.train import save_errors
 from slurm_jit.train.async_save import BackgroundWriter, HostStager, Submitted
 from slurm_jit.train.save_errors import CheckpointWriteError
 from slurm_jit.train.save_path import zip_crc32
@@ -117,6 +118,37 @@ def test_any_other_failure_is_one_line_naming_it(tmp_path, writer) -> None:
     with pytest.raises(CheckpointWriteError) as caught:
         writer.wait(WAIT_S)
     _one_line(str(caught.value), "background write of", "checkpoint-6", "failed: ", "logged at DEBUG")
+
+
+def test_a_failed_write_is_told_to_on_error_and_still_raised(tmp_path, writer) -> None:
+    # on_error is how rank 0 learns of another rank's failure at once (its failed marker); an on_error that fails
+    # too (its own file on a full disk) leaves the write's own error to the caller
+    told: list[str] = []
+    ckpt = tmp_path / "checkpoint-7"
+    writer.submit(ckpt, [(ckpt / "a.pt", {"fn": lambda: 0})], wait_if_busy=False, on_error=told.append)
+    with pytest.raises(CheckpointWriteError) as caught:
+        writer.wait(WAIT_S)
+    assert told == [str(caught.value)] and "\n" not in told[0]
+
+    def fails(why: str) -> None:
+        raise OSError(28, "No space left on device")
+
+    writer.submit(ckpt, [(ckpt / "b.pt", {"fn": lambda: 0})], wait_if_busy=False, on_error=fails)
+    with pytest.raises(CheckpointWriteError, match="background write of"):
+        writer.wait(WAIT_S)
+
+
+@needs_root
+def test_an_error_already_one_line_passes_the_disk_full_guard_unchanged(tmp_path) -> None:
+    # rank 0's commit error (another rank failed) inside the writer's disk-full guard: on a full disk it was
+    # probed and wrapped again ("... could not be written: CheckpointWriteError: slurm_jit: ...")
+    with tmpfs(tmp_path / "full", 256 * 1024) as mount:
+        fill(mount)
+        inner = CheckpointWriteError("slurm_jit: checkpoint-8 not committed: rank 1 failed. HINT: its log says why")
+        with pytest.raises(CheckpointWriteError) as caught, save_errors.disk_full_is_one_line(mount / "checkpoint-8"):
+            raise inner
+        assert caught.value is inner
+        assert not list(mount.glob(f"{save_errors.PROBE_NAME}*"))
 
 
 @pytest.mark.parametrize("crc", [True, False])

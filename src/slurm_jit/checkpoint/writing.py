@@ -45,13 +45,19 @@ def fsync_dir(directory: str | os.PathLike[str]) -> None:
 
 
 def fsync_tree(directory: str | os.PathLike[str]) -> None:
-    """fsync every regular file and directory under ``directory`` (the files this rank wrote among them)."""
+    """fsync every regular file and directory under ``directory`` (the files this rank wrote among them).
+
+    A file gone between the listing and its open needs no fsync: another rank's short-lived file (an async save's
+    done marker renamed into place, a failed write's test file) is not this rank's to make durable."""
     for root, _dirs, files in formats.walk(directory):
         for name in files:
             path = os.path.join(root, name)
-            if stat.S_ISREG(os.lstat(path).st_mode):  # a FIFO would block the open, a symlink leads elsewhere
-                with formats.open_regular(path) as handle:
-                    os.fsync(handle.fileno())
+            try:
+                if stat.S_ISREG(os.lstat(path).st_mode):  # a FIFO would block the open, a symlink leads elsewhere
+                    with formats.open_regular(path) as handle:
+                        os.fsync(handle.fileno())
+            except FileNotFoundError:
+                continue
         fsync_dir(root)
 
 

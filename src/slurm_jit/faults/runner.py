@@ -1,7 +1,9 @@
 """``tools/faults [--quick] [--out DIR]``: run every fault row, print the table, write ``DIR/results.json``.
 
-``--quick`` is the subset CI runs (every row but the signal storms, fewer kills, a small state); the full run is
-the one whose table is in docs/faults.md. Needs root (tmpfs and read-only mounts) and 2+ CPU cores.
+``--quick`` is the subset CI runs (every row but the signal storms and the async-save kills, fewer kills, a small
+state); the full run is the one whose table is in docs/faults.md. ``--only NAME`` runs one row alone (with
+``--quick``: its short form): ``async-kills`` (SIGKILL in an async periodic save, issue #23). Needs root (tmpfs
+and read-only mounts) and 2+ CPU cores.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from slurm_jit.faults import common, corruption, disk_full, kills, races, read_only, security, storms
+from slurm_jit.faults import async_kills, common, corruption, disk_full, kills, races, read_only, security, storms
 
 DEFAULT_OUT = "fault-results"
+ONLY = {async_kills.NAME: async_kills.run_row}  # rows that run alone: tools/faults --only NAME
 
 
 def run_rows(scratch: Path, quick: bool, kill_trials: int = kills.FULL_TRIALS_PER_STAGE) -> list[common.Row]:
@@ -37,6 +40,7 @@ def run_rows(scratch: Path, quick: bool, kill_trials: int = kills.FULL_TRIALS_PE
                                      lost_steps=0, passed=False, detail="row 1 left no complete checkpoint")))
     if not quick:
         rows.append(_show(storms.run_row(scratch / "storms")))
+        rows.append(_show(async_kills.run_row(scratch / "async-kills", quick)))
     rows.append(_show(races.run_row(scratch / "races")))
     if samples:
         rows.append(_show(security.run_row(scratch / "security", samples[0], quick, resume_args)))
@@ -67,6 +71,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--kill-trials", type=int, default=kills.FULL_TRIALS_PER_STAGE, metavar="N",
                         help=f"full run: SIGKILL trials per ZeRO stage (default {kills.FULL_TRIALS_PER_STAGE}: "
                              "50 in all, ~30-40 min on 2 loaded cores)")
+    parser.add_argument("--only", choices=sorted(ONLY), default=None,
+                        help="run this row alone (with --quick: its short form)")
     parser.add_argument("--keep", action="store_true", help="keep the scratch directories (runs, logs)")
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -79,7 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0, started = time.monotonic(), time.time()
     try:
         with common.sigterm_unwinds():  # a SIGTERM unwinds: rank groups killed, mounts and scratch removed
-            rows = run_rows(scratch, args.quick, args.kill_trials)
+            rows = ([_show(ONLY[args.only](scratch / args.only, args.quick))] if args.only else
+                    run_rows(scratch, args.quick, args.kill_trials))
     finally:
         if args.keep:
             print(f"tools/faults: scratch kept in {scratch}", file=sys.stderr)

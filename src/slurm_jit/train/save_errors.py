@@ -121,6 +121,8 @@ def disk_full_is_one_line(ckpt_dir: Path) -> Iterator[None]:
     any other failure passes through unchanged."""
     try:
         yield
+    except CheckpointWriteError:
+        raise  # already the one line (an inner save's, an async commit's): no test write, no second wrapping
     except (OSError, RuntimeError) as exc:
         found = refusal(ckpt_dir, exc)
         if found is not None:

@@ -251,15 +251,18 @@ def seal(trainer: JitTrainer, ckpt: Path, step: int, kind: str, fields: dict[str
     return total
 
 
-def rotate_checkpoints_safely(trainer: JitTrainer, run_dir: Path, just_written: Path) -> None:
+def rotate_checkpoints_safely(trainer: JitTrainer, run_dir: Path, just_written: Path,
+                              best_before: str | None = None) -> None:
     """save_total_limit over resumable checkpoints only, after the new one is complete; never the one just
-    written, the best one, or the one resumed from until this run has written a newer one."""
+    written, the best one, or the one resumed from until this run has written a newer one. ``best_before``: the
+    best checkpoint when an async save was submitted, kept too (rotation then runs in the background while an
+    evaluation may already name a best checkpoint not yet written)."""
     limit = trainer.args.save_total_limit
     if not limit or limit <= 0:
         return
     keep = {just_written.resolve()}
-    if trainer.state.best_model_checkpoint:
-        keep.add(Path(trainer.state.best_model_checkpoint).resolve())
+    for best in {trainer.state.best_model_checkpoint, best_before} - {None, ""}:
+        keep.add(Path(best).resolve())
     run = trainer._jit_run
     if run is not None and run.resumed_from and run.saved_step < 0:
         keep.add(Path(run.resumed_from).resolve())

@@ -8,6 +8,10 @@ lists (the small files every rank wrote synchronously before its background writ
 hashed, the markers removed, and the manifest written by the caller's ``seal`` (the synchronous path's own
 :func:`slurm_jit.train.save_path.seal`), which removes the sentinel last. No collective runs in a thread.
 
+A rank whose background write fails writes a failed marker instead (:func:`write_failed_marker`, best effort:
+its one-line error), and rank 0 gives up at once (:class:`CommitError` naming the rank) rather than at the
+deadline, which is left for a rank that died or could not write even that small file.
+
 Until then the sentinel stays: a directory with markers and no manifest is ``incomplete`` by the protocol
 (:mod:`slurm_jit.checkpoint.protocol`), never ``corrupt``. The markers' names start with ``.`` + the manifest's
 name, which :func:`~slurm_jit.checkpoint.protocol.payload_files` leaves out; they are removed before the manifest
@@ -16,16 +20,19 @@ is written, so that a committed checkpoint holds the files a synchronous save wr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from slurm_jit.checkpoint import formats, protocol
+from slurm_jit.train.save_errors import CheckpointWriteError
 
 MARKER_PREFIX = f".{protocol.MANIFEST_NAME}.done-rank"  # + the global rank
+FAILED_PREFIX = f".{protocol.MANIFEST_NAME}.failed-rank"  # + the global rank: its background write failed
 POLL_S = 0.05  # how often rank 0 looks for the other ranks' markers: a save's write takes far longer
 # How long rank 0 waits for the other ranks' markers after its own: the ranks write shares of about one size, so a
 # rank still writing after 10x rank 0's own write time (and at least COMMIT_WAIT_MIN_S) is taken as failed.
@@ -33,7 +40,7 @@ COMMIT_WAIT_MIN_S = 300.0
 COMMIT_WAIT_FACTOR = 10.0
 
 
-class CommitError(RuntimeError):
+class CommitError(CheckpointWriteError):
     """The checkpoint could not be committed; it stays incomplete. The message is one line with a HINT."""
 
 
@@ -51,6 +58,39 @@ def write_marker(ckpt: Path, rank: int, entries: dict[str, dict[str, Any]]) -> N
         os.fsync(handle.fileno())
     os.rename(tmp, target)
     protocol.fsync_dir(ckpt)
+
+
+def failed_marker_path(ckpt: Path, rank: int) -> Path:
+    return ckpt / f"{FAILED_PREFIX}{rank}"
+
+
+def write_failed_marker(ckpt: Path, rank: int, why: str, partial: Sequence[Path] = ()) -> None:
+    """This rank's share of ``ckpt`` will never be durable: a marker for rank 0's commit to stop at, with ``why``
+    (one line) where it fits. On a full disk the marker must still appear: this rank's ``partial`` files (its
+    background files, useless in a checkpoint that can never be committed) are removed first, and the marker is
+    created before its reason is written (an empty marker says "failed" all the same)."""
+    for path in partial:
+        with contextlib.suppress(OSError):
+            path.unlink()
+    fd = os.open(failed_marker_path(ckpt, rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        with contextlib.suppress(OSError):
+            os.write(fd, (why.splitlines()[0] if why else "failed").encode())
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    with contextlib.suppress(OSError):
+        protocol.fsync_dir(ckpt)
+
+
+def _raise_if_a_rank_failed(ckpt: Path, world_size: int) -> None:
+    for rank in range(world_size):
+        path = failed_marker_path(ckpt, rank)
+        if path.exists():
+            why = path.read_text(encoding="utf-8", errors="replace").strip()[:300] or "no reason: its disk was full"
+            raise CommitError(f"slurm_jit: {ckpt} not committed: rank {rank}'s background write failed ({why}); it "
+                              f"stays incomplete ({protocol.SENTINEL_NAME} kept), the previous complete checkpoint "
+                              f"is the resume point. HINT: rank {rank}'s log says why")
 
 
 def read_markers(ckpt: Path, world_size: int) -> dict[int, dict[str, dict[str, Any]]]:
@@ -79,6 +119,7 @@ def wait_for_markers(ckpt: Path, world_size: int, timeout_s: float,
     """Every rank's marker, once all exist; CommitError at the deadline (the checkpoint stays incomplete)."""
     deadline = time.monotonic() + timeout_s
     while True:
+        _raise_if_a_rank_failed(ckpt, world_size)
         found = read_markers(ckpt, world_size)
         if len(found) == world_size:
             return found

@@ -19,9 +19,13 @@ waits for nothing unless the next save comes first.
 
 Every other save (JIT, final, a synchronous periodic one) and the end of training (``_finalize_training``, before
 the best model is loaded) first wait for the save in flight to be committed (:func:`before_save`, :func:`finish`);
-a second periodic save due while one is in flight waits too (logged): never a queue. A JIT stop at the step of an
-async save waits for it and writes no second checkpoint. Where host memory cannot hold the staging buffers
-(:class:`~.memory_guard.HostMemoryError`, one line) every rank saves this and later checkpoints synchronously.
+a second periodic save due while one is in flight waits too (logged): never a queue. A background write that
+fails on any rank leaves that rank's failed marker (rank 0's commit stops at once) and the checkpoint incomplete;
+the wait before the next save (or at the end of training) then raises ``CheckpointWriteError`` on every rank
+(:func:`_raise_on_every_rank`): training stops as after a failed synchronous save, no rank goes on alone. A JIT
+stop at the step of an async save waits for it and writes no second checkpoint. Where host memory cannot hold the
+staging buffers (:class:`~.memory_guard.HostMemoryError`, one line) every rank saves this and later checkpoints
+synchronously.
 The timing log records the seconds training was blocked (``save_blocked``) apart from the background write and
 commit (``save_background``); neither is a ``save`` record, so the grace calculator still sizes the JIT save from
 synchronous saves.
@@ -41,7 +45,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from slurm_jit.checkpoint import protocol
+from slurm_jit.train import save_errors
 from slurm_jit.train.async_save import commit as commit_mod
+from slurm_jit.train.async_save import fault_points
 from slurm_jit.train.async_save import writer as writer_mod  # the module: writer imports save_path, which imports us
 from slurm_jit.train.async_save.memory_guard import HostMemoryError
 from slurm_jit.train.async_save.staging import HostStager, StagedSave
@@ -189,6 +195,7 @@ def submit(trainer: JitTrainer, collector: CollectingEngine | None, ckpt: Path, 
     if collector is None or saves is None:
         return False
     staged = _stage(saves, collector.collected)
+    fault_points.hit("stage", ckpt)  # fault injection: staged in host memory, the ranks not yet agreed
     if not _all_staged(trainer, isinstance(staged, StagedSave)):
         _fall_back(trainer, saves, staged, collector.collected)
         return False
@@ -200,8 +207,9 @@ def submit(trainer: JitTrainer, collector: CollectingEngine | None, ckpt: Path, 
     items = [(path, staged.states[path.name]) for path, _ in collector.collected]
     job = _InFlight(step, ckpt, fields["contents"], time.monotonic(), staged.nbytes)
     after = _after(trainer, job, rank, world, kind, fields, [str(p.relative_to(ckpt)) for p, _ in items])
-    if saves.writer.submit(ckpt, items, wait_if_busy=False, after=after,
-                           release=staged.release) is writer_mod.Submitted.REFUSED_BUSY:
+    if saves.writer.submit(ckpt, items, wait_if_busy=False, after=after, release=staged.release,
+                           on_error=lambda why: commit_mod.write_failed_marker(ckpt, rank, why, [p for p, _ in items]),
+                           ) is writer_mod.Submitted.REFUSED_BUSY:
         staged.release()  # cannot be: before_save waited; never two writes on one thread
         raise RuntimeError("slurm_jit: the background writer is still busy. HINT: a bug: report it")
     saves.in_flight = job
@@ -224,23 +232,33 @@ def _after(trainer: JitTrainer, job: _InFlight, rank: int, world: int, kind: str
     from slurm_jit.train import save_path  # noqa: PLC0415 (save_path imports this module)
 
     run_dir = job.ckpt.parent
+    best_before = trainer.state.best_model_checkpoint  # at the submit: an evaluation may name a newer one meanwhile
 
     def after() -> None:
         t_after = time.monotonic()
         save_path.fault_sleep()  # fault injection: a slow disk under the background write
         protocol.fsync_tree(job.ckpt)  # this rank's synchronous files, written before the submit
+        fault_points.hit("marker", job.ckpt)  # fault injection: this rank's share durable, its marker not written
         commit_mod.write_marker(job.ckpt, rank, protocol.file_entries(job.ckpt, rels))
         if rank == 0:
             own_s = time.monotonic() - job.submitted_at
             timeout_s = max(commit_mod.COMMIT_WAIT_MIN_S, commit_mod.COMMIT_WAIT_FACTOR * own_s)
             nbytes = commit_mod.commit(job.ckpt, world, timeout_s,
-                                       lambda files: save_path.seal(trainer, job.ckpt, job.step, kind, fields, files))
-            save_path.rotate_checkpoints_safely(trainer, run_dir, just_written=job.ckpt)
+                                       lambda files: _seal(trainer, job, kind, fields, files))
+            save_path.rotate_checkpoints_safely(trainer, run_dir, just_written=job.ckpt, best_before=best_before)
             logger.info("slurm_jit: %s checkpoint %s complete in the background, %.2f s after its submission "
                         "(%d bytes)", kind, job.ckpt, time.monotonic() - job.submitted_at, nbytes)
         job.after_s = time.monotonic() - t_after
 
     return after
+
+
+def _seal(trainer: JitTrainer, job: _InFlight, kind: str, fields: dict[str, Any],
+          files: dict[str, dict[str, Any]]) -> int:
+    from slurm_jit.train import save_path  # noqa: PLC0415 (save_path imports this module)
+
+    fault_points.hit("manifest", job.ckpt)  # fault injection: the markers removed, the manifest not yet written
+    return save_path.seal(trainer, job.ckpt, job.step, kind, fields, files)
 
 
 def before_save(trainer: JitTrainer) -> None:
@@ -257,9 +275,29 @@ def before_save(trainer: JitTrainer) -> None:
 
     stop_path.feed(trainer, "save")  # the hang watchdog gives the wait a save's long bound
     saves.in_flight = None
-    saves.writer.wait()  # raises the background write's error (one line), the sentinel kept
+    error = None
+    try:
+        saves.writer.wait()  # the background write's error (one line), the sentinel kept
+    except save_errors.CheckpointWriteError as exc:
+        error = exc
+    _raise_on_every_rank(trainer, job, error)
     saves.waited_s = time.monotonic() - t0
     _taken_as_saved(trainer, job, saves.writer)
+
+
+def _raise_on_every_rank(trainer: JitTrainer, job: _InFlight, error: save_errors.CheckpointWriteError | None,
+                         ) -> None:
+    """The ranks agree on the save's fate: where any rank's background write failed, every rank raises (its own
+    error, or the first failed rank's line), so that no rank goes on into the next save's collectives alone."""
+    agreement = trainer._agreement
+    parts = agreement.gather(None if error is None else str(error).splitlines()[0])
+    failed = [(rank, why) for rank, why in enumerate(parts or []) if why is not None]
+    first = agreement.broadcast(failed[0] if failed else None)
+    if error is not None:
+        raise error
+    if first is not None:
+        raise save_errors.CheckpointWriteError(
+            f"slurm_jit: the async save of {job.ckpt} failed on rank {first[0]}: {first[1]}")
 
 
 def _taken_as_saved(trainer: JitTrainer, job: _InFlight, writer: writer_mod.BackgroundWriter) -> None:

@@ -18,6 +18,8 @@ A caller may rely on:
   sentinel already calls incomplete.
 - The thread never calls ``torch.distributed`` (a collective from a second thread would interleave with
   training's): telling the other ranks that this rank's share is durable is ``after``'s file, not a message.
+- ``on_error`` (given to :meth:`~BackgroundWriter.submit`) runs in the thread when the write fails, before the
+  error is kept for the caller: e.g. a "failed" marker that tells rank 0 at once (its own failure only logged).
 - ``zip_crc32`` is torch's process-wide setting; the thread sets it around its ``torch.save`` calls, so the caller
   saves nothing itself while a write is in flight (the synchronous save waits for the writer first).
 """
@@ -39,6 +41,7 @@ import torch
 from slurm_jit.checkpoint import protocol
 from slurm_jit.train import save_errors
 from slurm_jit.train import save_path as _save_path  # the module (its zip_crc32 at call time): no import cycle
+from slurm_jit.train.async_save import fault_points
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +73,7 @@ class _Job:
     items: tuple[tuple[Path, Any], ...]
     after: Callable[[], None] | None
     release: Callable[[], None] | None
+    on_error: Callable[[str], None] | None = None
 
 
 class BackgroundWriter:
@@ -94,7 +98,8 @@ class BackgroundWriter:
 
     def submit(self, ckpt_dir: Path, items: Sequence[tuple[Path, Any]], *, wait_if_busy: bool,
                timeout_s: float | None = None, after: Callable[[], None] | None = None,
-               release: Callable[[], None] | None = None) -> Submitted:
+               release: Callable[[], None] | None = None,
+               on_error: Callable[[str], None] | None = None) -> Submitted:
         """Start writing ``items`` (paths under ``ckpt_dir``); raises the previous write's error, if any, instead
         (nothing started, ``release`` not called). Refused: nothing started, ``release`` not called."""
         ckpt_dir = Path(ckpt_dir)
@@ -113,7 +118,7 @@ class BackgroundWriter:
                 self._raise_if_failed()
             if self._job is not None:
                 return Submitted.REFUSED_BUSY
-            self._job = _Job(ckpt_dir, tuple((Path(p), s) for p, s in items), after, release)
+            self._job = _Job(ckpt_dir, tuple((Path(p), s) for p, s in items), after, release, on_error)
             self._cond.notify_all()
             return Submitted.STARTED_AFTER_WAIT if waited else Submitted.STARTED
 
@@ -165,16 +170,26 @@ class BackgroundWriter:
                     job.release()
         except save_errors.CheckpointWriteError as exc:
             logger.debug("slurm_jit: background write of %s failed", job.ckpt_dir, exc_info=True)
-            return exc
+            return _report(job, exc)
         except Exception as exc:  # any failure goes to the caller, never lost in the thread
             logger.debug("slurm_jit: background write of %s failed", job.ckpt_dir, exc_info=True)
             first = (str(exc).strip().splitlines() or [""])[0][:200]
-            return save_errors.CheckpointWriteError(
+            return _report(job, save_errors.CheckpointWriteError(
                 f"slurm_jit: the background write of {job.ckpt_dir} failed: {type(exc).__name__}: {first}. It stays "
                 f"incomplete ({protocol.SENTINEL_NAME} kept); earlier checkpoints are untouched. HINT: the traceback "
                 "is logged at DEBUG (logger slurm_jit.train.async_save.writer); save synchronously "
-                "(JitConfig(async_periodic_saves=False)) to see it in the training's own traceback")
+                "(JitConfig(async_periodic_saves=False)) to see it in the training's own traceback"))
         return None
+
+
+def _report(job: _Job, error: save_errors.CheckpointWriteError) -> save_errors.CheckpointWriteError:
+    """``on_error`` told (best effort: on a full disk its own file may not fit either; logged), the error kept."""
+    if job.on_error is not None:
+        try:
+            job.on_error(str(error))
+        except Exception as exc:  # noqa: BLE001 - the write's own error is the one that matters
+            logger.warning("slurm_jit: could not report the failed write of %s: %s", job.ckpt_dir, exc)
+    return error
 
 
 def _write_durably(job: _Job, zip_crc32: bool) -> WriteStats:
@@ -182,10 +197,12 @@ def _write_durably(job: _Job, zip_crc32: bool) -> WriteStats:
     t0 = time.monotonic()
     directories: set[Path] = set()
     with _save_path.zip_crc32(zip_crc32):
-        for path, state in job.items:
+        for i, (path, state) in enumerate(job.items):
             path.parent.mkdir(parents=True, exist_ok=True)
             torch.save(state, path)
             directories.update(_dirs_up_to(path.parent, job.ckpt_dir))
+            if i == 0:
+                fault_points.hit("write", job.ckpt_dir)  # fault injection: the first file written, not the rest
     t_write = time.monotonic()
     nbytes = 0
     for path, _ in job.items:

@@ -1,0 +1,70 @@
+"""Fault injection for the async save path (``tools/faults --only async-kills`` and the tests; never set otherwise).
+
+``SLURM_JIT_FAULT_ASYNC=<point>:<step>:<action>[:<rank>]`` makes the async save of checkpoint-``<step>`` stall
+(``<action>``: seconds) or fail (``raise``: an OSError, the writer thread dying on this rank alone) at one named
+instant, on every rank or on global rank ``<rank>`` only. Before a stall it logs :data:`STALLED` (a harness waits
+for that line, then kills): an instant hit deterministically, not by timing. The points, in the order they pass:
+
+``stage``     the training thread, the states copied into host memory, before the ranks agree that all staged
+``write``     the background thread, the first file written, the others not (nothing fsynced yet)
+``marker``    the background thread, this rank's files durable, its done marker not yet written (stall one rank:
+              the instant between the ranks' markers)
+``manifest``  rank 0's thread, every marker read and removed, the manifest not yet written (the sentinel is there)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+FAULT_ASYNC_ENV = "SLURM_JIT_FAULT_ASYNC"  # fault injection: "<point>:<step>:<seconds|raise>[:<rank>]"
+POINTS = ("stage", "write", "marker", "manifest")
+RAISE = "raise"
+STALLED = "slurm_jit: fault injection: async save stalled at %s of checkpoint-%d on rank %d"  # the harness's cue
+
+logger = logging.getLogger(__name__)
+
+
+class InjectedFault(OSError):
+    """The failure :data:`FAULT_ASYNC_ENV` asked for (``raise``)."""
+
+
+@dataclass(frozen=True)
+class _Spec:
+    point: str
+    step: int
+    action: str
+    rank: int | None
+
+
+def _spec() -> _Spec | None:
+    raw = os.environ.get(FAULT_ASYNC_ENV, "")
+    if not raw:
+        return None
+    parts = raw.split(":")
+    if len(parts) not in (3, 4) or parts[0] not in POINTS:
+        raise ValueError(f"slurm_jit: {FAULT_ASYNC_ENV}={raw!r} is not <point>:<step>:<seconds|raise>[:<rank>] "
+                         f"with a point in {POINTS}. HINT: unset it (fault injection only)")
+    return _Spec(parts[0], int(parts[1]), parts[2], int(parts[3]) if len(parts) == 4 else None)
+
+
+def _step_of(ckpt: Path) -> int:
+    suffix = ckpt.name.removeprefix("checkpoint-")
+    return int(suffix) if suffix.isdigit() else -1
+
+
+def hit(point: str, ckpt: Path) -> None:
+    """The fault asked for at ``point`` of the save of ``ckpt`` on this rank, if any: a stall or an OSError."""
+    spec = _spec()
+    if spec is None or spec.point != point or spec.step != _step_of(ckpt):
+        return
+    rank = int(os.environ.get("RANK", "0") or 0)
+    if spec.rank is not None and spec.rank != rank:
+        return
+    if spec.action == RAISE:
+        raise InjectedFault(f"fault injection: the async save failed at {point} on rank {rank}")
+    logger.warning(STALLED, point, spec.step, rank)
+    time.sleep(float(spec.action))
