@@ -124,12 +124,8 @@ def _one_trial(out: Path, args: list[str], trial: _Trial, rng: random.Random, ta
 
 
 def _judge(out: Path, target: int, trial: _Trial, what: str, tally: common.Tally) -> None:
-    quick, deep = common.ckpt_check(out), common.ckpt_check(out, "--deep")
-    quick_status, deep_status = common.statuses(quick), common.statuses(deep)
+    quick, quick_status, deep_status = common.checked(out, tally, f"{what}: ")
     for step, status in quick_status.items():
-        if status == "complete" and deep_status.get(step) != "complete":
-            tally.false_complete += 1
-            tally.fail(f"{what}: checkpoint-{step} complete for ckpt-check but {deep_status.get(step)} with --deep")
         if status == "corrupt" or deep_status.get(step) == "corrupt":
             tally.fail(f"{what}: checkpoint-{step} called corrupt (it was being written)")
     if trial.point is not None and quick_status.get(target) != "incomplete":

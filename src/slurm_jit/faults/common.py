@@ -143,6 +143,19 @@ def statuses(check: dict[str, Any]) -> dict[int, str]:
     return {c["step"]: c["status"] for c in check["checkpoints"]}
 
 
+def checked(out: Path, tally: Tally, what: str = "") -> tuple[dict[str, Any], dict[int, str], dict[int, str]]:
+    """ckpt-check on ``out``, quick and ``--deep``; a checkpoint the quick check calls complete and the deep one
+    does not is a false complete (counted, and a failure). Returns the quick check's report and both verdicts by
+    step."""
+    report = ckpt_check(out)
+    quick, deep = statuses(report), statuses(ckpt_check(out, "--deep"))
+    for step, status in quick.items():
+        if status == "complete" and deep.get(step) != "complete":
+            tally.false_complete += 1
+            tally.fail(f"{what}checkpoint-{step} complete for ckpt-check but {deep.get(step)} with --deep")
+    return report, quick, deep
+
+
 def wait_until(done: Callable[[], bool], ranks: local_ranks.Ranks | None, timeout_s: float = START_TIMEOUT_S,
                poll_s: float = POLL_S) -> bool:
     """Poll until ``done()``; False when a rank exits first or the deadline passes."""

@@ -76,12 +76,7 @@ def _one_trial(out: Path, chain: Chain, rng: random.Random, tally: common.Tally,
 
 
 def _judge(out: Path, first: int, target: int, tally: common.Tally) -> None:
-    quick, deep = common.ckpt_check(out), common.ckpt_check(out, "--deep")
-    quick_status, deep_status = common.statuses(quick), common.statuses(deep)
-    for step, status in quick_status.items():
-        if status == "complete" and deep_status.get(step) != "complete":
-            tally.false_complete += 1
-            tally.fail(f"checkpoint-{step} complete for ckpt-check but {deep_status.get(step)} with --deep")
+    quick, quick_status, deep_status = common.checked(out, tally)
     # the kill may land after the target's manifest, even after a later save: the newest truly complete one
     truly_newest = max((step for step, status in deep_status.items() if status == "complete"), default=0)
     if truly_newest < first:  # the save finished before the kill (it may since have been rotated away)
