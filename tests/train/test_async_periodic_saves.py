@@ -6,13 +6,15 @@ seconds training was blocked apart from the background write; the next save wait
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
-from jit_helpers import ckpt_check, run_logged
+from jit_helpers import ckpt_check, run_logged, start_ranks, wait_for
 
 from slurm_jit import exactness, timing
 from slurm_jit.checkpoint import protocol
-from slurm_jit.train.async_save import commit
+from slurm_jit.train import stop_record
+from slurm_jit.train.async_save import commit, fault_points
 from slurm_jit.train.trainer import FAULT_SAVE_SLEEP_ENV
 
 # The background write of every async save stalls this long (and the synchronous final save too): a blocked time
@@ -20,6 +22,8 @@ from slurm_jit.train.trainer import FAULT_SAVE_SLEEP_ENV
 BACKGROUND_STALL_S = 3.0
 # Files whose bytes depend on the run, not the save: TrainingArguments pickled with this run's output_dir
 RUN_SPECIFIC = {"training_args.bin"}
+STAGE_STALL_S = 5  # the staging of step 2 held while both ranks get their SIGTERM
+STOP_WITHIN_S = 120  # from the signal to both ranks gone (~10-30 s on 2 loaded cores)
 
 
 def _manifest(ckpt: Path) -> dict[str, dict[str, object]]:
@@ -63,3 +67,25 @@ def test_async_periodic_save_is_the_synchronous_save_written_in_the_background(t
     sync = [r["dur_s"] for r in timing.read_records(jit_zero2_run) if r["event"] == "save" and r["step"] == 3]
     print(f"blocked per periodic save: async {max(r['dur_s'] for r in blocked.values()):.3f} s, "
           f"sync {max(sync):.3f} s")
+
+
+def test_a_stop_signal_during_the_staging_is_taken_at_that_step(tmp_path: Path) -> None:
+    """SIGTERM to both ranks while the async save of step 2 is being staged (stalled there, fault injection): the
+    stop round read right after the submission takes it at step 2, whose periodic checkpoint, once committed, is
+    the stop's; a synchronous save's stop behaves so. It was read a step later: a JIT save of step 3 on top."""
+    out = tmp_path / "out"
+    ranks = start_ranks(out, ["--max-steps", "8", "--save-steps", "2", "--async-periodic-saves", "--kill-wait", "0"],
+                        env={fault_points.FAULT_ASYNC_ENV: f"stage:2:{STAGE_STALL_S}"})
+    wait_for(ranks, "stalled in the staging of step 2",
+             lambda: all(fault_points.STALLED % ("stage", 2, r) in ranks.log(r) for r in (0, 1)))
+    for rank in (0, 1):
+        ranks.signal(rank, signal.SIGTERM)
+    codes = ranks.wait(STOP_WITHIN_S)
+    log = ranks.log(0)
+    assert codes == [0, 0], (codes, log[-4000:])
+    record = stop_record.read(out)
+    assert record is not None and record["state"] == "jit_stop" and record["step"] == 2, record
+    assert record["checkpoint"] == str(out / "checkpoint-2"), record
+    check = json.loads(ckpt_check(out, "--deep", "--json").stdout)
+    verdicts = {c["step"]: (c["status"], c["kind"]) for c in check["checkpoints"]}
+    assert verdicts == {2: ("complete", "periodic")}, verdicts

@@ -105,6 +105,13 @@ def at_last_step(trainer: JitTrainer) -> bool:
     return bool(trainer.state.max_steps) and trainer.state.global_step >= trainer.state.max_steps
 
 
+def _async_submitted(trainer: JitTrainer) -> int | None:
+    """The step of an async periodic save just submitted (its staging is what blocked this boundary)."""
+    from slurm_jit.train.async_save import periodic  # noqa: PLC0415 (periodic -> writer -> save_path -> here)
+
+    return periodic.in_flight_step(trainer)
+
+
 def log_save_evaluate(trainer: JitTrainer, run: Run, upstream: Callable[[], None], model: Any,
                       trial: Any) -> None:
     """``_maybe_log_save_evaluate`` inside the loop: this boundary's stop round, upstream's evaluation and save
@@ -119,7 +126,7 @@ def log_save_evaluate(trainer: JitTrainer, run: Run, upstream: Callable[[], None
         trainer.control.should_evaluate = False
         trainer.control.should_save = False
     upstream()
-    if not run.stop_now and run.saved_step == step:
+    if not run.stop_now and step in (run.saved_step, _async_submitted(trainer)):
         agree_now(trainer)  # a periodic save just ended: a stop that came during it is taken here, not a step later
     if _stopping(run, step, last_step):
         if run.saved_step != step:

@@ -118,6 +118,14 @@ def refusal(trainer: JitTrainer) -> str | None:
     return None
 
 
+def in_flight_step(trainer: JitTrainer) -> int | None:
+    """The step of the async save submitted and not yet seen committed (None: none): the stop path reads a stop
+    round right after it, as after a synchronous save, so that a signal that came during the staging is taken at
+    this step (its checkpoint the periodic one, once committed), not a step later."""
+    saves = _saves(trainer, create=False)
+    return saves.in_flight.step if saves is not None and saves.in_flight is not None else None
+
+
 def _saves(trainer: JitTrainer, create: bool) -> AsyncSaves | None:
     run = trainer._jit_run
     if run is None or not trainer.jit_config.async_periodic_saves:
