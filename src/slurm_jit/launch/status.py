@@ -58,8 +58,7 @@ def _stopped_line(history: list[dict[str, object]], job_id: str | None, job: dic
     batch shell with the ranks, so after_step never runs and never records it: Slurm's CANCELLED says it."""
     last = history[-1] if history else None
     cancelled = job is not None and slurm.job_state(job) in policy.CANCELLED_STATES
-    if cancelled and job is not None and not (last and str(last.get("job_id")) == job_id
-                                              and last.get("cause") == policy.CAUSE_USER_CANCEL):
+    if cancelled and job is not None and not _recorded_this_run(last, job_id, job):
         return (f"stopped:  {policy.CAUSE_USER_CANCEL} (restart {job.get('Restarts', '?')}), not requeued: Slurm "
                 "says CANCELLED (scancel); it ended the batch shell too, so the log has no slurm-jit: line for it")
     if last is None:
@@ -67,6 +66,17 @@ def _stopped_line(history: list[dict[str, object]], job_id: str | None, job: dic
     verdict = str(last.get("outcome") or ("requeued" if last.get("requeue") else "not requeued"))
     step = "" if last.get("step") is None else f" at step {last.get('step')}"
     return f"stopped:  {last.get('cause')}{step} (restart {last.get('restart')}), {verdict}: {last.get('reason')}"
+
+
+def _recorded_this_run(last: dict[str, object] | None, job_id: str | None, job: dict[str, str]) -> bool:
+    """Whether the launcher's last record is of the job's current run (its decision then says what happened: a
+    requeue withdrawn by the cancel, a cancel it saw); without Slurm's restart count, a cancel it recorded."""
+    if last is None or str(last.get("job_id")) != job_id:
+        return False
+    restarts = job.get("Restarts")
+    if restarts is None:
+        return last.get("cause") == policy.CAUSE_USER_CANCEL
+    return str(last.get("restart")) == str(restarts)
 
 
 def _grace_line(out_dir: str) -> str:
