@@ -33,3 +33,10 @@ def tmpfs(mount: Path, size_bytes: int, *, read_only: bool = False) -> Iterator[
         yield mount
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False, timeout=MOUNT_TIMEOUT_S)
+
+
+def assert_one_line(message: str, *words: str) -> None:
+    """A refused write's error: one line with a HINT, naming each of ``words``."""
+    assert "\n" not in message and "HINT:" in message, message
+    for word in words:
+        assert word in message, message

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import zero2_states
-from disk_helpers import fill, tmpfs
+from disk_helpers import assert_one_line, fill, tmpfs
 from torch.utils.serialization import config as torch_serialization
 
 from slurm_jit.train import save_errors
@@ -30,12 +30,6 @@ def writer():
     made = BackgroundWriter(zip_crc32=False)
     yield made
     made.close(timeout_s=WAIT_S)
-
-
-def _one_line(message: str, *words: str) -> None:
-    assert "\n" not in message and "HINT:" in message, message
-    for word in words:
-        assert word in message, message
 
 
 def test_written_files_are_the_states_at_staging_and_durable(tmp_path, writer) -> None:
@@ -92,7 +86,7 @@ def test_a_full_disk_in_the_background_is_raised_by_wait_once(tmp_path, writer) 
                       release=released.set)
         with pytest.raises(CheckpointWriteError) as caught:
             writer.wait(WAIT_S)
-        _one_line(str(caught.value), "checkpoint-3", "free space on")
+        assert_one_line(str(caught.value), "checkpoint-3", "free space on")
         assert released.is_set()  # the staging buffers are free again
         assert writer.wait(WAIT_S) is True  # raised once, not again
 
@@ -108,7 +102,7 @@ def test_a_read_only_directory_is_raised_by_the_next_submit(tmp_path, writer) ->
         other = tmp_path / "checkpoint-5"
         with pytest.raises(CheckpointWriteError) as caught:
             writer.submit(other, [(other / "a.pt", torch.ones(2))], wait_if_busy=True, timeout_s=WAIT_S)
-        _one_line(str(caught.value), "Read-only file system", "have it made writable")
+        assert_one_line(str(caught.value), "Read-only file system", "have it made writable")
         assert not other.exists()  # the refused submit started nothing
 
 
@@ -117,7 +111,7 @@ def test_any_other_failure_is_one_line_naming_it(tmp_path, writer) -> None:
     writer.submit(ckpt, [(ckpt / "a.pt", {"fn": lambda: 0})], wait_if_busy=False)  # not picklable
     with pytest.raises(CheckpointWriteError) as caught:
         writer.wait(WAIT_S)
-    _one_line(str(caught.value), "background write of", "checkpoint-6", "failed: ", "logged at DEBUG")
+    assert_one_line(str(caught.value), "background write of", "checkpoint-6", "failed: ", "logged at DEBUG")
 
 
 def test_a_failed_write_is_told_to_on_error_and_still_raised(tmp_path, writer) -> None:

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from disk_helpers import fill
+from disk_helpers import assert_one_line, fill
 
 from slurm_jit.checkpoint import protocol
 from slurm_jit.train import save_errors, stop_record
@@ -68,12 +68,6 @@ def _trainer(out: Path, callback: object, max_steps: int = 3) -> object:
                       jit_config=JitConfig(kill_wait_s=0))
 
 
-def _assert_one_line(message: str, *words: str) -> None:
-    assert "\n" not in message and "HINT:" in message, message
-    for word in words:
-        assert word in message, message
-
-
 def test_a_file_system_turning_read_only_in_the_middle_of_a_save_is_one_line_and_keeps_the_earlier_checkpoint(
         two_mounts: Path) -> None:
     import transformers
@@ -89,7 +83,7 @@ def test_a_file_system_turning_read_only_in_the_middle_of_a_save_is_one_line_and
     with pytest.raises(save_errors.CheckpointWriteError) as caught:
         trainer.train()  # type: ignore[attr-defined]
     assert caught.value.__cause__ is None and caught.value.__suppress_context__
-    _assert_one_line(str(caught.value), "checkpoint-2", "Read-only file system (EROFS)", "read-only")
+    assert_one_line(str(caught.value), "checkpoint-2", "Read-only file system (EROFS)", "read-only")
     assert (out / "checkpoint-2" / protocol.SENTINEL_NAME).exists()  # the failed save stays incomplete
     resolution = protocol.find_resumable(out, deep=True)
     assert resolution.checkpoint is not None and resolution.checkpoint.path.name == "checkpoint-1"
@@ -116,7 +110,7 @@ def test_enospc_writing_stop_json_after_a_jit_checkpoint_is_one_line_and_the_che
     ckpt = resolution.checkpoint
     assert ckpt is not None and ckpt.kind == "jit" and ckpt.status is protocol.Status.COMPLETE, resolution
     assert type(caught.value).__name__ == "StopRecordError"
-    _assert_one_line(str(caught.value), "stop.json", "No space left on device (ENOSPC)",
+    assert_one_line(str(caught.value), "stop.json", "No space left on device (ENOSPC)",
                      f"{ckpt.path} is complete", "free space")
     assert stop_record.read(out)["state"] == "running"  # type: ignore[index]  # the record before, whole
     assert not stop_record.path(out).with_suffix(".tmp").exists()  # no half-written temporary left
@@ -209,7 +203,7 @@ def test_edquot_inside_torch_save_is_one_line_with_a_quota_hint(tmp_path: Path) 
                           text=True, timeout=SHIM_TIMEOUT_S)
     assert proc.returncode == 1, (proc.returncode, proc.stdout, proc.stderr[-3000:])
     message = proc.stdout.strip()
-    _assert_one_line(message, "checkpoint-2", "Disk quota exceeded (EDQUOT)", "quota")
+    assert_one_line(message, "checkpoint-2", "Disk quota exceeded (EDQUOT)", "quota")
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert (earlier / "kept.bin").read_bytes() == b"saved before"
     assert not (ckpt / save_errors.PROBE_NAME).exists()  # the guard's test write is gone
@@ -232,7 +226,7 @@ def test_a_read_only_file_system_at_setting_aside_an_earlier_run_s_checkpoint_is
     with pytest.raises(save_errors.CheckpointWriteError) as caught:
         trainer.train(resume_from_checkpoint=str(out / "checkpoint-1"))  # type: ignore[attr-defined]
     assert caught.value.__cause__ is None and caught.value.__suppress_context__
-    _assert_one_line(str(caught.value), "checkpoint-2", "could not be set aside", "Read-only file system (EROFS)",
+    assert_one_line(str(caught.value), "checkpoint-2", "could not be set aside", "Read-only file system (EROFS)",
                      "untouched")
     assert (out / "checkpoint-2" / protocol.MANIFEST_NAME).read_bytes() == earlier
     assert not list(out.glob("checkpoint-2.*"))
@@ -257,5 +251,5 @@ def test_a_failure_whose_stop_record_finds_the_disk_full_logs_that_in_one_line_w
         trainer.train()  # type: ignore[attr-defined]
     said = [r.getMessage() for r in caplog.records if "stop.json" in r.getMessage()]
     assert len(said) == 1, [r.getMessage() for r in caplog.records]
-    _assert_one_line(said[0], "(failed) could not be written", "No space left on device (ENOSPC)")
+    assert_one_line(said[0], "(failed) could not be written", "No space left on device (ENOSPC)")
     assert said[0].count("slurm_jit:") == 1, said[0]

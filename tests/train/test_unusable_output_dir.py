@@ -13,8 +13,9 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import disk_helpers
 import pytest
-from disk_helpers import fill
+from disk_helpers import assert_one_line, fill
 
 from slurm_jit.train import writable
 from slurm_jit.train.refusals import JitRefusal
@@ -35,22 +36,10 @@ def _trainer(out: Path) -> object:
                       train_dataset=demo_train._Tokens(8, seed=1), jit_config=JitConfig(kill_wait_s=0))
 
 
-def _one_line(message: str, *words: str) -> None:
-    assert "\n" not in message and "HINT:" in message, message
-    for word in words:
-        assert word in message, message
-
-
 @pytest.fixture
 def tmpfs(tmp_path: Path) -> Iterator[Path]:
-    mount = tmp_path / "fs"
-    mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], check=True,
-                   timeout=MOUNT_TIMEOUT_S)
-    try:
+    with disk_helpers.tmpfs(tmp_path / "fs", 256 * 1024) as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False, timeout=MOUNT_TIMEOUT_S)
 
 
 def test_an_output_dir_that_is_a_file_is_refused_in_one_line_and_the_file_is_kept(tmp_path: Path) -> None:
@@ -58,7 +47,7 @@ def test_an_output_dir_that_is_a_file_is_refused_in_one_line_and_the_file_is_kep
     out.write_text("my notes\n")
     with pytest.raises(JitRefusal) as caught:
         _trainer(out)
-    _one_line(str(caught.value), f"{out} is a file, not a directory")
+    assert_one_line(str(caught.value), f"{out} is a file, not a directory")
     assert out.read_text() == "my notes\n"
 
 
@@ -67,7 +56,7 @@ def test_an_output_dir_that_is_a_dangling_link_names_the_missing_target_and_crea
     out.symlink_to(tmp_path / "scratch" / "run1")  # storage not mounted here
     with pytest.raises(JitRefusal) as caught:
         _trainer(out)
-    _one_line(str(caught.value), f"symbolic link to {tmp_path / 'scratch' / 'run1'}, which does not exist")
+    assert_one_line(str(caught.value), f"symbolic link to {tmp_path / 'scratch' / 'run1'}, which does not exist")
     assert out.is_symlink() and not (tmp_path / "scratch").exists()
 
 
@@ -77,7 +66,7 @@ def test_an_output_dir_to_be_created_on_a_read_only_file_system_is_one_line(tmpf
     out = tmpfs / "runs" / "out"
     with pytest.raises(JitRefusal) as caught:
         _trainer(out)
-    _one_line(str(caught.value), "cannot be created", "Read-only file system (EROFS)", "writable from every node")
+    assert_one_line(str(caught.value), "cannot be created", "Read-only file system (EROFS)", "writable from every node")
 
 
 @needs_root
@@ -87,6 +76,6 @@ def test_a_full_disk_at_the_first_test_write_is_one_line_with_the_free_space_hin
     fill(tmpfs)
     with pytest.raises(JitRefusal) as caught:
         trainer.train()  # type: ignore[attr-defined]
-    _one_line(str(caught.value), "No space left on device (ENOSPC)", "free space on", "df -h")
+    assert_one_line(str(caught.value), "No space left on device (ENOSPC)", "free space on", "df -h")
     assert not list(out.rglob(f"{writable.PROBE_PREFIX}*"))  # the test write is removed
     assert not list(out.glob("checkpoint-*"))
