@@ -1,19 +1,24 @@
 """Row 7: ``ckpt-check`` over 100 real checkpoints (quick mode: manifests and sizes), and ``--deep`` (every
-checksum) against the disk's read limit and against ``sha256sum`` on the same files, page cache dropped first."""
+checksum) against the disk's read limit and against ``sha256sum`` on the same files, page cache dropped first
+(reported), and against the raw read floor of the same files on tmpfs (issue #34's target)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from slurm_jit.bench import runs
+from slurm_jit.bench import floors, runs
 from slurm_jit.bench.disk import MB, DiskLimits, drop_page_cache
 from slurm_jit.bench.rows import NO_TARGET, Row, failed, measured
 
 QUICK_TARGET = "< 1.0"  # issue 10: the quick mode over 100 checkpoints under 1 s in all
-DEEP_TARGET = ">= 0.8"  # issue 10: --deep at least 0.8 of the disk's read bandwidth
+# Issue 10 held --deep to 0.8 of the disk's read limit; issue #34 dropped that target (the disk here is a host
+# cache): reported, and the read floor on tmpfs is the target.
+DEEP_TARGET = NO_TARGET
 CHECK_TIMEOUT_S = 600
 TINY_ARGS = ["--width", "64", "--layers", "2", "--heads", "2"]
 
@@ -61,3 +66,34 @@ def deep_rows(out: Path, ckpt: Path, disk: DiskLimits) -> list[Row]:
                  f"{compares}: its wall time over `sha256sum` of the same files ({cache})",
                  deep_s=round(deep_s, 3), sha256sum_s=round(sha_s, 3)),
     ]
+
+
+def _deep_in_process_s(out: Path) -> tuple[float, int]:
+    """``ckpt-check --deep OUT``'s body in this process (its output discarded): the check's own work, without the
+    fresh interpreter's start and imports that do not grow with the bytes."""
+    from slurm_jit.checkpoint import ckpt_check
+
+    with open(os.devnull, "w", encoding="utf-8") as devnull:  # a real file: ckpt-check writes to its buffer too
+        start_s = time.monotonic()
+        with contextlib.redirect_stdout(devnull), contextlib.redirect_stderr(devnull):
+            code = ckpt_check.run([str(out), "--deep"])
+        return time.monotonic() - start_s, code
+
+
+def deep_floor_row(out: Path, ckpt: Path, floor_trials_s: list[float], readers: int) -> Row:
+    """``ckpt-check --deep`` over a checkpoint on tmpfs, best of as many trials as the floor's, over the best of
+    the raw read floor of the same files (issue #34's target); the command's wall time beside it."""
+    name = "ckpt_check_deep_over_read_floor"
+    trials = len(floor_trials_s)
+    compares = (f"`ckpt-check --deep` over a {runs.tree_bytes(ckpt) / MB:.0f} MB JIT checkpoint on tmpfs "
+                f"({floors.TMPFS}), in process (a fresh interpreter's start left out), best of {trials}, over the "
+                f"raw floor: the same files read by {readers} threads at once (one per rank), best of {trials}")
+    deep = [_deep_in_process_s(out) for _ in range(trials)]
+    if any(code != 0 for _, code in deep):
+        return failed(name, "ratio", floors.FLOOR_TARGET, compares, f"exit codes {[code for _, code in deep]}")
+    command_s, code = _timed(_ckpt_check(out, "--deep"))
+    deep_s, floor_s = floors.best_of([s for s, _ in deep]), floors.best_of(floor_trials_s)
+    return measured(name, floors.over_floor(deep_s, floor_s), "ratio", floors.FLOOR_TARGET, compares,
+                    deep_s=round(deep_s, 4), deep_trials_s=[round(s, 4) for s, _ in deep], floor_s=round(floor_s, 4),
+                    floor_trials_s=[round(t, 4) for t in floor_trials_s], command_s=round(command_s, 3),
+                    command_exit_code=code)

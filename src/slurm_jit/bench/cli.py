@@ -16,6 +16,7 @@ from slurm_jit.bench import (
     async_saves,
     ckpt_check_speed,
     disk,
+    floor_rows,
     gpu,
     lora,
     overhead,
@@ -46,33 +47,37 @@ class Profile:
     ckpt_count: int  # checkpoints ckpt-check's quick mode reads
     # the async-vs-sync pair's save_steps and wall time (issue #23); None: not in this profile unless --only async
     async_saves: async_saves.Settings | None
+    floors: bool  # the floor rows (issue #34: three more 2-rank runs, on tmpfs)
 
 
 QUICK = Profile(flag="--quick", model=runs.Model(width=128, layers=2, heads=2), zero3=False, overhead_steps=0,
                 overhead_repeats=0, trials_per_delay=0, extra_signal_trials=0, ckpt_count=10,
                 # not in CI's smoke run (two more 2-rank runs under a 90-minute budget); --quick --only async runs
                 # them: ~50 s of two 12 s runs plus their starts, async saves every 3 steps, synchronous every 30
-                async_saves=None)
+                async_saves=None,
+                floors=False)  # not in CI's smoke run either (three more 2-rank runs)
 QUICK_ASYNC = async_saves.Settings(save_steps=30, wall_s=12.0)
 # The issue's reference model (GPT-2 width 512, 8 layers: ~300 MB of resumable state, ~405 MB written).
 DEFAULT = Profile(flag="", model=runs.Model(width=512, layers=8), zero3=True, overhead_steps=150,
                   overhead_repeats=1, trials_per_delay=2, extra_signal_trials=0, ckpt_count=100,
-                  async_saves=async_saves.Settings(save_steps=50, wall_s=120.0))
+                  async_saves=async_saves.Settings(save_steps=50, wall_s=120.0), floors=True)
 # Width 768, 13 layers: 92 M parameters, 1.1 GB (1.03 GiB) of fp32 master weights + Adam moments; 20 signal trials.
 FULL = Profile(flag="--full", model=runs.Model(width=768, layers=13, heads=12), zero3=True, overhead_steps=300,
                overhead_repeats=2, trials_per_delay=5, extra_signal_trials=4, ckpt_count=100,
-               async_saves=async_saves.Settings(save_steps=50, wall_s=240.0))
+               async_saves=async_saves.Settings(save_steps=50, wall_s=240.0), floors=True)
 
 # Every row of every profile, in order: a row a profile does not run is reported skipped.
 ROW_NAMES = (
-    "disk_write", "disk_read", "save_bw_over_disk_zero2", "bytes_over_needed_zero2", "save_vs_upstream_plus_sync",
+    "disk_write", "disk_read", "save_bw_over_disk_zero2", floor_rows.ZERO2_SAVE_ROW, floor_rows.DISK_SAVE_ROW,
+    "bytes_over_needed_zero2", "save_vs_upstream_plus_sync",
     "upstream_bytes_over_needed", "bytes_over_needed_lora", "lora_save_over_full", "save_bw_over_disk_zero3",
-    "bytes_over_needed_zero3", "zero3_gather_on_over_off",
+    floor_rows.ZERO3_SAVE_ROW, "bytes_over_needed_zero3", "zero3_gather_on_over_off",
     "memory_peak_over_steady", "agreement_overhead_median", "agreement_overhead_p99",
     "watchdog_overhead_median", "watchdog_wakeups_per_min", "signal_exit_prediction_min",
     "signal_exit_prediction_max", "staggered_ours_completed", "staggered_upstream_completed", "ckpt_check_quick_s",
-    "ckpt_check_deep_over_disk_read", "ckpt_check_deep_over_sha256sum", "resume_over_fresh_start",
-    "resume_load_over_disk_read", *async_saves.ROW_NAMES, *gpu.GPU_ROWS,
+    "ckpt_check_deep_over_disk_read", "ckpt_check_deep_over_sha256sum", floor_rows.DEEP_ROW,
+    "resume_over_fresh_start", "resume_load_over_disk_read", floor_rows.RESUME_ROW,
+    *async_saves.ROW_NAMES, *gpu.GPU_ROWS,
 )
 # --only NAME: one group of rows alone (the others reported skipped)
 ONLY = {"async": "async periodic saves against synchronous ones (issue #23)"}
@@ -110,25 +115,18 @@ def measure(profile: Profile, work: Path, only: str | None = None) -> list[Row]:
     if only == "async":
         _section(rows, "async_saves", lambda: _async_rows(profile, work))
         return rows
-    z2: list[save.JitSave] = []
-    limits: list[disk.DiskLimits] = []
-
-    def zero2() -> list[Row]:
-        z2.append(save.run_ours(work / "zero2", profile.model, 2))
-        limits.append(disk.measure(work, z2[0].total_bytes))
-        return [*disk.rows(limits[0], work), save.bandwidth_row("save_bw_over_disk_zero2", z2[0], limits[0], "ZeRO-2"),
-                save.bytes_row("bytes_over_needed_zero2", z2[0], "ZeRO-2"), save.memory_row(z2[0])]
-
-    _section(rows, "save_zero2", zero2)
-    if not z2:
+    z2 = _zero2_on_disk(rows, profile, work, profile.floors)
+    if z2 is None:
         return rows
-    ours, limit = z2[0], limits[0]
+    ours, limit = z2
     _section(rows, "upstream", lambda: save.upstream_rows(work / "upstream", profile.model, ours))
     _section(rows, "save_lora", lambda: lora.rows(work / "lora", profile.model, ours))
     _section(rows, "ckpt_check_deep", lambda: ckpt_check_speed.deep_rows(ours.outcome.out, ours.ckpt, limit))
     _section(rows, "resume", lambda: resume.rows(ours, profile.model, limit))
     if profile.zero3:
         _section(rows, "save_zero3", lambda: save.zero3_rows(work, profile.model, limit))
+    if profile.floors:
+        _floor_sections(rows, profile, save_rows=True, resume_rows=True)
     if profile.overhead_steps:
         _section(rows, "overhead", lambda: overhead.rows(work / "overhead", profile.overhead_steps,
                                                          profile.overhead_repeats))
@@ -140,6 +138,34 @@ def measure(profile: Profile, work: Path, only: str | None = None) -> list[Row]:
         _section(rows, "async_saves", lambda: _async_rows(profile, work))
     _section(rows, "gpu", gpu.rows)
     return rows
+
+
+def _zero2_on_disk(rows: list[Row], profile: Profile, work: Path,
+                   floor: bool) -> tuple[save.JitSave, disk.DiskLimits] | None:
+    """The ZeRO-2 JIT stop on the disk that most rows use, the disk's references beside it (and its write floor
+    there when ``floor``); None when it broke."""
+    z2: list[tuple[save.JitSave, disk.DiskLimits]] = []
+
+    def zero2() -> list[Row]:
+        ours = save.run_ours(work / "zero2", profile.model, 2)
+        limit = disk.measure(work, ours.total_bytes)
+        z2.append((ours, limit))
+        return [*disk.rows(limit, work), save.bandwidth_row("save_bw_over_disk_zero2", ours, limit, "ZeRO-2"),
+                save.bytes_row("bytes_over_needed_zero2", ours, "ZeRO-2"), save.memory_row(ours)]
+
+    _section(rows, "save_zero2", zero2)
+    if not z2:
+        return None
+    if floor:
+        _section(rows, "write_floor_disk", lambda: [floor_rows.disk_row(z2[0][0], work)])
+    return z2[0]
+
+
+def _floor_sections(rows: list[Row], profile: Profile, *, save_rows: bool, resume_rows: bool) -> None:
+    _section(rows, "floors_zero2_tmpfs",
+             lambda: floor_rows.zero2_rows(profile.model, save_row=save_rows, resume_rows=resume_rows))
+    if save_rows:
+        _section(rows, "floors_zero3_tmpfs", lambda: floor_rows.zero3_rows(profile.model))
 
 
 def _signal_rows(profile: Profile, work: Path, ours: save.JitSave) -> list[Row]:

@@ -96,6 +96,19 @@ def histogram(series: dict[str, list[float]]) -> list[str]:
     return lines
 
 
+def _floor_pairs(by_name: dict[str, Row]) -> list[tuple[str, float]]:
+    """(label, seconds): each measured save beside its write floor (on the disk: the floor's median)."""
+    pairs: list[tuple[str, float]] = []
+    for name, label in (("save_over_write_floor_zero2", "ZeRO-2 tmpfs"),
+                        ("save_over_write_floor_zero3", "ZeRO-3 tmpfs"), ("save_over_write_floor_disk", "ZeRO-2 disk")):
+        row = by_name.get(name)
+        if row is None or row.value is None:
+            continue
+        floor_s = row.details["floor"]["median_s"] if "floor" in row.details else row.details["floor_s"]
+        pairs += [(f"{label} floor", float(floor_s)), (f"{label} save ", float(row.details["save_s"]))]
+    return pairs
+
+
 def _charts(rows: list[Row]) -> list[str]:
     by_name = {r.name: r for r in rows}
     out: list[str] = []
@@ -106,6 +119,9 @@ def _charts(rows: list[Row]) -> list[str]:
         pairs = [("disk write limit", disk.value)] + [(n.replace("save_bw_over_disk_", "JIT save "), v)
                                                      for n, v in saves]
         out += ["### Save bandwidth against the disk's write limit", "", "```", *bars(pairs, "MB/s"), "```", ""]
+    floors = _floor_pairs(by_name)
+    if floors:
+        out += ["### JIT saves against the raw write floor (issue 34)", "", "```", *bars(floors, "s"), "```", ""]
     p99 = by_name.get("agreement_overhead_p99")
     if p99 and p99.details.get("jit_hist"):
         series = {"plain Trainer": p99.details["plain_hist"], "JitTrainer": p99.details["jit_hist"]}

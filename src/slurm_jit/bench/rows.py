@@ -42,9 +42,10 @@ def measured(name: str, value: float, unit: str, target: str, compares: str, not
                details=details)
 
 
-def skipped(name: str, unit: str, target: str, compares: str, reason: str) -> Row:
+def skipped(name: str, unit: str, target: str, compares: str, reason: str, **details: Any) -> Row:
+    """A row not measured on purpose; ``details``: what was measured on the way, if anything."""
     return Row(name=name, value=None, unit=unit, target=target, met=None, compares=compares,
-               note=f"skipped: {reason}")
+               note=f"skipped: {reason}", details=details)
 
 
 def failed(name: str, unit: str, target: str, compares: str, error: str) -> Row:

@@ -1,6 +1,7 @@
-"""Rows 2 and 3: JIT save throughput against the disk's write limit and against upstream
-``enable_jit_checkpoint``, bytes written against the minimal resumable state, ZeRO-3's 16-bit gather on and off,
-and peak memory during the save against steady training."""
+"""Rows 2 and 3: JIT save time against the raw write floor (issue #34: on tmpfs, the target; on the disk,
+reported), throughput against the disk's write limit and against upstream ``enable_jit_checkpoint``, bytes written
+against the minimal resumable state, ZeRO-3's 16-bit gather on and off, and peak memory during the save against
+steady training."""
 
 from __future__ import annotations
 
@@ -8,17 +9,20 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from slurm_jit import timing
-from slurm_jit.bench import runs
-from slurm_jit.bench.disk import MB, DiskLimits
+from slurm_jit.bench import floors, runs
+from slurm_jit.bench.disk import CHUNK_BYTES, MB, DiskLimits
 from slurm_jit.bench.rows import NO_TARGET, Row, measured, skipped
 from slurm_jit.checkpoint.manifest import MANIFEST_NAME
 
 logger = logging.getLogger(__name__)
 
 KILL_WAIT_S = 3.0  # upstream's JITCheckpointManager waits 3 s (kill_wait=3, not configurable): ours the same
-SAVE_BW_TARGET = ">= 0.8"  # issue 10: achieved bandwidth at least 0.8 of the disk's write limit
+# Issue 10 held the save to 0.8 of the disk's write limit; issue #34 dropped that target (the disk here is a host
+# cache whose speed moves 5x between runs): the ratio is reported, the floor on tmpfs is the target.
+SAVE_BW_TARGET = NO_TARGET
 UPSTREAM_TARGET = "<= 1.0"  # ours no slower than upstream plus a sync of the files it wrote
 BYTES_TARGET = "<= 1.1"  # bytes written at most 1.1 x the minimal resumable state
 MEMORY_TARGET = "<= 1.1"  # peak RSS during a JIT save at most 1.1 x steady training RSS
@@ -35,6 +39,16 @@ class JitSave:
     phases: dict[str, float]  # that rank's save, phase by phase (train/save_path.py SAVE_PHASES)
     total_bytes: int  # every file of the checkpoint (the manifest's count)
     needed_bytes: int  # what a resume reads: fp32 master weights, optimizer moments, small state files
+    files: dict[str, int]  # every file of the checkpoint (path relative to it -> bytes), the manifest's
+    world_size: int  # the ranks that wrote it
+
+    def sizes_by_rank(self) -> list[list[int]]:
+        """Each rank's file sizes: what the write floor writes."""
+        return [[size for _, size in files] for files in floors.by_rank(self.files, self.world_size)]
+
+    def paths_by_rank(self) -> list[list[Path]]:
+        """Each rank's files: what the read floor reads."""
+        return [[self.ckpt / rel for rel, _ in files] for files in floors.by_rank(self.files, self.world_size)]
 
 
 def train_args(model: runs.Model, zero_stage: int, *extra: str) -> list[str]:
@@ -53,7 +67,9 @@ def run_ours(out: Path, model: runs.Model, zero_stage: int, *extra: str) -> JitS
         raise RuntimeError(f"no JIT save in the timing log of {out}")
     longest = max(saves, key=lambda r: float(r["dur_s"]))
     return JitSave(outcome=outcome, ckpt=ckpt, save_s=float(longest["dur_s"]), phases=dict(longest.get("phases", {})),
-                   total_bytes=int(manifest["total_bytes"]), needed_bytes=int(manifest["bytes_needed_for_resume"]))
+                   total_bytes=int(manifest["total_bytes"]), needed_bytes=int(manifest["bytes_needed_for_resume"]),
+                   files={rel: int(entry["size"]) for rel, entry in manifest["files"].items()},
+                   world_size=int(manifest["world_size"]))
 
 
 def bandwidth_row(name: str, save: JitSave, disk: DiskLimits, what: str) -> Row:
@@ -64,6 +80,35 @@ def bandwidth_row(name: str, save: JitSave, disk: DiskLimits, what: str) -> Row:
                     save_s=round(save.save_s, 3), bytes=save.total_bytes, save_mb_s=round(bw_bps / MB, 1),
                     disk_write_mb_s=round(disk.write_bps / MB, 1),
                     phases_s={name: round(s, 3) for name, s in save.phases.items()})
+
+
+def _floor_details(save: JitSave) -> dict[str, Any]:
+    return {"save_s": round(save.save_s, 4), "bytes": save.total_bytes,
+            "bytes_per_rank": [sum(sizes) for sizes in save.sizes_by_rank()], "files": len(save.files),
+            "phases_s": {name: round(s, 4) for name, s in save.phases.items()}}
+
+
+def write_floor_row(name: str, save: JitSave, trials_s: list[float], what: str) -> Row:
+    """The save on tmpfs over the best of the raw write floor's trials on tmpfs (issue #34's target)."""
+    floor_s = floors.best_of(trials_s)
+    return measured(name, floors.over_floor(save.save_s, floor_s), "ratio", floors.FLOOR_TARGET,
+                    f"{what}, output directory on tmpfs ({floors.TMPFS}): the JIT save's time (longest rank, every "
+                    f"phase, timing log) over the raw floor: each rank's bytes (its files' sizes) written from memory "
+                    f"by {save.world_size} threads at once, os.write in {CHUNK_BYTES // 2**20} MiB chunks + fsync, "
+                    f"into tmpfs, best of {len(trials_s)}",
+                    floor_s=round(floor_s, 4), floor_trials_s=[round(t, 4) for t in trials_s],
+                    above_floor_s=floors.above_floor(save.phases, floor_s), **_floor_details(save))
+
+
+def disk_floor_row(save: JitSave, trials_s: list[float], directory: Path) -> Row:
+    """The save on the real disk beside the same raw floor written there (reported: the disk here swings)."""
+    spread = floors.spread(trials_s)
+    return measured("save_over_write_floor_disk", floors.over_floor(save.save_s, spread.median_s), "ratio", NO_TARGET,
+                    f"ZeRO-2, output directory on the disk ({directory}): the JIT save's time (longest rank, every "
+                    f"phase) over the median of {len(trials_s)} trials of the raw write floor there (as "
+                    "save_over_write_floor_zero2's, buffered + fsync), min/median/max in the details",
+                    floor=spread.as_details(), floor_trials_s=[round(t, 4) for t in trials_s],
+                    above_floor_median_s=floors.above_floor(save.phases, spread.median_s), **_floor_details(save))
 
 
 def bytes_row(name: str, save: JitSave, what: str) -> Row:
