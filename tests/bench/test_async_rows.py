@@ -53,3 +53,14 @@ def test_the_blocked_ratio_is_the_mean_of_each_saves_slowest_rank(tmp_path: Path
     assert row.details["async_saves"] == 3 and row.details["sync_saves"] == 2
     with pytest.raises(RuntimeError, match="saves synchronously"):  # an async run that staged nothing
         async_saves.blocked_row(sync, Watched(out=sync.out), Settings(save_steps=30, wall_s=1.0))
+
+
+def test_step_time_lost_is_the_interval_holding_a_save_less_the_calm_median() -> None:
+    """Steps of 1 s; the saves of steps 3 and 6 make steps 4 and 7 take 1.5 s and 2.5 s: 1 s lost on average."""
+    durations = [1.0, 1.0, 1.0, 1.5, 1.0, 1.0, 2.5, 1.0, 1.0, 1.0]  # step n's duration at index n - 1
+    step_ends = [sum(durations[:n]) for n in range(1, len(durations) + 1)]
+    lost, calm = async_saves.step_time_lost(step_ends, [3, 6])
+    assert calm == pytest.approx(1.0) and lost == pytest.approx(1.0)
+    assert async_saves.step_time_lost(step_ends, [3, 6], calm_s=0.5) == (pytest.approx(1.5), 0.5)  # another's
+    with pytest.raises(RuntimeError, match="too short"):
+        async_saves.step_time_lost(step_ends[:2], [1])

@@ -1,6 +1,7 @@
 """JitConfig(async_periodic_saves=True) on 2 real ZeRO-2 ranks (issue #23): the periodic checkpoint is written in
 the background while training goes on, is complete by ckpt-check's verdict, and holds the very bytes the
-synchronous save of the same step writes (the session's flag-off run, same seed); the timing log records the
+synchronous save of the same step writes (the session's flag-off run, same seed), model.safetensors included, also
+where the deferred staging copies come late (the next optimizer step waits for them); the timing log records the
 seconds training was blocked apart from the background write; the next save waits for the one in flight."""
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ BACKGROUND_STALL_S = 3.0
 # Files whose bytes depend on the run, not the save: TrainingArguments pickled with this run's output_dir
 RUN_SPECIFIC = {"training_args.bin"}
 STAGE_STALL_S = 5  # the staging of step 2 held while both ranks get their SIGTERM
+# The deferred copies of step 3 start this late in the background thread: step 4's optimizer step must wait for
+# them (the staged bytes would be step 4's otherwise), and the wait is in the save's blocked time
+COPY_STALL_S = 1.0
 STOP_WITHIN_S = 120  # from the signal to both ranks gone (~10-30 s on 2 loaded cores)
 
 
@@ -34,7 +38,8 @@ def test_async_periodic_save_is_the_synchronous_save_written_in_the_background(t
                                                                                jit_zero2_run: Path) -> None:
     out = tmp_path / "out"
     result = run_logged(out, ["--max-steps", "6", "--save-steps", "3", "--async-periodic-saves"],
-                        env={FAULT_SAVE_SLEEP_ENV: str(BACKGROUND_STALL_S)})
+                        env={FAULT_SAVE_SLEEP_ENV: str(BACKGROUND_STALL_S),
+                             fault_points.FAULT_ASYNC_ENV: f"copy:3:{COPY_STALL_S}"})
     assert result.codes == [0, 0], result.log[-4000:]
 
     # ckpt-check: both checkpoints complete (checkpoint-6 is the synchronous final save), checksums verified
@@ -61,6 +66,7 @@ def test_async_periodic_save_is_the_synchronous_save_written_in_the_background(t
         assert blocked[rank]["step"] == background[rank]["step"] == 3
         assert blocked[rank]["dur_s"] < BACKGROUND_STALL_S <= background[rank]["dur_s"], (blocked, background)
         assert "stage" in blocked[rank]["phases"] and blocked[rank]["staged_bytes"] > 0
+        assert COPY_STALL_S / 2 <= blocked[rank]["phases"]["copy_wait"] <= blocked[rank]["dur_s"], blocked[rank]
     assert not [r for r in records if r["event"] == "save" and r["step"] == 3], "an async save is no save record"
     # steps 4-6 ran during the stalled write, and the final save waited for it (logged), on both ranks
     assert result.log.count("the save of step 6 waits for the async save of step 3") == 2, result.log[-4000:]

@@ -1,12 +1,13 @@
-"""SIGKILL at the named instants of an async periodic save (issue #23), on 2 real ZeRO-2 ranks: inside the staging
-copy (both ranks killed), during rank 0's manifest (rank 0 killed), between the ranks' done markers. Each instant
-is hit deterministically: the save stalls there (``SLURM_JIT_FAULT_ASYNC``, fault injection) and the harness kills
-once the stall is logged. After each kill ``ckpt-check`` (quick and ``--deep``) calls the killed save
-``incomplete`` (never ``corrupt``, never ``complete``) and resumes from the newest complete one; every checkpoint
-it calls complete holds the uninterrupted run's state bitwise. In the same chain a JIT stop (SIGTERM) during an
-in-flight async save waits for it and writes its JIT checkpoint: both complete. The chain's resumed runs log every
-step's loss bitwise equal to the uninterrupted run's. Five short runs (~2-3 min of ranks); the 20-instant sweep
-with random instants is ``tools/faults --only async-kills``.
+"""SIGKILL at the named instants of an async periodic save (issue #23), on 2 real ZeRO-2 ranks: before the deferred
+staging copies, training held at its next optimizer step (both ranks killed), during rank 0's manifest (rank 0
+killed), between the ranks' done markers. Each instant is hit deterministically: the save stalls there
+(``SLURM_JIT_FAULT_ASYNC``, fault injection) and the harness kills once the stall is logged. After each kill ``ckpt-
+check`` (quick and ``--deep``) calls the killed save ``incomplete`` (never ``corrupt``, never ``complete``) and
+resumes from the newest complete one; every checkpoint it calls complete holds the uninterrupted run's state
+bitwise. In the same chain a JIT stop (SIGTERM) during an in-flight async save waits for it and writes its JIT
+checkpoint: both complete. The chain's resumed runs log every step's loss bitwise equal to the uninterrupted run's.
+Five short runs (~2-3 min of ranks); the 20-instant sweep with random instants is ``tools/faults --only async-
+kills``.
 
 Also: a rank's background writer failing alone (an exception in its thread only) ends train() on every rank at the
 next save, at once (rank 0 learns from the rank's failed marker, not from a 300 s deadline), with one line naming
@@ -30,7 +31,7 @@ from slurm_jit.train.async_save import commit, fault_points
 ARGS = ["--max-steps", "6", "--save-steps", "1", "--async-periodic-saves"]
 STALL_S = 120  # longer than any kill takes to come: the save is still stalled when the ranks die
 # (point, step of the stalled save, rank that stalls (None: both), ranks killed first (the others a second later))
-TRIALS = [("stage", 2, None, (0, 1)), ("manifest", 3, 0, (0,)), ("marker", 4, 1, (0, 1))]
+TRIALS = [("copy", 2, None, (0, 1)), ("manifest", 3, 0, (0,)), ("marker", 4, 1, (0, 1))]
 STOP_STALL_S = 6  # the JIT stop's trial: the async save of step 4 still being written when the stop (step 5) comes
 FAIL_WITHIN_S = 200.0  # the whole run (~30-90 s on 2 loaded cores): rank 0 learns at once, not at its 300 s deadline
 

@@ -156,3 +156,49 @@ def test_pinned_buffers_are_counted_as_the_pinned_allocator_rounds_them(monkeypa
     with pytest.raises(HostMemoryError, match="0.06 GiB"):  # 33 MiB pinned takes 64 MiB: refused before pinning
         HostStager(pin=True).stage(state)
     assert HostStager(pin=False).stage(state).nbytes == 33 * mib  # plain memory: 33 MiB fit
+
+
+def test_a_deferred_copy_takes_the_snapshot_when_copy_pending_runs(model_and_states) -> None:
+    """stage(defer=True): the structure and the Python values now, the tensors' bytes at copy_pending (the async
+    save holds DeepSpeed's next optimizer step until then); what copy_now names is copied at once."""
+    model, states = model_and_states
+    buffer_storage = states[MODEL_FILE]["module"][next(iter(states[MODEL_FILE]["module"]))].untyped_storage()
+    staged = HostStager(pin=False).stage(states, defer=True, copy_now=frozenset({buffer_storage._cdata}))
+    assert not staged.copied and not staged.wait_copied(0.01)
+    at_copy = {key: _saved(state) for key, state in states.items()}  # the originals at the copy
+    staged.copy_pending()
+    assert staged.copied and staged.wait_copied(0)
+    zero2_states.mutate_in_place(model, states)  # training's optimizer step, after the copy
+    for key, state in staged.states.items():
+        assert _saved(state) == at_copy[key], key
+
+
+def test_a_deferred_copy_made_in_another_thread_lets_this_one_run() -> None:
+    """copy_pending in the writer's thread: the copy releases the GIL, and wait_copied returns once it is done."""
+    import threading
+
+    states = {"a.pt": {"big": torch.arange(8 * 1024**2, dtype=torch.float32)}}
+    staged = HostStager(pin=False).stage(states, defer=True)
+    thread = threading.Thread(target=staged.copy_pending)
+    thread.start()
+    assert staged.wait_copied(60)
+    thread.join(60)
+    assert torch.equal(staged.states["a.pt"]["big"], states["a.pt"]["big"])
+
+
+def test_a_storage_held_by_two_files_is_staged_once_and_shared(model_and_states) -> None:
+    """A module's weights in DeepSpeed's model-states file and in model.safetensors' dict: one buffer, one copy."""
+    model, states = model_and_states
+    weights = dict(states[MODEL_FILE]["module"])  # the same tensors, as save_pretrained's state dict holds them
+    flat_bytes = next(model.parameters()).untyped_storage().nbytes()
+    stager = HostStager(pin=False)
+    staged = stager.stage({MODEL_FILE: states[MODEL_FILE], "model.safetensors": weights})
+    module, again = staged.states[MODEL_FILE]["module"], staged.states["model.safetensors"]
+    assert {t.untyped_storage().data_ptr() for t in module.values()} == {
+        t.untyped_storage().data_ptr() for t in again.values()}
+    assert staged.nbytes == stager.nbytes == flat_bytes
+    before = _saved(weights)
+    staged.release()
+    zero2_states.mutate_in_place(model, states)
+    second = stager.stage({MODEL_FILE: states[MODEL_FILE], "model.safetensors": weights})
+    assert _saved(second.states["model.safetensors"]) == _saved(weights) != before  # reused buffers, new values

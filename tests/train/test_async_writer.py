@@ -176,3 +176,25 @@ def test_close_waits_for_the_write_in_flight_and_ends_the_thread(tmp_path) -> No
 def test_a_file_outside_the_checkpoint_directory_is_refused(tmp_path: Path, writer) -> None:
     with pytest.raises(ValueError, match="not under the checkpoint directory"):
         writer.submit(tmp_path / "checkpoint-9", [(tmp_path / "elsewhere.pt", torch.ones(2))], wait_if_busy=False)
+
+
+def test_a_deferred_snapshot_is_copied_by_prepare_before_its_safetensors_file_is_written(tmp_path, writer) -> None:
+    """prepare (the staging's deferred copies) runs in the thread before any file; a safetensors item is written
+    as safetensors.torch.save_file writes it: the same bytes as the synchronous call at the instant of the copy."""
+    from safetensors.torch import save_file
+
+    from slurm_jit.train.async_save.files import SafetensorsFile
+
+    weights = {"a": torch.arange(1000, dtype=torch.float32), "b": torch.ones(3, 4)}
+    staged = HostStager(pin=False).stage({"model.safetensors": SafetensorsFile(weights, {"format": "pt"})}, defer=True)
+    save_file(weights, str(tmp_path / "sync.safetensors"), metadata={"format": "pt"})
+    ckpt = tmp_path / "checkpoint-1"
+    gate = threading.Event()
+    assert writer.submit(ckpt, [(ckpt / "model.safetensors", staged.states["model.safetensors"])],
+                         wait_if_busy=False, release=staged.release,
+                         prepare=lambda: (gate.wait(WAIT_S), staged.copy_pending())) is Submitted.STARTED
+    assert not staged.wait_copied(0.2) and not (ckpt / "model.safetensors").exists()  # held before the copy
+    gate.set()
+    assert staged.wait_copied(WAIT_S) and writer.wait(WAIT_S)
+    weights["a"].add_(1)  # training's optimizer step, after the copy: not in the file
+    assert (ckpt / "model.safetensors").read_bytes() == (tmp_path / "sync.safetensors").read_bytes()

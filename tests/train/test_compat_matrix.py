@@ -35,6 +35,7 @@ from jit_helpers import (
     run_logged,
 )
 
+from slurm_jit import timing
 from slurm_jit.checkpoint import protocol
 from slurm_jit.train import stop_record, trackers
 
@@ -85,6 +86,13 @@ ROWS = [
         deterministic="LengthGroupedSampler draws from the seeded generator the resume replays",
         features=["compute_loss_func", "eval_accumulation_steps", "preprocess_logits_for_metrics",
                   "compute_metrics", 'train_sampling_strategy="group_by_length"', "save_total_limit=1"]),
+    Row(name="async_periodic_saves+best+load_best",
+        program=None,
+        args=["--async-periodic-saves", "--eval-steps", "2", "--metric-for-best", "loss", "--save-total-limit", "2",
+              "--targ", 'save_strategy="best"', "--targ", "load_best_model_at_end=true"],
+        deterministic="plain training; the best checkpoints are written in the background",
+        features=["JitConfig(async_periodic_saves=True)", 'save_strategy="best" (async)',
+                  "load_best_model_at_end after an async save", "save_total_limit (rotation in the background)"]),
     Row(name="batch_rebalance",
         program=None,
         args=["--targ", 'train_sampling_strategy="batch_rebalance"', "--eval-steps", "5"],
@@ -180,6 +188,9 @@ def test_stop_resume_matches_the_uninterrupted_run(row: Row, tmp_path: Path) -> 
     reference = run_logged(reference_out, args, program=row.program, env=_wandb_env(reference_out) if wandb else None)
     assert reference.codes == [0, 0], reference.log[-4000:]
     assert [s for s, _ in losses(reference_out)] == list(range(1, MAX_STEPS + 1)), reference.log[-4000:]
+    if "--async-periodic-saves" in row.args:  # its periodic saves went to the background (none fell back)
+        events = [r["event"] for r in timing.read_records(reference_out)]
+        assert "save_blocked" in events and "save_background" in events, events
 
     seed = int(os.environ.get("SLURM_JIT_MATRIX_SEED", random.randrange(2**31)))
     stop_after = random.Random(seed).randint(FIRST_STOP_STEP, LAST_STOP_STEP)

@@ -4,10 +4,11 @@ One chain of trials in one output directory, ``JitConfig(async_periodic_saves=Tr
 step on 2 ZeRO-2 ranks. Each trial resumes (``--resume``), lets the run's first async save commit, and kills in the
 run's second one (the target):
 
-- at a named instant (:mod:`slurm_jit.train.async_save.fault_points`: inside the staging copy, inside the
-  background write, between the ranks' done markers, during rank 0's manifest), hit deterministically: the save
-  stalls there (``SLURM_JIT_FAULT_ASYNC``), the harness waits for the stall's log line and SIGKILLs both ranks or
-  one (the other a second later); the target must then be ``incomplete``, never ``corrupt`` nor ``complete``;
+- at a named instant (:mod:`slurm_jit.train.async_save.fault_points`: inside the staging, before the deferred copies
+  (the next optimizer step held), inside the background write, between the ranks' done markers, during rank 0's
+  manifest), hit deterministically: the save stalls there (``SLURM_JIT_FAULT_ASYNC``), the harness waits for the
+  stall's log line and SIGKILLs both ranks or one (the other a second later); the target must then be
+  ``incomplete``, never ``corrupt`` nor ``complete``;
 - at a random instant: both ranks a random fraction of the measured async save (sentinel to manifest) after the
   target's sentinel appeared, the background write slowed by ``SLURM_JIT_FAULT_SAVE_SLEEP_S`` (a slow disk, and a
   second periodic save due while one is in flight: the run waits, logged; the chain's last run must log it); the
@@ -36,11 +37,12 @@ from slurm_jit.train.save_path import FAULT_SAVE_SLEEP_ENV
 
 NAME = "async-kills"  # tools/faults --only async-kills
 ROW_NAME = "SIGKILL in an async periodic save"
-# (point, the rank that stalls (None: both), the ranks SIGKILLed first): 10 named instants
-NAMED = [("stage", None, (0, 1)), ("stage", None, (1,)), ("write", None, (0, 1)), ("write", None, (0,)),
+# (point, the rank that stalls (None: both), the ranks SIGKILLed first): 12 named instants
+NAMED = [("stage", None, (0, 1)), ("stage", None, (1,)), ("copy", None, (0, 1)), ("copy", 1, (1,)),
+         ("write", None, (0, 1)), ("write", None, (0,)),
          ("write", 1, (1,)), ("marker", 1, (0, 1)), ("marker", 1, (0,)), ("marker", 0, (0, 1)),
          ("manifest", 0, (0, 1)), ("manifest", 0, (0,))]
-FULL_RANDOM = 10  # + 10 random instants: the issue's 20
+FULL_RANDOM = 10  # + 10 random instants: the issue's 20, and more
 QUICK_NAMED, QUICK_RANDOM = 4, 2
 STALL_S = 300  # longer than the kill takes to come
 SLOW_DISK_S = 1.0  # every async save's background write stalls this long: the random instants' window

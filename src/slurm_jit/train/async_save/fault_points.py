@@ -5,7 +5,10 @@
 instant, on every rank or on global rank ``<rank>`` only. Before a stall it logs :data:`STALLED` (a harness waits
 for that line, then kills): an instant hit deterministically, not by timing. The points, in the order they pass:
 
-``stage``     the training thread, the states copied into host memory, before the ranks agree that all staged
+``stage``     the training thread, the states staged in host memory (their copies deferred), before the ranks
+              agree that all staged
+``copy``      the background thread, before the deferred copies (the next optimizer step waits for them: the
+              training stalls too)
 ``write``     the background thread, the first file written, the others not (nothing fsynced yet)
 ``marker``    the background thread, this rank's files durable, its done marker not yet written (stall one rank:
               the instant between the ranks' markers)
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 FAULT_ASYNC_ENV = "SLURM_JIT_FAULT_ASYNC"  # fault injection: "<point>:<step>:<seconds|raise>[:<rank>]"
-POINTS = ("stage", "write", "marker", "manifest")
+POINTS = ("stage", "copy", "write", "marker", "manifest")
 RAISE = "raise"
 STALLED = "slurm_jit: fault injection: async save stalled at %s of checkpoint-%d on rank %d"  # the harness's cue
 

@@ -4,18 +4,22 @@ Owns the async save in flight of one ``train()`` (:class:`AsyncSaves`, on ``Run.
 :mod:`slurm_jit.train.save_path` calls. A periodic save with the flag on goes, on the training thread:
 
 1. the sentinel (``save_path``, as every save), then upstream's save with DeepSpeed's checkpoint engine swapped
-   for :class:`CollectingEngine`: the model states and each rank's optimizer states are collected, not written;
-   the Trainer's small files (RNG, trainer state, scheduler, config, ``latest``, ``zero_to_fp32.py``) and the
-   consolidated weights (rank 0's ``save_model``) are written as today;
-2. the collected states copied into host memory (:class:`~.staging.HostStager`), the ranks agree that all staged
-   (one gather and broadcast on the side group), the callbacks' ``on_save``, and the copies handed to the
-   :class:`~.writer.BackgroundWriter`; training continues.
+   for :class:`CollectingEngine`: the model states and each rank's optimizer states are collected, not written,
+   and so are the consolidated weights (rank 0's ``save_model``: ``safetensors``' ``save_file`` calls collected,
+   and accelerate's ``get_state_dict`` without its clone, which staging makes); the Trainer's small files (RNG,
+   trainer state, scheduler, config, ``latest``, ``zero_to_fp32.py``) are written as today;
+2. the collected states staged in host memory (:class:`~.staging.HostStager`) with their copies deferred (the
+   module's buffers, which a forward may change, copied at once), the ranks agree that all staged (one gather and
+   broadcast on the side group), the callbacks' ``on_save``, and the snapshot handed to the
+   :class:`~.writer.BackgroundWriter`; training continues. DeepSpeed's next optimizer step (``engine.step``, what
+   changes the staged tensors) first waits for the copies (:class:`_StepGate`): they run in the writer's thread
+   beside the next step's forward and backward, DCP's ``async_staging`` contract.
 
-The background thread writes and fsyncs the files, fsyncs the directory tree (this rank's synchronous files), and
-writes this rank's done marker; rank 0's thread then waits for every marker and commits (:mod:`.commit`): the
-manifest of the synchronous path (``save_path.seal``), the sentinel removed last, then the rotation. The commit is
-rank 0's thread's, not the next step boundary's: no collective in a thread, no delay by a long step, and training
-waits for nothing unless the next save comes first.
+The background thread copies, then writes and fsyncs the files, fsyncs the directory tree (this rank's synchronous
+files), and writes this rank's done marker; rank 0's thread then waits for every marker and commits
+(:mod:`.commit`): the manifest of the synchronous path (``save_path.seal``), the sentinel removed last, then the
+rotation. The commit is rank 0's thread's, not the next step boundary's: no collective in a thread, no delay by a
+long step, and training waits for nothing unless the next save comes first.
 
 Every other save (JIT, final, a synchronous periodic one) and the end of training (``_finalize_training``, before
 the best model is loaded) first wait for the save in flight to be committed (:func:`before_save`, :func:`finish`);
@@ -26,8 +30,9 @@ the wait before the next save (or at the end of training) then raises ``Checkpoi
 stop at the step of an async save waits for it and writes no second checkpoint. Where host memory cannot hold the
 staging buffers (:class:`~.memory_guard.HostMemoryError`, one line) every rank saves this and later checkpoints
 synchronously.
-The timing log records the seconds training was blocked (``save_blocked``) apart from the background write and
-commit (``save_background``); neither is a ``save`` record, so the grace calculator still sizes the JIT save from
+The timing log records the seconds training was blocked (``save_blocked``: the save's own and the optimizer
+step's wait for the copies, phase ``copy_wait``) apart from the background write and commit
+(``save_background``); neither is a ``save`` record, so the grace calculator still sizes the JIT save from
 synchronous saves.
 """
 
@@ -36,18 +41,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import safetensors.torch
 import torch
 
 from slurm_jit.checkpoint import protocol
 from slurm_jit.train import save_errors
 from slurm_jit.train.async_save import commit as commit_mod
-from slurm_jit.train.async_save import fault_points
+from slurm_jit.train.async_save import fault_points, files
 from slurm_jit.train.async_save import writer as writer_mod  # the module: writer imports save_path, which imports us
 from slurm_jit.train.async_save.memory_guard import HostMemoryError
 from slurm_jit.train.async_save.staging import HostStager, StagedSave
@@ -57,6 +64,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+SAFETENSORS_NAMES = ("save_file", "safe_save_file")  # the names modules give safetensors.torch.save_file
 ASYNC_KIND = "periodic"  # the only kind saved in the background: a JIT save and the final one stay synchronous
 TORCH_ENGINE = "TorchCheckpointEngine"  # DeepSpeed's default engine: save() is one torch.save
 FAILED_CLOSE_WAIT_S = 60.0  # after a failed train(): how long the save in flight may still finish
@@ -80,6 +88,11 @@ class CollectingEngine:
             return
         self.collected.append((Path(path), state_dict))
 
+    def save_safetensors(self, tensors: dict[str, Any], filename: str, metadata: dict[str, str] | None = None,
+                         ) -> None:
+        """Stands in for ``safetensors.torch.save_file`` (save_pretrained's call): kept to be staged and written."""
+        self.collected.append((Path(filename), files.SafetensorsFile(dict(tensors), metadata)))
+
 
 @dataclass
 class _InFlight:
@@ -91,6 +104,38 @@ class _InFlight:
     submitted_at: float
     nbytes: int
     after_s: float = 0.0  # the background thread's marker, and on rank 0 the wait for the others and the commit
+    gate: _StepGate | None = None  # DeepSpeed's next optimizer step held until the deferred copies are done
+
+
+class _StepGate:
+    """Holds DeepSpeed's next ``engine.step`` (the optimizer step: what changes the staged tensors) until the
+    snapshot's deferred copies are done, then records the save's blocked time (its own and this wait) and goes.
+    Installed on the engine instance for one save; :meth:`open` removes it (at that step, or before any other save,
+    or at the end of training)."""
+
+    def __init__(self, engine: Any, staged: StagedSave, record: Callable[[float], None]) -> None:
+        self.engine, self.staged, self.record = engine, staged, record
+        self._own = engine.__dict__.get("step")  # an instance attribute of someone else's, put back as it was
+        self._original = engine.step
+        self._open = False
+        engine.step = self._step
+
+    def _step(self, *args: Any, **kwargs: Any) -> Any:
+        self.open()
+        return self._original(*args, **kwargs)
+
+    def open(self) -> None:
+        """Wait for the copies (however they ended), remove the gate, record; at most once."""
+        if self._open:
+            return
+        self._open = True
+        t0 = time.monotonic()
+        self.staged.wait_copied()
+        if self._own is not None:
+            self.engine.step = self._own
+        else:
+            self.engine.__dict__.pop("step", None)
+        self.record(time.monotonic() - t0)
 
 
 @dataclass
@@ -139,8 +184,9 @@ def _saves(trainer: JitTrainer, create: bool) -> AsyncSaves | None:
 
 @contextlib.contextmanager
 def collecting(trainer: JitTrainer, kind: str) -> Iterator[CollectingEngine | None]:
-    """Around upstream's save: DeepSpeed's checkpoint engine collects instead of writing, where this save goes
-    to the background (yields the collector, else None: a synchronous save)."""
+    """Around upstream's save: DeepSpeed's checkpoint engine and safetensors' ``save_file`` collect instead of
+    writing, and accelerate's ``get_state_dict`` does not clone (the staging copies), where this save goes to the
+    background (yields the collector, else None: a synchronous save)."""
     saves = _saves(trainer, create=True) if kind == ASYNC_KIND else None
     engine: Any = trainer.model_wrapped if trainer.is_deepspeed_enabled else None
     if saves is None or saves.disabled or saves.closed or engine is None:
@@ -157,15 +203,81 @@ def collecting(trainer: JitTrainer, kind: str) -> Iterator[CollectingEngine | No
     collector = CollectingEngine(original)
     engine.checkpoint_engine = collector
     try:
-        yield collector
+        with _safetensors_collected(collector), _state_dict_uncloned(trainer):
+            yield collector
     finally:
         engine.checkpoint_engine = original
 
 
-def _stage(saves: AsyncSaves, collected: list[tuple[Path, Any]]) -> StagedSave | HostMemoryError:
-    """The collected states in host memory, keyed by file name (stable across steps: the buffers are reused)."""
+@contextlib.contextmanager
+def _safetensors_collected(collector: CollectingEngine) -> Iterator[None]:
+    """Every loaded module's name for ``safetensors.torch.save_file`` (transformers' ``safe_save_file``, PEFT's,
+    safetensors' own) is the collector's for the block, and the original's after."""
+    original = safetensors.torch.save_file
+    swapped = [(module, name) for module in list(sys.modules.values()) for name in SAFETENSORS_NAMES
+               if getattr(module, name, None) is original]
+    for module, name in swapped:
+        setattr(module, name, collector.save_safetensors)
     try:
-        return saves.stager.stage({path.name: state for path, state in collected})
+        yield
+    finally:
+        for module, name in swapped:
+            setattr(module, name, original)
+
+
+@contextlib.contextmanager
+def _state_dict_uncloned(trainer: JitTrainer) -> Iterator[None]:
+    """accelerate's ``get_state_dict`` under ZeRO-0/1/2 is a clone of the module's state dict (a full copy of the
+    weights on every rank, in training's time); here the module's state dict itself, which the staging copies once
+    (the weights shared with DeepSpeed's model-states file), with only what aliases an earlier entry cloned."""
+    accelerator = trainer.accelerator
+    if "get_state_dict" in accelerator.__dict__:  # someone else's: left alone
+        yield
+        return
+
+    def get_state_dict(model: Any, unwrap: bool = True) -> dict[str, Any]:
+        return _unaliased(dict((accelerator.unwrap_model(model) if unwrap else model).state_dict()))
+
+    accelerator.get_state_dict = get_state_dict
+    try:
+        yield
+    finally:
+        accelerator.__dict__.pop("get_state_dict", None)
+
+
+def _unaliased(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with each tensor whose bytes overlap an earlier entry's replaced by its clone: what save_pretrained
+    sees is then what it sees in accelerate's all-clone state dict (no two entries share memory, so a tied
+    ``lm_head.weight`` is written, as the synchronous save writes it), the rest uncopied."""
+    held: dict[int, list[tuple[int, int]]] = {}
+    for key, tensor in state.items():
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+            continue
+        span = _byte_span(tensor)
+        ranges = held.setdefault(tensor.untyped_storage().data_ptr(), [])
+        if any(span[0] < end and start < span[1] for start, end in ranges):
+            state[key] = tensor.detach().clone()
+        else:
+            ranges.append(span)
+    return state
+
+
+def _byte_span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage a tensor reaches: [first, last + 1)."""
+    size = tensor.element_size()
+    last = tensor.storage_offset() + sum((n - 1) * stride for n, stride in zip(tensor.shape, tensor.stride(),
+                                                                                  strict=True) if n > 0)
+    return int(tensor.storage_offset()) * size, int(last + 1) * size
+
+
+def _stage(trainer: JitTrainer, saves: AsyncSaves, collected: list[tuple[Path, Any]],
+           ) -> StagedSave | HostMemoryError:
+    """The collected states in host memory, keyed by file name (stable across steps: the buffers are reused), the
+    copies deferred but for the module's buffers (a forward may change them before the next optimizer step)."""
+    module: Any = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    buffers = frozenset(b.untyped_storage()._cdata for b in module.buffers())
+    try:
+        return saves.stager.stage({path.name: state for path, state in collected}, defer=True, copy_now=buffers)
     except HostMemoryError as exc:
         return exc
 
@@ -192,7 +304,7 @@ def _fall_back(trainer: JitTrainer, saves: AsyncSaves, staged: StagedSave | Host
                        "staging buffer; every checkpoint is saved synchronously")
     with save_path.zip_crc32(trainer.jit_config.zip_crc32):
         for path, state in collected:
-            torch.save(state, path)
+            files.write(path, state)
 
 
 def submit(trainer: JitTrainer, collector: CollectingEngine | None, ckpt: Path, step: int, kind: str,
@@ -202,7 +314,7 @@ def submit(trainer: JitTrainer, collector: CollectingEngine | None, ckpt: Path, 
     saves = _saves(trainer, create=False)
     if collector is None or saves is None:
         return False
-    staged = _stage(saves, collector.collected)
+    staged = _stage(trainer, saves, collector.collected)
     fault_points.hit("stage", ckpt)  # fault injection: staged in host memory, the ranks not yet agreed
     if not _all_staged(trainer, isinstance(staged, StagedSave)):
         _fall_back(trainer, saves, staged, collector.collected)
@@ -217,20 +329,38 @@ def submit(trainer: JitTrainer, collector: CollectingEngine | None, ckpt: Path, 
     after = _after(trainer, job, rank, world, kind, fields, [str(p.relative_to(ckpt)) for p, _ in items])
     if saves.writer.submit(ckpt, items, wait_if_busy=False, after=after, release=staged.release,
                            on_error=lambda why: commit_mod.write_failed_marker(ckpt, rank, why, [p for p, _ in items]),
-                           ) is writer_mod.Submitted.REFUSED_BUSY:
+                           prepare=lambda: _copy(ckpt, staged)) is writer_mod.Submitted.REFUSED_BUSY:
         staged.release()  # cannot be: before_save waited; never two writes on one thread
         raise RuntimeError("slurm_jit: the background writer is still busy. HINT: a bug: report it")
     saves.in_flight = job
     phases.mark("submit")
-    blocked_s = time.monotonic() - t0
+    blocked_s, waited_s = time.monotonic() - t0, saves.waited_s
+    saves.waited_s = 0.0
+    job.gate = _StepGate(trainer.model_wrapped, staged,
+                         lambda wait_s: _record_blocked(trainer, job, kind, blocked_s, waited_s, phases, wait_s))
+    logger.log(logging.INFO if trainer._is_rank0 else logging.DEBUG, "slurm_jit: %s checkpoint %s: training "
+               "blocked %.2f s (%d bytes staged, copied beside the next step); written in the background", kind,
+               ckpt, blocked_s, staged.nbytes)
+    return True
+
+
+def _copy(ckpt: Path, staged: StagedSave) -> None:
+    """The background thread's first work: the deferred copies (the optimizer step's gate opens once they end, even
+    where the fault injection raised)."""
+    try:
+        fault_points.hit("copy", ckpt)  # fault injection: staged, the copies not yet made, the next step held
+    finally:
+        staged.copy_pending()
+
+
+def _record_blocked(trainer: JitTrainer, job: _InFlight, kind: str, blocked_s: float, waited_s: float,
+                    phases: Any, copy_wait_s: float) -> None:
+    """The timing log's ``save_blocked``: the save's own seconds and the optimizer step's wait for the copies."""
     run = trainer._jit_run
     if run is not None and run.timing is not None:
-        run.timing.save_blocked(step, kind, blocked_s, staged.nbytes,
-                                {"wait_previous": round(saves.waited_s, 6), **phases.seconds})
-    saves.waited_s = 0.0
-    logger.log(logging.INFO if trainer._is_rank0 else logging.DEBUG, "slurm_jit: %s checkpoint %s: training "
-               "blocked %.2f s (%d bytes staged); written in the background", kind, ckpt, blocked_s, staged.nbytes)
-    return True
+        run.timing.save_blocked(job.step, kind, blocked_s + copy_wait_s, job.nbytes,
+                                {"wait_previous": round(waited_s, 6), **phases.seconds,
+                                 "copy_wait": round(copy_wait_s, 6)})
 
 
 def _after(trainer: JitTrainer, job: _InFlight, rank: int, world: int, kind: str, fields: dict[str, Any],
@@ -283,6 +413,8 @@ def before_save(trainer: JitTrainer) -> None:
 
     stop_path.feed(trainer, "save")  # the hang watchdog gives the wait a save's long bound
     saves.in_flight = None
+    if job.gate is not None:
+        job.gate.open()  # no optimizer step came between (a stop, the end): the copies are waited for here
     error = None
     try:
         saves.writer.wait()  # the background write's error (one line), the sentinel kept
@@ -339,6 +471,8 @@ def close_after_failure(trainer: JitTrainer) -> None:
     if saves is None or saves.closed:
         return
     saves.closed = True
+    if saves.in_flight is not None and saves.in_flight.gate is not None:
+        saves.in_flight.gate.open()  # the engine's step is its own again (the copies end with the thread's job)
     try:
         if not saves.writer.close(FAILED_CLOSE_WAIT_S):
             logger.error("slurm_jit: the async save of %s still being written after %.0f s; it stays incomplete",

@@ -21,6 +21,14 @@ available), and every other object is rebuilt. A caller may rely on:
   size next time reuses its buffer (same ``data_ptr``); one that changed size gets a new buffer. Before any new
   buffer is allocated, :mod:`.memory_guard` checks that host memory can hold it (a one-line
   :class:`~.memory_guard.HostMemoryError` with a HINT, nothing allocated, when it cannot).
+- A storage that several files of one save hold (a module's weights in DeepSpeed's model-states file and in
+  ``model.safetensors``) is staged once: one buffer, one copy, the staged files share it as the originals do.
+- ``stage(states, defer=True)`` returns before the copies (the buffers are allocated, the snapshot's structure and
+  every Python value are taken now): :meth:`StagedSave.copy_pending` does them later (the background writer, first
+  thing in its thread, with the GIL released), :meth:`StagedSave.wait_copied` waits for them. The caller must not
+  change the originals' tensors until then (the async periodic save holds DeepSpeed's next optimizer step); the
+  storages named in ``copy_now`` (a module's buffers, which a forward may change) are copied before ``stage``
+  returns. This is DCP's ``DefaultStager(use_async_staging=True)`` contract.
 - One snapshot at a time: the buffers belong to the snapshot until :meth:`StagedSave.release` (the background
   writer calls it when its write is over); staging again before that is refused (:class:`StagingBusyError`).
 """
@@ -110,10 +118,33 @@ class StagedSave:
     """One save's snapshot: ``states[key]`` is what to ``torch.save`` for the file ``key``."""
 
     states: dict[str, Any]
-    nbytes: int  # bytes copied (the storages torch.save writes)
-    copy_s: float  # seconds the copies took (CUDA: until synchronized)
+    nbytes: int  # bytes copied (the storages torch.save writes, each shared storage once)
+    copy_s: float  # seconds the copies took (CUDA: until synchronized); a deferred copy: set by copy_pending
     stage_s: float  # seconds stage() took in all (the pickling and rebuilding included)
+    pending: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] = field(repr=False, default_factory=list)
+    _copied: threading.Event = field(repr=False, default_factory=threading.Event)
     _released: threading.Event = field(repr=False, default_factory=threading.Event)
+
+    def copy_pending(self) -> None:
+        """The copies ``stage(defer=True)`` left (any thread; the GIL is released while copying); the snapshot is
+        taken once this returns, and :meth:`wait_copied` returns, whatever happened."""
+        t0 = time.monotonic()
+        try:
+            _copy_pairs(self.pending)
+            if any(original.device.type == "cuda" for _, original in self.pending):
+                torch.cuda.synchronize()
+            self.copy_s = time.monotonic() - t0
+        finally:
+            self.pending = []
+            self._copied.set()
+
+    def wait_copied(self, timeout_s: float | None = None) -> bool:
+        """True once the copies are done (at once for a snapshot not deferred); False at the timeout."""
+        return self._copied.wait(timeout_s)
+
+    @property
+    def copied(self) -> bool:
+        return self._copied.is_set()
 
     def release(self) -> None:
         """The buffers are free for the next snapshot (the write of this one is over, or it is dropped)."""
@@ -135,65 +166,88 @@ class HostStager:
         self._slots: dict[str, list[torch.UntypedStorage]] = {}
         self._current: StagedSave | None = None
 
+    def _buffers(self) -> list[torch.UntypedStorage]:
+        """Each buffer once (a storage shared by two files of a save has one buffer in both files' slots)."""
+        return list({id(s): s for slots in self._slots.values() for s in slots}.values())
+
     @property
     def nbytes(self) -> int:
         """Bytes the buffers hold now (the storages' sizes)."""
-        return sum(s.nbytes() for slots in self._slots.values() for s in slots)
+        return sum(s.nbytes() for s in self._buffers())
 
     @property
     def host_bytes(self) -> int:
         """Bytes of host memory the buffers take now (pinned ones: rounded up, :meth:`footprint`)."""
-        return sum(self.footprint(s.nbytes()) for slots in self._slots.values() for s in slots)
+        return sum(self.footprint(s.nbytes()) for s in self._buffers())
 
     def footprint(self, nbytes: int) -> int:
         """Host memory a buffer of ``nbytes`` takes: torch's pinned allocator rounds each allocation up to a power of
         two (ATen/core/CachingHostAllocator.h; pinned_max_round_threshold has no limit by default)."""
         return 1 << (nbytes - 1).bit_length() if self.pin and nbytes > 1 else nbytes
 
-    def stage(self, states: Mapping[str, Any]) -> StagedSave:
-        """A snapshot of ``states`` (file key -> state) that later changes to the originals do not reach."""
+    def stage(self, states: Mapping[str, Any], *, defer: bool = False,
+              copy_now: frozenset[int] = frozenset()) -> StagedSave:
+        """A snapshot of ``states`` (file key -> state) that later changes to the originals do not reach; with
+        ``defer``, only once :meth:`StagedSave.copy_pending` has run (``copy_now``: the ``_cdata`` of storages
+        copied before this returns all the same)."""
         if self._current is not None and not self._current.released:
             raise StagingBusyError(
                 "slurm_jit: the staging buffers still hold the save being written in the background. HINT: wait for "
                 "the background writer (BackgroundWriter.wait) before staging the next save")
         t0 = time.monotonic()
         found = {key: _find_storages(state) for key, state in states.items()}
-        self._ensure_buffers({key: f.storages for key, f in found.items()})
+        firsts = _first_holders(found)
+        self._ensure_buffers({key: f.storages for key, f in found.items()}, firsts)
+        pairs = [(self._slots[key][i], storage) for key, f in found.items() for i, storage in enumerate(f.storages)
+                 if firsts[storage._cdata] == (key, i)]
+        now = [pair for pair in pairs if not defer or pair[1]._cdata in copy_now]
+        later = [pair for pair in pairs if defer and pair[1]._cdata not in copy_now]
         t_copy = time.monotonic()
-        for key, f in found.items():
-            _copy_into(self._slots[key], f.storages)
+        _copy_pairs(now)
         if self.pin and torch.cuda.is_available():
             torch.cuda.synchronize()  # the non-blocking copies are done before training changes the originals
         copy_s = time.monotonic() - t_copy
         staged = {key: _StagedRebuilder(io.BytesIO(f.pickled), self._slots[key], f.atoms).load()
                   for key, f in found.items()}
-        nbytes = sum(s.nbytes() for f in found.values() for s in f.storages)
-        self._current = StagedSave(staged, nbytes, copy_s, time.monotonic() - t0)
+        nbytes = sum(original.nbytes() for _, original in pairs)
+        self._current = StagedSave(staged, nbytes, copy_s, time.monotonic() - t0, pending=later)
+        if not later:
+            self._current._copied.set()
         return self._current
 
-    def _ensure_buffers(self, wanted: dict[str, list[torch.UntypedStorage]]) -> None:
-        """Per key, a buffer of each storage's size (and device tag); only missing or resized ones are allocated,
-        after the memory guard says the new ones fit."""
+    def _ensure_buffers(self, wanted: dict[str, list[torch.UntypedStorage]],
+                        firsts: dict[int, tuple[str, int]]) -> None:
+        """Per key, a buffer of each storage's size (and device tag), one per distinct storage (``firsts``: where each
+        is first held); only missing or resized ones are allocated, after the memory guard says the new ones fit."""
         keep: dict[str, list[torch.UntypedStorage | None]] = {}
         new_bytes = 0
         for key, storages in wanted.items():
             old = self._slots.get(key, [])
             keep[key] = [old[i] if i < len(old) and old[i].nbytes() == s.nbytes() else None
                          for i, s in enumerate(storages)]
-            new_bytes += sum(self.footprint(s.nbytes()) for s, slot in zip(storages, keep[key], strict=True)
-                             if slot is None)
+            new_bytes += sum(self.footprint(s.nbytes()) for i, (s, slot) in enumerate(zip(storages, keep[key],
+                                                                                           strict=True))
+                             if slot is None and firsts[s._cdata] == (key, i))
         if new_bytes:
             memory_guard.check_host_memory(new_bytes, sharing_ranks=self.sharing_ranks)
             logger.info("slurm_jit: async save staging: %d bytes of %s host memory allocated (%d held before)",
                         new_bytes, "pinned" if self.pin else "plain", self.host_bytes)
-        for key, slots in self._slots.items():  # what is not kept is freed (and untagged) before allocating
-            kept = {id(s) for s in keep.get(key, []) if s is not None}
-            for slot in slots:
-                if id(slot) not in kept:
-                    locations.forget(slot)
+        kept = {id(s) for slots in keep.values() for s in slots if s is not None}
+        for slot in self._buffers():  # what is not kept is freed (and untagged) before allocating
+            if id(slot) not in kept:
+                locations.forget(slot)
         self._slots, self._current = {}, None  # the dropped buffers go now (unless a caller still holds a snapshot)
-        self._slots = {key: [slot if slot is not None else self._allocate(s.nbytes())
-                             for s, slot in zip(wanted[key], slots, strict=True)] for key, slots in keep.items()}
+        slots: dict[str, list[torch.UntypedStorage]] = {}
+        for key, storages in wanted.items():  # in order: a storage's first holder comes before its later ones
+            slots[key] = []
+            for i, s in enumerate(storages):
+                first_key, first_i = firsts[s._cdata]
+                if (first_key, first_i) != (key, i):
+                    slots[key].append(slots[first_key][first_i])
+                else:
+                    reused = keep[key][i]
+                    slots[key].append(reused if reused is not None else self._allocate(s.nbytes()))
+        self._slots = slots
         for key, storages in wanted.items():
             for slot, original in zip(self._slots[key], storages, strict=True):
                 location = torch.serialization.location_tag(original)
@@ -221,8 +275,21 @@ def _find_storages(state: Any) -> _Found:
     return _Found(buffer.getvalue(), finder.storages, finder.atoms)
 
 
-def _copy_into(slots: list[torch.UntypedStorage], storages: list[torch.UntypedStorage]) -> None:
-    for slot, original in zip(slots, storages, strict=True):
+def _first_holders(found: dict[str, _Found]) -> dict[int, tuple[str, int]]:
+    """Each distinct storage (``_cdata``) -> the (file key, order) that holds it first."""
+    firsts: dict[int, tuple[str, int]] = {}
+    for key, f in found.items():
+        for i, storage in enumerate(f.storages):
+            firsts.setdefault(storage._cdata, (key, i))
+    return firsts
+
+
+def _copy_pairs(pairs: list[tuple[torch.UntypedStorage, torch.UntypedStorage]]) -> None:
+    """Each (buffer, original) copied. Through uint8 tensor views: a tensor's ``copy_`` releases the GIL, a
+    storage's does not (measured: a storage copy in a thread held training's thread to 29 % of its pace)."""
+    for slot, original in pairs:
         if original.device.type == "meta" or original.nbytes() == 0:
             continue  # nothing to copy (torch.save writes no data for them either)
-        slot.copy_(original, non_blocking=original.device.type != "cpu")
+        target = torch.empty(0, dtype=torch.uint8, device=slot.device).set_(slot)
+        source = torch.empty(0, dtype=torch.uint8, device=original.device).set_(original)
+        target.copy_(source, non_blocking=original.device.type != "cpu")

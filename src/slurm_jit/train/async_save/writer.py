@@ -2,8 +2,9 @@
 
 A caller may rely on:
 
-- :meth:`BackgroundWriter.submit` starts the write of a list of ``(path, staged state)`` (``torch.save``, under
-  the project's ``zip_crc32`` setting, :func:`slurm_jit.train.save_path.zip_crc32`), then fsyncs each file and each
+- :meth:`BackgroundWriter.submit` runs ``prepare`` first (the staging's deferred copies), then starts the write of
+  a list of ``(path, staged state)`` (``torch.save`` under the project's ``zip_crc32`` setting,
+  :func:`slurm_jit.train.save_path.zip_crc32`, or safetensors: :mod:`.files`), then fsyncs each file and each
   directory from the files' up to the checkpoint directory, then runs ``after`` (e.g. this rank's "done" marker),
   then ``release`` (the staging buffers are free again; it runs whatever happened).
 - One save in flight at most, never a queue: a ``submit`` while one is in flight waits for it
@@ -36,12 +37,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from slurm_jit.checkpoint import protocol
 from slurm_jit.train import save_errors
 from slurm_jit.train import save_path as _save_path  # the module (its zip_crc32 at call time): no import cycle
-from slurm_jit.train.async_save import fault_points
+from slurm_jit.train.async_save import fault_points, files
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +73,7 @@ class _Job:
     after: Callable[[], None] | None
     release: Callable[[], None] | None
     on_error: Callable[[str], None] | None = None
+    prepare: Callable[[], None] | None = None
 
 
 class BackgroundWriter:
@@ -99,7 +99,8 @@ class BackgroundWriter:
     def submit(self, ckpt_dir: Path, items: Sequence[tuple[Path, Any]], *, wait_if_busy: bool,
                timeout_s: float | None = None, after: Callable[[], None] | None = None,
                release: Callable[[], None] | None = None,
-               on_error: Callable[[str], None] | None = None) -> Submitted:
+               on_error: Callable[[str], None] | None = None,
+               prepare: Callable[[], None] | None = None) -> Submitted:
         """Start writing ``items`` (paths under ``ckpt_dir``); raises the previous write's error, if any, instead
         (nothing started, ``release`` not called). Refused: nothing started, ``release`` not called."""
         ckpt_dir = Path(ckpt_dir)
@@ -118,7 +119,7 @@ class BackgroundWriter:
                 self._raise_if_failed()
             if self._job is not None:
                 return Submitted.REFUSED_BUSY
-            self._job = _Job(ckpt_dir, tuple((Path(p), s) for p, s in items), after, release, on_error)
+            self._job = _Job(ckpt_dir, tuple((Path(p), s) for p, s in items), after, release, on_error, prepare)
             self._cond.notify_all()
             return Submitted.STARTED_AFTER_WAIT if waited else Submitted.STARTED
 
@@ -161,6 +162,8 @@ class BackgroundWriter:
         """The write of one job; its error as the caller will get it, or None."""
         try:
             try:
+                if job.prepare is not None:
+                    job.prepare()
                 with save_errors.disk_full_is_one_line(job.ckpt_dir):
                     self.last_stats = _write_durably(job, self._zip_crc32)
                     if job.after is not None:
@@ -199,7 +202,7 @@ def _write_durably(job: _Job, zip_crc32: bool) -> WriteStats:
     with _save_path.zip_crc32(zip_crc32):
         for i, (path, state) in enumerate(job.items):
             path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(state, path)
+            files.write(path, state)
             directories.update(_dirs_up_to(path.parent, job.ckpt_dir))
             if i == 0:
                 fault_points.hit("write", job.ckpt_dir)  # fault injection: the first file written, not the rest

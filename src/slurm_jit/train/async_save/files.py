@@ -1,0 +1,31 @@
+"""How a staged file is written: ``torch.save`` (DeepSpeed's files, collected from its checkpoint engine) or
+safetensors (``model.safetensors`` and its shards, collected from ``save_pretrained``'s call).
+
+``write`` uses the functions as imported here, never the module attributes that :mod:`.periodic` swaps for a
+collector during an async save's collection: the background thread writes while the next save may collect.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file as _safetensors_save_file
+
+
+@dataclass
+class SafetensorsFile:
+    """One ``safetensors.torch.save_file(tensors, path, metadata=metadata)`` call, kept for later."""
+
+    tensors: dict[str, torch.Tensor]
+    metadata: dict[str, str] | None
+
+
+def write(path: Path, state: Any) -> None:
+    """Write one collected (or staged) file as the synchronous save would have."""
+    if isinstance(state, SafetensorsFile):
+        _safetensors_save_file(state.tensors, str(path), metadata=state.metadata)
+    else:
+        torch.save(state, path)
