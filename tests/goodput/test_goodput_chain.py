@@ -68,3 +68,17 @@ def test_a_chain_round_trips_through_json(tmp_path: Path) -> None:
                     submits=[(1.0, "7")], preempt=(3.0, "8"), finished=True, outcome="finished")
     chain.save(c, tmp_path / "chain.json")
     assert chain.load(tmp_path / "chain.json") == c
+
+
+def test_completing_after_a_requeue_is_the_old_runs_tail_not_a_new_run(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # seen on the local cluster (system a's trap requeue): COMPLETING already with Restarts=1, then PENDING
+    t0 = chain.slurm_time(START)
+    assert t0 is not None
+    answers = [_job("RUNNING", 0, START), _job("COMPLETING", 1, "2026-12-06T03:02:21"), _job("PENDING", 1, "Unknown"),
+               _job("RUNNING", 1, "2026-12-06T03:02:33"), _job("COMPLETED", 1, "2026-12-06T03:02:33")]
+    w = _watch(tmp_path, answers, monkeypatch)
+    for now in (t0 + 1, t0 + 141, t0 + 142, t0 + 154, t0 + 180):
+        w.poll(now)
+    assert [(r.restart, r.start, r.end) for r in w.chain.runs] == [
+        (0, t0, t0 + 142 - chain.POLL_S / 2), (1, t0 + 153, t0 + 180 - chain.POLL_S / 2)]

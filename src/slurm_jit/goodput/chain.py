@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 POLL_S = 0.5  # the precision of a run's end (Slurm's StartTime: 1 s)
 SETTLE_S = 5.0  # an ended state must hold this long before a resubmission (a preempted job passes through states)
 HOLDING = frozenset({"RUNNING", "CONFIGURING", "COMPLETING", "SIGNALING"})
+STARTED = frozenset({"RUNNING", "CONFIGURING"})  # only these open a run (seen: COMPLETING with Restarts + 1)
 CANCEL_WAIT_S = 120.0  # after scancel: KillWait 30 s and the epilog, on a loaded host
 SLURM_TIME_FORMAT = "%Y-%m-%dT%H:%M:%S"
 
@@ -114,7 +115,10 @@ class Watch:
         state, restart, start = _look(self.job)
         if state in HOLDING:
             run = self.open_run
-            if run is None or (run.job, run.restart) != (self.job, restart):
+            if state not in STARTED:  # COMPLETING after a requeue shows the next restart count: the old run's tail
+                if run is None and self.chain.runs and self.chain.runs[-1].job == self.job:
+                    self.chain.runs[-1].end = now - POLL_S / 2
+            elif run is None or (run.job, run.restart) != (self.job, restart):
                 begun = start if start and start <= now else now
                 self.close(min(now, begun + POLL_S / 2), "REQUEUED")  # a gap between two polls: ended by then
                 self.open_run = Run(job=self.job, restart=restart, start=begun)

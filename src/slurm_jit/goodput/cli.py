@@ -97,6 +97,13 @@ def run_system(key: str, schedule: Schedule, root: Path, log: Any) -> dict[str, 
     chain = chains.watch(key, schedule, paths, reference=False,
                          budget_s=max(BUDGET_FACTOR * uninterrupted, uninterrupted + MIN_BUDGET_S))
     chains.save(chain, paths.out.parent / "chain.json")
+    return report_system(key, schedule, root, uninterrupted, chain)
+
+
+def report_system(key: str, schedule: Schedule, root: Path, uninterrupted: float,
+                  chain: chains.Chain) -> dict[str, Any]:
+    """The report of a system's chain from its records in ``root`` (also for records saved by an earlier run)."""
+    ref_paths, paths = systems.Paths.under(root, key, True), systems.Paths.under(root, key, False)
     events = _events(paths, schedule.world_size)
     digest, ref_digest = _digest(paths), _digest(ref_paths)
     limit_s, lead_s = schedule.time_limit_min * 60.0, float(schedule.signal_lead_s)
