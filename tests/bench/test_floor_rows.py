@@ -45,8 +45,9 @@ def test_the_disk_save_is_reported_beside_the_floors_median(tmp_path: Path) -> N
 
 def _resumed(first_step_at: float, train_starts: list[float]) -> resume.Resumed:
     outcome = runs.Outcome(out=Path("."), codes=[0, 0], started=200.0, first_step_at=first_step_at)
+    first_step_s: list[float | None] = [0.7, 0.5]  # the fresh run's first step, the resume's
     return resume.Resumed(outcome=outcome, resume_s=first_step_at - 200.0, fresh_s=10.0, train_starts=train_starts,
-                          first_step_s=[0.7, 0.5][:len(train_starts)])
+                          first_step_s=first_step_s[:len(train_starts)])
 
 
 def test_the_load_is_the_resumes_train_to_first_step_less_the_fresh_runs(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from slurm_jit.bench import (
     async_saves,
@@ -47,7 +47,7 @@ class Profile:
     ckpt_count: int  # checkpoints ckpt-check's quick mode reads
     # the async-vs-sync pair's save_steps and wall time (issue #23); None: not in this profile unless --only async
     async_saves: async_saves.Settings | None
-    floors: bool  # the floor rows (issue #34: three more 2-rank runs, on tmpfs)
+    floors: bool  # the floor rows (issue #34: three more 2-rank runs, on tmpfs); False: only with --only save/resume
 
 
 QUICK = Profile(flag="--quick", model=runs.Model(width=128, layers=2, heads=2), zero3=False, overhead_steps=0,
@@ -55,7 +55,7 @@ QUICK = Profile(flag="--quick", model=runs.Model(width=128, layers=2, heads=2), 
                 # not in CI's smoke run (two more 2-rank runs under a 90-minute budget); --quick --only async runs
                 # them: ~50 s of two 12 s runs plus their starts, async saves every 3 steps, synchronous every 30
                 async_saves=None,
-                floors=False)  # not in CI's smoke run either (three more 2-rank runs)
+                floors=False)  # not in CI's smoke run either; --quick --only save,resume runs them (~1 min idle)
 QUICK_ASYNC = async_saves.Settings(save_steps=30, wall_s=12.0)
 # The issue's reference model (GPT-2 width 512, 8 layers: ~300 MB of resumable state, ~405 MB written).
 DEFAULT = Profile(flag="", model=runs.Model(width=512, layers=8), zero3=True, overhead_steps=150,
@@ -79,20 +79,49 @@ ROW_NAMES = (
     "resume_over_fresh_start", "resume_load_over_disk_read", floor_rows.RESUME_ROW,
     *async_saves.ROW_NAMES, *gpu.GPU_ROWS,
 )
-# --only NAME: one group of rows alone (the others reported skipped)
-ONLY = {"async": "async periodic saves against synchronous ones (issue #23)"}
+# --only A,B: these groups of rows alone, in this order (the others reported skipped)
+ONLY = {
+    "save": "the JIT save over the raw write floor on tmpfs (ZeRO-2, ZeRO-3) and on the disk, with the disk's "
+            "references and the ZeRO-2 save's bytes and memory (issue #34; with resume: ~65 s at a load of 3 here)",
+    "resume": "a resume and ckpt-check --deep over the raw read floor on tmpfs (issue #34)",
+    "async": "async periodic saves against synchronous ones (issue #23)",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (and exit 2), like the other commands' errors."""
+
+    def error(self, message: str) -> NoReturn:
+        hint = "" if "HINT:" in message else ". HINT: see tools/bench --help"
+        self.exit(2, f"{self.prog}: error: {message}{hint}\n")
+
+
+def parse_only(text: str) -> frozenset[str]:
+    """``--only``'s value: groups of ONLY, comma-separated."""
+    names = [name.strip() for name in text.split(",")]
+    unknown = [name for name in names if name not in ONLY]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown group {', '.join(repr(n) for n in unknown)} in --only {text!r}. HINT: name groups of "
+            f"{', '.join(ONLY)}, comma-separated, e.g. --only save,resume")
+    return frozenset(names)
+
+
+def only_text(groups: frozenset[str]) -> str:
+    """The groups as --only takes them, in ONLY's order."""
+    return ",".join(name for name in ONLY if name in groups)
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tools/bench", description=__doc__)
+    p = _Parser(prog="tools/bench", description=__doc__)
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="smoke run (CI): tiny model, few runs, under ~2 min")
     size.add_argument("--full", action="store_true", help="the issue's sizes: a >= 1 GiB state, 20 signal trials")
     p.add_argument("--out", default="bench-results", help="results.json and results.md go here")
     p.add_argument("--work-dir", default=None, help="where the runs write (default: OUT/work, removed after)")
     p.add_argument("--keep-work", action="store_true", help="keep the runs' output directories")
-    p.add_argument("--only", choices=sorted(ONLY), help="run one group of rows alone: "
-                   + "; ".join(f"{k}: {v}" for k, v in ONLY.items()))
+    p.add_argument("--only", type=parse_only, metavar="GROUP[,GROUP]",
+                   help="run these groups of rows alone: " + "; ".join(f"{k}: {v}" for k, v in ONLY.items()))
     return p
 
 
@@ -110,11 +139,11 @@ def _section(rows: list[Row], name: str, fn: Callable[[], list[Row]]) -> None:
         logger.info("bench: %s rows:\n%s", name, report.text_table(rows[before:]))
 
 
-def measure(profile: Profile, work: Path, only: str | None = None) -> list[Row]:
+def measure(profile: Profile, work: Path, only: frozenset[str] | None = None) -> list[Row]:
+    """Every row of ``profile``; with ``only``, those groups' rows alone."""
+    if only is not None:
+        return _measure_only(profile, work, only)
     rows: list[Row] = []
-    if only == "async":
-        _section(rows, "async_saves", lambda: _async_rows(profile, work))
-        return rows
     z2 = _zero2_on_disk(rows, profile, work, profile.floors)
     if z2 is None:
         return rows
@@ -137,6 +166,17 @@ def measure(profile: Profile, work: Path, only: str | None = None) -> list[Row]:
     if profile.async_saves is not None:
         _section(rows, "async_saves", lambda: _async_rows(profile, work))
     _section(rows, "gpu", gpu.rows)
+    return rows
+
+
+def _measure_only(profile: Profile, work: Path, only: frozenset[str]) -> list[Row]:
+    rows: list[Row] = []
+    if "save" in only:
+        _zero2_on_disk(rows, profile, work, True)
+    if only & {"save", "resume"}:
+        _floor_sections(rows, profile, save_rows="save" in only, resume_rows="resume" in only)
+    if "async" in only:
+        _section(rows, "async_saves", lambda: _async_rows(profile, work))
     return rows
 
 
@@ -183,10 +223,11 @@ def _async_rows(profile: Profile, work: Path) -> list[Row]:
     return async_saves.rows(work / "async-saves", profile.model, profile.async_saves or QUICK_ASYNC)
 
 
-def _complete(rows: list[Row], profile: Profile, only: str | None = None) -> list[Row]:
+def _complete(rows: list[Row], profile: Profile, only: frozenset[str] | None = None) -> list[Row]:
     """Every row of ROW_NAMES in order; one this profile did not run is skipped with the reason."""
     by_name = {r.name: r for r in rows}
-    command = " ".join(part for part in ("tools/bench", profile.flag, f"--only {only}" if only else "") if part)
+    command = " ".join(part for part in ("tools/bench", profile.flag, f"--only {only_text(only)}" if only else "")
+                       if part)
     why = f"not run by `{command}` (see --help)"
     ordered = [by_name.pop(n) if n in by_name else skipped(n, "-", "-", "-", why) for n in ROW_NAMES]
     return ordered + list(by_name.values())  # the errors of broken sections last
@@ -202,7 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         shutil.rmtree(work)
     work.mkdir(parents=True)
     meta: dict[str, Any] = {
-            "profile_flag": profile.flag + (f" --only {args.only}" if args.only else ""),
+            "profile_flag": profile.flag + (f" --only {only_text(args.only)}" if args.only else ""),
             "machine": report.machine(work), "load_start": report.load_average(),
             "started_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "model": {"width": profile.model.width, "layers": profile.model.layers,
