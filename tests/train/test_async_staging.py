@@ -202,3 +202,19 @@ def test_a_storage_held_by_two_files_is_staged_once_and_shared(model_and_states)
     zero2_states.mutate_in_place(model, states)
     second = stager.stage({MODEL_FILE: states[MODEL_FILE], "model.safetensors": weights})
     assert _saved(second.states["model.safetensors"]) == _saved(weights) != before  # reused buffers, new values
+
+
+def test_a_placeholder_is_staged_with_the_values_of_its_source_at_the_copy() -> None:
+    """sources: a placeholder's buffer gets its source tensor's values (a non-contiguous view too), taken when the
+    deferred copy runs: the clone of a tied weight that save_pretrained must see as its own storage, made by the
+    copy and not before it."""
+    weight = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    source = weight.t()  # a view with other strides
+    placeholder = torch.empty_like(source, memory_format=torch.contiguous_format)
+    staged = HostStager(pin=False).stage({"model.safetensors": {"lm_head.weight": placeholder}}, defer=True,
+                                         sources={placeholder.untyped_storage()._cdata: source})
+    weight.add_(100)  # before the copy: the snapshot takes these values
+    staged.copy_pending()
+    weight.add_(1000)  # after it: not in the snapshot
+    got = staged.states["model.safetensors"]["lm_head.weight"]
+    assert torch.equal(got, (torch.arange(12, dtype=torch.float32).reshape(3, 4) + 100).t())

@@ -171,9 +171,10 @@ def run_row(root: Path, quick: bool, seed: int = 2300) -> common.Row:
         _chain_end(out, reference, args, tally)
     shown = f"async saves of {min(save_times):.1f}-{max(save_times):.1f} s" if save_times else "no save timed"
     named = sum(t.point is not None for t in trials)
-    detail = (f"{named} named instants (stage, write, between the ranks' markers, rank 0's manifest; both ranks or "
-              f"one SIGKILLed) + {len(trials) - named} random ones, ZeRO-2, a save every step, the background write "
-              f"slowed {SLOW_DISK_S:g} s, {shown}; ckpt-check quick vs --deep, never corrupt, resume from the newest "
+    detail = (f"{named} named instants (stage, before the deferred copies, write, between the ranks' markers, rank "
+              f"0's manifest; both ranks or one SIGKILLed) + {len(trials) - named} random ones, ZeRO-2, a save "
+              f"every step, the background write slowed {SLOW_DISK_S:g} s, {shown}; ckpt-check quick vs --deep, "
+              "never corrupt, resume from the newest "
               "complete; the chain's every loss and its last checkpoint equal the uninterrupted run's bitwise")
     return tally.row(ROW_NAME, detail, time.monotonic() - t0)
 

@@ -64,6 +64,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+ZERO3 = 3  # ZeRO-3's get_state_dict gathers the partitioned weights: never replaced by the module's state dict
 SAFETENSORS_NAMES = ("save_file", "safe_save_file")  # the names modules give safetensors.torch.save_file
 ASYNC_KIND = "periodic"  # the only kind saved in the background: a JIT save and the final one stay synchronous
 TORCH_ENGINE = "TorchCheckpointEngine"  # DeepSpeed's default engine: save() is one torch.save
@@ -78,6 +79,7 @@ class CollectingEngine:
     def __init__(self, original: Any) -> None:
         self.original = original
         self.collected: list[tuple[Path, Any]] = []
+        self.sources: dict[int, torch.Tensor] = {}  # a placeholder's storage (_cdata) -> the tensor it stands for
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.original, name)
@@ -203,7 +205,7 @@ def collecting(trainer: JitTrainer, kind: str) -> Iterator[CollectingEngine | No
     collector = CollectingEngine(original)
     engine.checkpoint_engine = collector
     try:
-        with _safetensors_collected(collector), _state_dict_uncloned(trainer):
+        with _safetensors_collected(collector), _state_dict_uncloned(trainer, collector.sources):
             yield collector
     finally:
         engine.checkpoint_engine = original
@@ -226,17 +228,20 @@ def _safetensors_collected(collector: CollectingEngine) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _state_dict_uncloned(trainer: JitTrainer) -> Iterator[None]:
+def _state_dict_uncloned(trainer: JitTrainer, sources: dict[int, torch.Tensor]) -> Iterator[None]:
     """accelerate's ``get_state_dict`` under ZeRO-0/1/2 is a clone of the module's state dict (a full copy of the
     weights on every rank, in training's time); here the module's state dict itself, which the staging copies once
-    (the weights shared with DeepSpeed's model-states file), with only what aliases an earlier entry cloned."""
+    (the weights shared with DeepSpeed's model-states file), with what aliases an earlier entry replaced by a
+    placeholder that the staging fills from it (``sources``)."""
     accelerator = trainer.accelerator
-    if "get_state_dict" in accelerator.__dict__:  # someone else's: left alone
+    engine: Any = trainer.model_wrapped
+    stage = engine.zero_optimization_stage()
+    if "get_state_dict" in accelerator.__dict__ or stage >= ZERO3:  # someone else's; ZeRO-3's is a gather: kept
         yield
         return
 
     def get_state_dict(model: Any, unwrap: bool = True) -> dict[str, Any]:
-        return _unaliased(dict((accelerator.unwrap_model(model) if unwrap else model).state_dict()))
+        return _unaliased(dict((accelerator.unwrap_model(model) if unwrap else model).state_dict()), sources)
 
     accelerator.get_state_dict = get_state_dict
     try:
@@ -245,10 +250,12 @@ def _state_dict_uncloned(trainer: JitTrainer) -> Iterator[None]:
         accelerator.__dict__.pop("get_state_dict", None)
 
 
-def _unaliased(state: dict[str, Any]) -> dict[str, Any]:
-    """``state`` with each tensor whose bytes overlap an earlier entry's replaced by its clone: what save_pretrained
-    sees is then what it sees in accelerate's all-clone state dict (no two entries share memory, so a tied
-    ``lm_head.weight`` is written, as the synchronous save writes it), the rest uncopied."""
+def _unaliased(state: dict[str, Any], sources: dict[int, torch.Tensor]) -> dict[str, Any]:
+    """``state`` with each tensor whose bytes overlap an earlier entry's replaced by a placeholder of its own
+    storage (``empty_like``: no copy now; ``sources`` says what the staging copies into its buffer): what
+    save_pretrained sees is then what it sees in accelerate's all-clone state dict (no two entries share memory, so
+    a tied ``lm_head.weight`` is written, as the synchronous save writes it), and nothing is copied before the
+    staging."""
     held: dict[int, list[tuple[int, int]]] = {}
     for key, tensor in state.items():
         if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
@@ -256,7 +263,9 @@ def _unaliased(state: dict[str, Any]) -> dict[str, Any]:
         span = _byte_span(tensor)
         ranges = held.setdefault(tensor.untyped_storage().data_ptr(), [])
         if any(span[0] < end and start < span[1] for start, end in ranges):
-            state[key] = tensor.detach().clone()
+            placeholder = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+            sources[placeholder.untyped_storage()._cdata] = tensor.detach()
+            state[key] = placeholder
         else:
             ranges.append(span)
     return state
@@ -271,13 +280,14 @@ def _byte_span(tensor: torch.Tensor) -> tuple[int, int]:
 
 
 def _stage(trainer: JitTrainer, saves: AsyncSaves, collected: list[tuple[Path, Any]],
-           ) -> StagedSave | HostMemoryError:
+           sources: dict[int, torch.Tensor]) -> StagedSave | HostMemoryError:
     """The collected states in host memory, keyed by file name (stable across steps: the buffers are reused), the
     copies deferred but for the module's buffers (a forward may change them before the next optimizer step)."""
     module: Any = trainer.accelerator.unwrap_model(trainer.model_wrapped)
     buffers = frozenset(b.untyped_storage()._cdata for b in module.buffers())
     try:
-        return saves.stager.stage({path.name: state for path, state in collected}, defer=True, copy_now=buffers)
+        return saves.stager.stage({path.name: state for path, state in collected}, defer=True, copy_now=buffers,
+                                  sources=sources)
     except HostMemoryError as exc:
         return exc
 
@@ -289,8 +299,9 @@ def _all_staged(trainer: JitTrainer, ok: bool) -> bool:
 
 
 def _fall_back(trainer: JitTrainer, saves: AsyncSaves, staged: StagedSave | HostMemoryError,
-               collected: list[tuple[Path, Any]]) -> None:
-    """Some rank could not stage: every rank writes this save synchronously, and every later one."""
+               collector: CollectingEngine) -> None:
+    """Some rank could not stage: every rank writes this save synchronously (the placeholders filled first), and
+    every later one."""
     from slurm_jit.train import save_path  # noqa: PLC0415 (save_path imports this module)
 
     if isinstance(staged, HostMemoryError):
@@ -302,8 +313,13 @@ def _fall_back(trainer: JitTrainer, saves: AsyncSaves, staged: StagedSave | Host
     if trainer._is_rank0:
         logger.warning("slurm_jit: async periodic saves off for this run: a rank's host memory cannot hold its "
                        "staging buffer; every checkpoint is saved synchronously")
+    for _, state in collector.collected:
+        for tensor in state.tensors.values() if isinstance(state, files.SafetensorsFile) else ():
+            source = collector.sources.get(tensor.untyped_storage()._cdata)
+            if source is not None:
+                tensor.copy_(source)
     with save_path.zip_crc32(trainer.jit_config.zip_crc32):
-        for path, state in collected:
+        for path, state in collector.collected:
             files.write(path, state)
 
 
@@ -314,10 +330,10 @@ def submit(trainer: JitTrainer, collector: CollectingEngine | None, ckpt: Path, 
     saves = _saves(trainer, create=False)
     if collector is None or saves is None:
         return False
-    staged = _stage(trainer, saves, collector.collected)
+    staged = _stage(trainer, saves, collector.collected, collector.sources)
     fault_points.hit("stage", ckpt)  # fault injection: staged in host memory, the ranks not yet agreed
     if not _all_staged(trainer, isinstance(staged, StagedSave)):
-        _fall_back(trainer, saves, staged, collector.collected)
+        _fall_back(trainer, saves, staged, collector)
         return False
     assert isinstance(staged, StagedSave)
     phases.mark("stage")

@@ -51,6 +51,7 @@ from slurm_jit.train.async_save import locations, memory_guard
 
 logger = logging.getLogger(__name__)
 
+_Source = torch.UntypedStorage | torch.Tensor  # what a buffer is copied from: a storage, or a placeholder's tensor
 _Pid = tuple[int, "torch.dtype | None"]  # (the storage's order in the file, its TypedStorage dtype or None: untyped)
 
 
@@ -121,7 +122,7 @@ class StagedSave:
     nbytes: int  # bytes copied (the storages torch.save writes, each shared storage once)
     copy_s: float  # seconds the copies took (CUDA: until synchronized); a deferred copy: set by copy_pending
     stage_s: float  # seconds stage() took in all (the pickling and rebuilding included)
-    pending: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] = field(repr=False, default_factory=list)
+    pending: list[tuple[torch.UntypedStorage, _Source]] = field(repr=False, default_factory=list)
     _copied: threading.Event = field(repr=False, default_factory=threading.Event)
     _released: threading.Event = field(repr=False, default_factory=threading.Event)
 
@@ -185,11 +186,13 @@ class HostStager:
         two (ATen/core/CachingHostAllocator.h; pinned_max_round_threshold has no limit by default)."""
         return 1 << (nbytes - 1).bit_length() if self.pin and nbytes > 1 else nbytes
 
-    def stage(self, states: Mapping[str, Any], *, defer: bool = False,
-              copy_now: frozenset[int] = frozenset()) -> StagedSave:
+    def stage(self, states: Mapping[str, Any], *, defer: bool = False, copy_now: frozenset[int] = frozenset(),
+              sources: Mapping[int, torch.Tensor] | None = None) -> StagedSave:
         """A snapshot of ``states`` (file key -> state) that later changes to the originals do not reach; with
         ``defer``, only once :meth:`StagedSave.copy_pending` has run (``copy_now``: the ``_cdata`` of storages
-        copied before this returns all the same)."""
+        copied before this returns all the same). ``sources``: a placeholder storage's ``_cdata`` -> the tensor
+        whose values its buffer gets instead of the placeholder's (a clone made by the copy, not before it)."""
+        sources = sources or {}
         if self._current is not None and not self._current.released:
             raise StagingBusyError(
                 "slurm_jit: the staging buffers still hold the save being written in the background. HINT: wait for "
@@ -198,10 +201,11 @@ class HostStager:
         found = {key: _find_storages(state) for key, state in states.items()}
         firsts = _first_holders(found)
         self._ensure_buffers({key: f.storages for key, f in found.items()}, firsts)
-        pairs = [(self._slots[key][i], storage) for key, f in found.items() for i, storage in enumerate(f.storages)
-                 if firsts[storage._cdata] == (key, i)]
-        now = [pair for pair in pairs if not defer or pair[1]._cdata in copy_now]
-        later = [pair for pair in pairs if defer and pair[1]._cdata not in copy_now]
+        pairs: list[tuple[torch.UntypedStorage, _Source]] = [
+            (self._slots[key][i], sources.get(storage._cdata, storage)) for key, f in found.items()
+            for i, storage in enumerate(f.storages) if firsts[storage._cdata] == (key, i)]
+        now = [pair for pair in pairs if not defer or _storage_of(pair[1])._cdata in copy_now]
+        later = [pair for pair in pairs if defer and _storage_of(pair[1])._cdata not in copy_now]
         t_copy = time.monotonic()
         _copy_pairs(now)
         if self.pin and torch.cuda.is_available():
@@ -209,7 +213,7 @@ class HostStager:
         copy_s = time.monotonic() - t_copy
         staged = {key: _StagedRebuilder(io.BytesIO(f.pickled), self._slots[key], f.atoms).load()
                   for key, f in found.items()}
-        nbytes = sum(original.nbytes() for _, original in pairs)
+        nbytes = sum(slot.nbytes() for slot, _ in pairs)
         self._current = StagedSave(staged, nbytes, copy_s, time.monotonic() - t0, pending=later)
         if not later:
             self._current._copied.set()
@@ -284,12 +288,20 @@ def _first_holders(found: dict[str, _Found]) -> dict[int, tuple[str, int]]:
     return firsts
 
 
-def _copy_pairs(pairs: list[tuple[torch.UntypedStorage, torch.UntypedStorage]]) -> None:
-    """Each (buffer, original) copied. Through uint8 tensor views: a tensor's ``copy_`` releases the GIL, a
-    storage's does not (measured: a storage copy in a thread held training's thread to 29 % of its pace)."""
-    for slot, original in pairs:
-        if original.device.type == "meta" or original.nbytes() == 0:
+def _storage_of(source: _Source) -> torch.UntypedStorage:
+    return source.untyped_storage() if isinstance(source, torch.Tensor) else source
+
+
+def _copy_pairs(pairs: list[tuple[torch.UntypedStorage, _Source]]) -> None:
+    """Each (buffer, source) copied: a storage whole, a tensor's values into its placeholder's buffer (contiguous,
+    as empty_like made it). Through tensor views: a tensor's ``copy_`` releases the GIL, a storage's does not
+    (measured: a storage copy in a thread held training's thread to 29 % of its pace)."""
+    for slot, source in pairs:
+        if source.device.type == "meta" or slot.nbytes() == 0:
             continue  # nothing to copy (torch.save writes no data for them either)
         target = torch.empty(0, dtype=torch.uint8, device=slot.device).set_(slot)
-        source = torch.empty(0, dtype=torch.uint8, device=original.device).set_(original)
-        target.copy_(source, non_blocking=original.device.type != "cpu")
+        if isinstance(source, torch.Tensor):
+            target = target.view(source.dtype).view(source.shape)
+        else:
+            source = torch.empty(0, dtype=torch.uint8, device=source.device).set_(source)
+        target.copy_(source, non_blocking=source.device.type != "cpu")
