@@ -22,8 +22,9 @@ from pathlib import Path
 
 from jit_helpers import ckpt_check, losses, run_logged, start_ranks, wait_for
 
-from slurm_jit import exactness
+from slurm_jit import exactness, timing
 from slurm_jit.checkpoint import protocol
+from slurm_jit.grace import calc
 from slurm_jit.local_ranks import Ranks
 from slurm_jit.train import stop_record
 from slurm_jit.train.async_save import commit, fault_points
@@ -94,6 +95,16 @@ def _jit_stop_during_the_async_save_of_step_4(out: Path) -> None:
     assert check["resume_from"] == str(out / "checkpoint-5"), check
     record = stop_record.read(out)
     assert record is not None and record["state"] == "jit_stop" and record["step"] == 5, record
+    # within grace-calc's prediction from the chain's own timing log (its timed terms, no margin): the async term
+    # (the longest block + background write, the stalled one's included) covers the stop's wait for step 4's save
+    terms = calc.measured_terms(timing.load_summary(out))
+    assert terms.step_s is not None and terms.save_s is not None and terms.async_save_s > STOP_STALL_S, terms
+    predicted_s = calc.compute_grace(calc.GraceInputs(
+        step_s=terms.step_s, save_s=terms.save_s, kill_wait_s=0.0, latency_steps=terms.latency_steps,
+        teardown_s=terms.teardown_s or 0.0, async_save_s=terms.async_save_s,
+        margin=calc.Margin(fraction=0.0, floor_s=0.0))).needed_s
+    stop_s = max(float(r["dur_s"]) for r in timing.read_records(out) if r["event"] == "stop" and r["step"] == 5)
+    assert stop_s <= predicted_s, (stop_s, predicted_s, terms)
 
 
 def test_sigkill_at_each_instant_of_an_async_save_leaves_the_previous_checkpoint_to_resume_bitwise(
