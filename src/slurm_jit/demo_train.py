@@ -4,6 +4,10 @@ Used by the demo, the tests and the benchmarks. Run one process per rank (srun, 
 
     python -m slurm_jit.demo_train --output-dir out --max-steps 20 --save-steps 10 --resume
 
+``--device cuda``: the model on the rank's GPU in bf16 (DeepSpeed's ``"bf16"`` section, ``bf16=True``), NCCL for
+the model's collectives (``--dist-backend gloo``: gloo, so that ranks may share a GPU), the JitTrainer's agreement
+on its gloo side group as on CPU, deterministic algorithms (a resume bitwise). ``tools/gpu-check`` runs it.
+
 Per-step training losses go to ``OUT/losses-rank0.jsonl`` (rank 0), so that runs can be compared bitwise.
 """
 
@@ -27,6 +31,10 @@ VOCAB = 128
 SEQ_LEN = 32
 STALL_PLACES = ("step", "step_end", "save", "worker", "train_end")  # --stall-in
 VARIANTS = ("transposed", "renamed")  # --variant: what a library upgrade may change in a model's layout
+DEVICES = ("cpu", "cuda", "auto")  # --device
+# cuBLAS's deterministic workspace (CUDA >= 10.2 needs one of :4096:8 or :16:8 for use_deterministic_algorithms;
+# https://docs.nvidia.com/cuda/cublas/index.html#results-reproducibility): read when cuBLAS starts, so set first
+CUBLAS_WORKSPACE = ":4096:8"
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -116,6 +124,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="JitConfig(async_periodic_saves=True): periodic saves written in the background")
     p.add_argument("--step-times", action="store_true",
                    help="rank 0 appends each step's end time to OUT/step-times-rank0.jsonl (the benchmarks)")
+    p.add_argument("--device", choices=DEVICES, default="cpu",
+                   help="cpu (fp32, gloo); cuda (bf16, NCCL unless --dist-backend gloo, deterministic algorithms: "
+                        "CUBLAS_WORKSPACE_CONFIG=" + CUBLAS_WORKSPACE + "); auto: cuda where torch sees a GPU")
+    p.add_argument("--dist-backend", choices=("auto", "nccl", "gloo"), default="auto",
+                   help="with --device cuda: the model's collectives (auto: nccl); gloo lets ranks share a GPU "
+                        "(NCCL refuses two ranks on one), their CUDA tensors staged through host memory")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--clip", type=float, default=1.0, help='max_grad_norm (DeepSpeed "gradient_clipping": "auto")')
     p.add_argument("--vocab", type=int, default=VOCAB)
@@ -246,7 +260,7 @@ _DS_OPTIMIZER_PARAMS = {
 
 
 def deepspeed_config(zero_stage: int, optimizer: str | None = None, offload: bool = False,
-                     gather_16bit: bool = False) -> dict[str, Any]:
+                     gather_16bit: bool = False, bf16: bool = False) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": zero_stage}
     if gather_16bit:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
@@ -261,7 +275,47 @@ def deepspeed_config(zero_stage: int, optimizer: str | None = None, offload: boo
     }
     if optimizer:
         config["optimizer"] = {"type": optimizer, "params": dict(_DS_OPTIMIZER_PARAMS[optimizer])}
+    if bf16:  # bf16 weights and gradients, fp32 master weights in the optimizer (ZeRO's bf16 optimizer)
+        config["bf16"] = {"enabled": True}
     return config
+
+
+def cuda_setup(device: str, dist_backend: str) -> bool:
+    """True when this rank trains on CUDA (``--device cuda``, or ``auto`` with a GPU seen): deterministic
+    algorithms on, this rank's GPU chosen (ranks beyond the node's GPUs share them, over gloo only) and, for
+    ``--dist-backend gloo``, the model's process group made here, before accelerate would make an NCCL one.
+    ``--device cuda`` without CUDA: one line with a HINT (exit 1)."""
+    if device == "cpu":
+        return False
+    import torch
+
+    if not torch.cuda.is_available():
+        if device == "auto":
+            return False
+        built = f"torch {torch.__version__} (CUDA {torch.version.cuda})" if torch.version.cuda \
+            else f"torch {torch.__version__}, a build without CUDA"
+        raise SystemExit(f"demo_train: --device cuda, but {built} sees no GPU. HINT: run it on a GPU node with a "
+                         "CUDA build of torch in this interpreter, or pass --device cpu")
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    # warn_only=False: under warn_only, SDPA's flash and memory-efficient backward stay non-deterministic
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    gpus, local_rank = torch.cuda.device_count(), int(os.environ.get("LOCAL_RANK", "0"))
+    if local_rank >= gpus:
+        if dist_backend != "gloo":
+            raise SystemExit(f"demo_train: local rank {local_rank} has no GPU of its own ({gpus} on this node) and "
+                             "NCCL refuses two ranks on one GPU. HINT: --dist-backend gloo, or one rank per GPU")
+        os.environ["LOCAL_RANK"] = str(local_rank % gpus)  # accelerate and DeepSpeed take cuda:LOCAL_RANK
+        print(f"demo_train: rank {os.environ.get('RANK', '0')} shares cuda:{local_rank % gpus} ({gpus} GPU(s), "
+              f"{os.environ.get('LOCAL_WORLD_SIZE', '?')} local ranks), the model's collectives over gloo",
+              file=sys.stderr, flush=True)
+    if dist_backend == "gloo" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        import torch.distributed as dist
+
+        # torch's own init (env://), not deepspeed.init_distributed: that binds the group to cuda:LOCAL_RANK
+        # (device_id), which ranks sharing a GPU should not; DeepSpeed and accelerate then find it made
+        dist.init_process_group(backend="gloo")
+    return True
 
 
 def _install_own_handler(out_dir: str, rank: int) -> None:
@@ -320,6 +374,7 @@ def main(argv: Sequence[str] | None = None, trainer_cls: Any = None) -> None:
     args = parse_args(argv)
     _show_info_lines()
     dist_env.from_slurm()
+    cuda = cuda_setup(args.device, args.dist_backend)
     if args.zero_stage:  # --zero-stage 0: no DeepSpeed at all (plain DDP over gloo)
         os.environ.setdefault("ACCELERATE_USE_DEEPSPEED", "true")
     if args.mp_context:
@@ -345,9 +400,10 @@ def main(argv: Sequence[str] | None = None, trainer_cls: Any = None) -> None:
         eval_strategy="steps" if args.eval_steps else "no",
         eval_steps=args.eval_steps or None,
         dataloader_num_workers=args.workers,
-        use_cpu=True,
+        use_cpu=not cuda,
+        bf16=cuda,
         deepspeed=deepspeed_config(args.zero_stage, args.ds_optimizer, args.offload,
-                                   args.jit_save_weights) if args.zero_stage else None,
+                                   args.jit_save_weights, bf16=cuda) if args.zero_stage else None,
         report_to=[],
         seed=args.seed,
         disable_tqdm=True,
