@@ -84,6 +84,49 @@ def test_the_split_sums_to_the_allocations_less_the_uninterrupted_run() -> None:
     assert r.queue_s == pytest.approx(10 + 25)
 
 
+def test_the_matched_loss_swaps_the_references_start_up_and_end_for_the_chains() -> None:
+    """A reference whose start-up took 4 s more than the chain's first (10 s against 6) and whose end 2 s less (42
+    against 44): the loss moves by 2 s, the split does not; the matched loss is the split again."""
+    chain, events = kill_preempt_finish()
+    ref_run = Run(job="1", restart=0, start=0.0, end=132.0, state="COMPLETED")
+    ref = report.run_facts(ref_run, _run_events("1", 0, t0=1.0, imports=4.0, begin=9.0, first=(0, 10.0),
+                                                steps=range(1, 81), step_t0=11.0))
+    assert (ref.startup_s, ref.end_s) == (10.0, 42.0)
+    r = report.analyse(chain, events, uninterrupted_s=132.0, work_steps=80, limit_s=180.0, lead_s=30.0,
+                       weights_equal=True, reference=ref)
+    assert r.startup_s == (6.0, 10.0) and r.end_s == (44.0, 42.0)
+    assert r.loss_s == pytest.approx(33.0) and r.split_s == pytest.approx(35.0)
+    assert r.matched_loss_s == pytest.approx(35.0)
+    assert "matched, the uninterrupted run's start-up and end (10.0 s, 42.0 s) swapped for the chain's (6.0 s, " \
+           "44.0 s): 35.0" in render.costs_table(r)
+    assert analysed(uninterrupted_s=132.0).matched_loss_s == pytest.approx(33.0)  # no reference: the loss
+
+
+def test_a_hung_job_that_outlives_the_limit_by_kill_wait_is_predicted_with_it() -> None:
+    """(b) hangs at step 41 (t 46); upstream's SIGTERM handler keeps the hung ranks alive past the 180 s limit
+    until Slurm's SIGKILL 30 s later (allocation 0-210); the next run resumes after step 40's save: the replay
+    that ends the hung job at limit + KillWait predicts the measured goodput, the one that ends it at the limit
+    does not."""
+    chain = Chain(key="b", reference=False, started=0.0, finished=True, outcome="finished",
+                  submits=[(0.0, "10"), (212.0, "11")],
+                  runs=[Run(job="10", restart=0, start=0.0, end=210.0, state="TIMEOUT"),
+                        Run(job="11", restart=0, start=220.0, end=270.0, state="COMPLETED")])
+    events = (_run_events("10", 0, t0=1.0, imports=3.0, begin=5.0, first=(0, 6.0), steps=range(1, 41), step_t0=7.0,
+                          fault=("hang", 41, 46.0, 1))
+              + _run_events("11", 0, t0=221.0, imports=223.0, begin=225.0, first=(40, 226.0), steps=range(41, 81),
+                            step_t0=227.0))
+    r = report.analyse(chain, events, uninterrupted_s=86.0, work_steps=80, limit_s=180.0, lead_s=30.0,
+                       weights_equal=True)
+    assert r.goodput == pytest.approx(86 / 260) and r.ends[0].detection_s == pytest.approx(164.0)
+    runs = [report.run_facts(run, events) for run in chain.runs]
+    with_kill_wait = predict.predict(r, runs, save_steps=10, limit_s=180.0, preempt_t=None, kill_wait_s=30.0)
+    at_the_limit = predict.predict(r, runs, save_steps=10, limit_s=180.0, preempt_t=None)
+    assert with_kill_wait.costs.slurm_kill_wait_s == 30.0
+    assert with_kill_wait.predicted == pytest.approx(86 / 256)  # restart 6 s, steps 1-40, end at 210, 6 + 40 s
+    assert at_the_limit.predicted == pytest.approx(86 / 226)
+    assert with_kill_wait.error < 0.02 < 0.1 < at_the_limit.error
+
+
 def test_a_chain_that_did_not_finish_counts_the_share_of_the_work_it_did() -> None:
     chain, events = kill_preempt_finish()
     chain.finished = False

@@ -79,6 +79,26 @@ def test_hang_runs_to_the_time_limit_unless_a_watchdog_ends_it() -> None:
     assert (watched.wall_s, watched.detection_s) == (18.5, 3.0)
 
 
+def test_a_stuck_job_that_catches_sigterm_outlives_the_limit_by_slurms_kill_wait() -> None:
+    """(b), (c) catch SIGTERM to stop at a step boundary: ranks stuck at the limit live on until Slurm's SIGKILL,
+    KillWait later; (a)'s ranks die of the SIGTERM at the limit."""
+    c, fault = costs(save_steps=4, time_limit_s=20.0, slurm_kill_wait_s=30.0), (Fault(at_s=9.5, kind=HANG),)
+    plain = replay(c, gp.PLAIN, work_steps=8, faults=fault)  # as without KillWait: the job ends at 20
+    assert (plain.wall_s, plain.detection_s) == (26.0, 10.5)
+    upstream = replay(c, gp.UPSTREAM_JIT, work_steps=8, faults=fault)  # ends at 50; 2 + 4 steps + 1 save kept
+    assert (upstream.wall_s, upstream.detection_s, upstream.jobs) == (56.0, 40.5, 2)
+    watched = replay(replace(c, hang_detect_s=3.0), gp.JIT_TRAINER, work_steps=8, faults=fault)
+    assert (watched.wall_s, watched.detection_s) == (18.5, 3.0)  # its watchdog ends it before the limit
+    crash = replay(replace(c, crash_detect_s=15.0), gp.UPSTREAM_JIT, work_steps=8,
+                   faults=(Fault(at_s=9.5, kind=CRASH),))  # survivors stuck in a collective: until 24.5, not 20
+    assert crash.detection_s == 15.0
+    failures = gp.Failures(gpus=1, mtbf_gpu_h=0.01, hang_fraction=1.0)
+    with_kw = gp.expected(c, gp.UPSTREAM_JIT, failures)
+    without = gp.expected(replace(c, slurm_kill_wait_s=0.0), gp.UPSTREAM_JIT, failures)
+    assert with_kw.kept_s == without.kept_s and with_kw.attempt_s > without.attempt_s
+    assert gp.expected(c, gp.PLAIN, failures) == gp.expected(replace(c, slurm_kill_wait_s=0.0), gp.PLAIN, failures)
+
+
 def test_async_save_counts_only_once_written() -> None:
     # steps 1-2 -> 2; stage [2, 2.5), written 5.0; steps 3-4 -> 4.5; wait for the write [4.5, 5.0), stage -> 5.5,
     # written 8.0; step 5 cut by the crash at 5.9: the save of step 4 is not written yet, step 2's is kept; +1 s
@@ -139,15 +159,17 @@ def _random_faults(failures: gp.Failures, horizon_s: float, seed: int) -> tuple[
     return tuple(faults)
 
 
-@pytest.mark.parametrize(("system", "background_s"), [(gp.PLAIN, 0.0), (gp.UPSTREAM_JIT, 0.0),
-                                                       (gp.JIT_TRAINER, 5.0), (gp.JIT_TRAINER, 40.0)])
-def test_expectation_matches_replayed_random_schedules(system: gp.System, background_s: float) -> None:
+@pytest.mark.parametrize(("system", "background_s", "kill_wait_s"), [
+    (gp.PLAIN, 0.0, 0.0), (gp.UPSTREAM_JIT, 0.0, 0.0), (gp.UPSTREAM_JIT, 0.0, 30.0), (gp.JIT_TRAINER, 5.0, 0.0),
+    (gp.JIT_TRAINER, 40.0, 0.0)])
+def test_expectation_matches_replayed_random_schedules(system: gp.System, background_s: float,
+                                                       kill_wait_s: float) -> None:
     """A failure every 3 min (30 % of them hangs), a preemption every 500 s, 400 s jobs: the closed form against
     thousands of replayed jobs, within 3 % (sampling noise; (b), (c) resume off their save phase after a warned
-    stop, which the closed form leaves out)."""
+    stop, which the closed form leaves out); (b) also with hung jobs held past the limit by KillWait."""
     hang = 40.0 if system is gp.JIT_TRAINER else math.inf
     c = costs(save_steps=20, save_blocked_s=2.0, save_s=2.0 + background_s, restart_s=15.0, stop_s=8.0,
-              crash_detect_s=30.0, hang_detect_s=hang, time_limit_s=400.0)
+              crash_detect_s=30.0, hang_detect_s=hang, time_limit_s=400.0, slurm_kill_wait_s=kill_wait_s)
     failures = gp.Failures(gpus=1, mtbf_gpu_h=0.05, hang_fraction=0.3, preemptions_per_day=gp.DAY_S / 500)
     work = 400_000
     r = replay(c, system, work_steps=work, faults=_random_faults(failures, 20 * work, seed=7))
@@ -217,7 +239,7 @@ def test_young_interval_minimises_the_models_loss(step: float, save: float, mtbf
     c = costs(step_s=step, save_steps=1, save_blocked_s=save, save_s=save, restart_s=restart * limit,
               stop_s=min(save + step + 3, limit / 10), crash_detect_s=60.0, time_limit_s=limit)
     interval = gp.young_interval_s(c, system, failures)
-    assert interval == pytest.approx(math.sqrt(2 * save * mtbf_h * gp.HOUR_S))
+    assert interval is not None and interval == pytest.approx(math.sqrt(2 * save * mtbf_h * gp.HOUR_S))
     assume(save <= mtbf_h * gp.HOUR_S / 100 and 20 * step <= interval <= limit / 20)
     k = gp.advised_save_steps(c, system, failures)
     assert k is not None
@@ -257,7 +279,7 @@ def test_watchdog_numbers_agree_with_the_trainer() -> None:
     ({"step_s": 0.0}, "step time 0.0: must be a number > 0"), ({"restart_s": -1.0}, "restart -1.0"),
     ({"time_limit_s": math.nan}, "time limit nan"), ({"crash_detect_s": math.inf}, "crash detect inf"),
     ({"save_steps": 0}, "save_steps 0"), ({"save_s": 0.5}, "save time 0.5 s < its blocked time"),
-    ({"stop_s": 100.0}, "does not fit in the time limit"),
+    ({"stop_s": 100.0}, "does not fit in the time limit"), ({"slurm_kill_wait_s": -30.0}, "slurm kill wait -30.0"),
 ])
 def test_bad_costs_say_how_to_fix_them(kw: dict[str, float], match: str) -> None:
     with pytest.raises(GraceError, match=match) as err:

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.usefixtures("slur
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICK_TIMEOUT_S = 1500  # a hang detector: ~6 min here; the chain's own budget is 600 s past the reference
-SPLIT_TOLERANCE = 0.2  # the split against the measured loss: runs differ in step and start-up times
+SPLIT_TOLERANCE = 0.2  # the split against the matched loss: runs still differ in step and restart times
 SPLIT_SLACK_S = 10.0
 
 
@@ -47,7 +47,10 @@ def test_tools_goodput_quick_measures_a_finished_chain(tmp_path: Path) -> None:
     assert kill["redone_steps"] <= snapshot_steps, kill  # at most one snapshot interval at the unwarned kill
     preempt = next(e for e in c["ends"] if e["kind"] == "preempt")
     assert preempt["redone_steps"] == 0 and preempt["last_step"] is None, preempt  # it landed in the start-up
-    assert abs(c["split_s"] - c["loss_s"]) <= max(SPLIT_TOLERANCE * c["loss_s"], SPLIT_SLACK_S), c
+    # the matched loss: the reference's start-up and end (no fault's cost) swapped for the chain's; the raw loss
+    # moves with the reference's start-up alone (a run here: 19.1 s against the chain's 6 s, split 59 s, loss 43 s)
+    matched = c["matched_loss_s"]
+    assert abs(c["split_s"] - matched) <= max(SPLIT_TOLERANCE * matched, SPLIT_SLACK_S), c
     assert c["allocation_s"] > c["uninterrupted_s"] > 0
     assert (out / "timeline-c.svg").read_text().startswith("<svg")
     assert "| (c) JitTrainer" in (out / "results.md").read_text()

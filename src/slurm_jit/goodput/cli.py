@@ -24,6 +24,7 @@ from slurm_jit.goodput import chain as chains
 from slurm_jit.goodput import predict, render, report, systems
 from slurm_jit.goodput.probe import events_path
 from slurm_jit.goodput.schedule import Schedule, ScheduleError, make_schedule
+from slurm_jit.grace.rules import SLURM_KILL_WAIT_DEFAULT_S
 
 PROG = "tools/goodput"
 STARTUP_ALLOWANCE_S = 120.0  # a reference run's budget beyond its steps: starts on a loaded 2-core host
@@ -79,7 +80,26 @@ def _background_s(paths: systems.Paths) -> float:
     return statistics.median(writes) if writes else 0.0
 
 
-def run_system(key: str, schedule: Schedule, root: Path, log: Any) -> dict[str, Any]:
+def kill_wait_s() -> float:
+    """The cluster's KillWait (slurm.conf's default where scontrol does not say)."""
+    try:
+        value = slurm.seconds(slurm.show_config().get("KillWait", ""))
+    except (slurm.SlurmError, ValueError):
+        value = None
+    return float(SLURM_KILL_WAIT_DEFAULT_S if value is None else value)
+
+
+def _reference_facts(ref_paths: systems.Paths, world_size: int) -> report.RunFacts | None:
+    """The uninterrupted run's facts (its chain.json and events), None where they are missing."""
+    path = ref_paths.out.parent / "chain.json"
+    if not path.is_file():
+        return None
+    ref = chains.load(path)
+    return report.run_facts(ref.runs[0], _events(ref_paths, world_size)) if ref.runs else None
+
+
+def run_system(key: str, schedule: Schedule, root: Path, log: Any,
+               kill_wait: float = SLURM_KILL_WAIT_DEFAULT_S) -> dict[str, Any]:
     """The uninterrupted run, then the chain, then their report."""
     expected_s = schedule.work_steps * (schedule.step_sleep_s + 0.05) + STARTUP_ALLOWANCE_S
     ref_paths, paths = systems.Paths.under(root, key, True), systems.Paths.under(root, key, False)
@@ -97,23 +117,24 @@ def run_system(key: str, schedule: Schedule, root: Path, log: Any) -> dict[str, 
     chain = chains.watch(key, schedule, paths, reference=False,
                          budget_s=max(BUDGET_FACTOR * uninterrupted, uninterrupted + MIN_BUDGET_S))
     chains.save(chain, paths.out.parent / "chain.json")
-    return report_system(key, schedule, root, uninterrupted, chain)
+    return report_system(key, schedule, root, uninterrupted, chain, kill_wait)
 
 
-def report_system(key: str, schedule: Schedule, root: Path, uninterrupted: float,
-                  chain: chains.Chain) -> dict[str, Any]:
+def report_system(key: str, schedule: Schedule, root: Path, uninterrupted: float, chain: chains.Chain,
+                  kill_wait: float = SLURM_KILL_WAIT_DEFAULT_S) -> dict[str, Any]:
     """The report of a system's chain from its records in ``root`` (also for records saved by an earlier run)."""
     ref_paths, paths = systems.Paths.under(root, key, True), systems.Paths.under(root, key, False)
     events = _events(paths, schedule.world_size)
     digest, ref_digest = _digest(paths), _digest(ref_paths)
     limit_s, lead_s = schedule.time_limit_min * 60.0, float(schedule.signal_lead_s)
     rep = report.analyse(chain, events, uninterrupted_s=uninterrupted, work_steps=schedule.work_steps,
-                         limit_s=limit_s, lead_s=lead_s, weights_equal=None if digest is None else digest == ref_digest)
+                         limit_s=limit_s, lead_s=lead_s, weights_equal=None if digest is None else digest == ref_digest,
+                         reference=_reference_facts(ref_paths, schedule.world_size))
     runs = [report.run_facts(r, events) for r in chain.runs if r.end is not None]
     save_steps = schedule.snapshot_steps if key == "c" else schedule.save_steps
     pred = predict.predict(rep, runs, save_steps=save_steps, limit_s=limit_s,
                            preempt_t=chain.preempt[0] if chain.preempt else None,
-                           background_s=_background_s(paths) if key == "c" else 0.0)
+                           background_s=_background_s(paths) if key == "c" else 0.0, kill_wait_s=kill_wait)
     scale = {(mix, gpus): predict.at_scale(pred.costs, key, gpus, hangs_and_preemptions=mixed)
              for mix, mixed in (("crashes only", False), ("10 % hangs, 0.87 preemptions/day", True))
              for gpus in predict.SCALES}
@@ -132,7 +153,8 @@ def _markdown(schedule: Schedule, results: dict[str, dict[str, Any]], preemption
                   f"Fed to the calculator: step {c.step_s:.3f} s, save every {c.save_steps} steps blocking "
                   f"{c.save_blocked_s:.3f} s (complete after {c.save_s:.3f} s), restart {c.restart_s:.1f} s, warned "
                   f"stop {c.stop_s:.1f} s, crash detection {c.crash_detect_s:.1f} s, hang detection "
-                  f"{c.hang_detect_s:.1f} s, time limit {c.time_limit_s:.0f} s.", f"![timeline](timeline-{key}.svg)",
+                  f"{c.hang_detect_s:.1f} s, time limit {c.time_limit_s:.0f} s, Slurm's KillWait "
+                  f"{c.slurm_kill_wait_s:.0f} s.", f"![timeline](timeline-{key}.svg)",
                   ""]
     lines += ["At scale (the measured costs, a 24-hour limit, Llama 3's failure rate; advised save_steps in "
               "brackets):", "", render.scale_table({k: r["scale"] for k, r in results.items()}), ""]
@@ -145,8 +167,8 @@ def _json(schedule: Schedule, results: dict[str, dict[str, Any]]) -> dict[str, A
         rep, pred = r["report"], r["prediction"]
         out["systems"][key] = {
             **{k: v for k, v in asdict(rep).items() if k != "ends"}, "goodput": rep.goodput, "loss_s": rep.loss_s,
-            "split_s": rep.split_s, "ends": [{**asdict(e), "restart_s": e.restart_s, "total_s": e.total_s}
-                                             for e in rep.ends],
+            "split_s": rep.split_s, "matched_loss_s": rep.matched_loss_s,
+            "ends": [{**asdict(e), "restart_s": e.restart_s, "total_s": e.total_s} for e in rep.ends],
             "predicted_goodput": pred.predicted, "costs": asdict(pred.costs),
             "preempt": r["chain"].preempt, "at_scale": [[m, g, v[0], v[1]] for (m, g), v in r["scale"].items()]}
     return out
@@ -174,9 +196,10 @@ def main(argv: list[str] | None = None) -> int:
                   "no urgent partition here: scontrol requeue of the job stands in")
     print(f"{PROG}: {schedule.describe()}; systems {','.join(keys)}; results in {root}", flush=True)
     results: dict[str, dict[str, Any]] = {}
+    kill_wait = kill_wait_s()
     for key in keys:
         try:
-            results[key] = run_system(key, schedule, root, sys.stdout)
+            results[key] = run_system(key, schedule, root, sys.stdout, kill_wait)
         except (RuntimeError, systems.SubmitError, slurm.SlurmError) as exc:
             print(f"{PROG}: {exc}", file=sys.stderr)
             return 1

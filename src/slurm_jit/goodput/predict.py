@@ -6,9 +6,11 @@ step's end to the next step's end, less a step: the same measure for a synchrono
 an async save's full time from the JitTrainer's timing log; the restart (mean of the in-allocation parts:
 launch, imports, engine, load, first step's excess); the detections of the kill and the hang and the warned
 stop as measured (the event until the allocation's end); the time limit as the mean allocation of the runs the
-time limit ended. :func:`replayed_goodput` replays the chain under the run's faults (at the allocation time they
-landed at, allocations laid end to end) and its uninterrupted twin: the predicted goodput is their ratio, to set
-beside the measured one. :func:`at_scale` gives the expectation at N GPUs with a 24-hour limit.
+time limit ended; Slurm's KillWait, which a (b) or (c) job stuck at the limit outlives it by (their ranks catch
+SIGTERM: only the SIGKILL after KillWait ends them). :func:`replayed_goodput` replays the chain under the run's
+faults (at the allocation time they landed at, allocations laid end to end) and its uninterrupted twin: the
+predicted goodput is their ratio, to set beside the measured one. :func:`at_scale` gives the expectation at N GPUs
+with a 24-hour limit.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def _detection(ends: Sequence[EndCost], kind: str, default: float) -> float:
 
 
 def measured_costs(report: SystemReport, runs: Sequence[RunFacts], *, save_steps: int, limit_s: float,
-                   background_s: float = 0.0) -> gp.Costs:
+                   background_s: float = 0.0, kill_wait_s: float = 0.0) -> gp.Costs:
     """The calculator's costs for this system, from its run."""
     step = max(report.step_s, 1e-3)
     blocked = save_blocked_s(runs, save_steps, step)
@@ -68,7 +70,8 @@ def measured_costs(report: SystemReport, runs: Sequence[RunFacts], *, save_steps
     return gp.Costs(step_s=step, save_steps=save_steps, save_blocked_s=blocked, save_s=blocked + background_s,
                     restart_s=_mean(restarts, 0.0), stop_s=stop,
                     crash_detect_s=_detection(report.ends, KILL, gp.NCCL_TIMEOUT_S),
-                    hang_detect_s=_detection(report.ends, HANG, math.inf), time_limit_s=limit)
+                    hang_detect_s=_detection(report.ends, HANG, math.inf), time_limit_s=limit,
+                    slurm_kill_wait_s=kill_wait_s)
 
 
 def faults_at(report: SystemReport, runs: Sequence[RunFacts], preempt_t: float | None) -> tuple[Fault, ...]:
@@ -94,8 +97,9 @@ def replayed_goodput(costs: gp.Costs, key: str, work_steps: int, faults: tuple[F
 
 
 def predict(report: SystemReport, runs: Sequence[RunFacts], *, save_steps: int, limit_s: float,
-            preempt_t: float | None, background_s: float = 0.0) -> Prediction:
-    costs = measured_costs(report, runs, save_steps=save_steps, limit_s=limit_s, background_s=background_s)
+            preempt_t: float | None, background_s: float = 0.0, kill_wait_s: float = 0.0) -> Prediction:
+    costs = measured_costs(report, runs, save_steps=save_steps, limit_s=limit_s, background_s=background_s,
+                           kill_wait_s=kill_wait_s)
     predicted = replayed_goodput(costs, report.key, report.work_steps, faults_at(report, runs, preempt_t))
     return Prediction(measured=report.goodput, predicted=predicted, costs=costs)
 

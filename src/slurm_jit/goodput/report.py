@@ -14,7 +14,11 @@ uninterrupted reference's allocation, the final weights' digests. Definitions:
   engine (model, Trainer, DeepSpeed initialised: ``on_train_begin``), load (the checkpoint, until the first step
   begins) and the first step's excess over a typical step;
 * the split is checked against the measured loss, the chain's allocations minus the uninterrupted one: they differ
-  by the noise of step and start-up times between runs.
+  by the noise of step and start-up times between runs. The **matched loss** takes out the part of that noise the
+  faults do not touch: the uninterrupted run's start-up (allocation start until its first step begins) and end
+  (its last step until the allocation ended), which are not a fault's cost, are swapped for the chain's first
+  run's start-up and last run's end (a reference started on a busier host than the chain, or the reverse, moves
+  the loss, not the split).
 """
 
 from __future__ import annotations
@@ -50,6 +54,17 @@ class RunFacts:
     @property
     def last_step(self) -> int | None:
         return self.steps[-1][0] if self.steps else None
+
+    @property
+    def startup_s(self) -> float | None:
+        """The allocation's start until the first step began (None: no step began)."""
+        first = self.milestones.get("first_step")
+        return None if first is None or not self.steps else first - self.run.start
+
+    @property
+    def end_s(self) -> float | None:
+        """The last step's end until the allocation ended (None: no step, or the run has not ended)."""
+        return None if not self.steps or self.run.end is None else self.run.end - self.steps[-1][1]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,6 +110,9 @@ class SystemReport:
     weights_equal: bool | None = None  # final weights == the uninterrupted run's (sha256); None: no final state
 
     work_steps: int = 0  # the training's length
+    # (chain's, reference's) first run's start-up and last run's end, where both are known (see matched_loss_s)
+    startup_s: tuple[float, float] | None = None
+    end_s: tuple[float, float] | None = None
 
     @property
     def goodput(self) -> float:
@@ -109,6 +127,15 @@ class SystemReport:
     @property
     def split_s(self) -> float:
         return sum(e.total_s for e in self.ends)
+
+    @property
+    def matched_loss_s(self) -> float:
+        """The loss with the uninterrupted run's start-up and end swapped for the chain's first start-up and last
+        end (no fault's cost; where unknown, as measured): the figure the split should match."""
+        if self.startup_s is None or self.end_s is None:
+            return self.loss_s
+        (start, ref_start), (end, ref_end) = self.startup_s, self.end_s
+        return self.loss_s + (ref_start - start) + (ref_end - end)
 
 
 def run_facts(run: Run, events: Iterable[dict[str, Any]]) -> RunFacts:
@@ -184,8 +211,9 @@ def redone(facts: RunFacts, kept: int | None, event_t: float) -> tuple[int, floa
 
 
 def analyse(chain: Chain, events: Sequence[dict[str, Any]], *, uninterrupted_s: float, work_steps: int,
-            limit_s: float, lead_s: float, weights_equal: bool | None) -> SystemReport:
-    """The report of one system's chain."""
+            limit_s: float, lead_s: float, weights_equal: bool | None,
+            reference: RunFacts | None = None) -> SystemReport:
+    """The report of one system's chain (``reference``: the uninterrupted run's facts, for the matched loss)."""
     runs = [run_facts(r, events) for r in chain.runs if r.end is not None]
     step_s = median_step_s(runs)
     ends: list[EndCost] = []
@@ -200,7 +228,13 @@ def analyse(chain: Chain, events: Sequence[dict[str, Any]], *, uninterrupted_s: 
         allocation_s=allocation, wall_s=(runs[-1].run.end or 0.0) - runs[0].run.start if runs else 0.0,
         queue_s=queue, jobs=len(chain.submits), runs=len(runs), steps_done=done,
         steps_computed=sum(len(r.steps) for r in runs), steps_redone=sum(e.redone_steps for e in ends),
-        step_s=step_s, ends=ends, weights_equal=weights_equal, work_steps=work_steps)
+        step_s=step_s, ends=ends, weights_equal=weights_equal, work_steps=work_steps,
+        startup_s=_pair(runs[0].startup_s if runs else None, reference.startup_s if reference else None),
+        end_s=_pair(runs[-1].end_s if runs and chain.finished else None, reference.end_s if reference else None))
+
+
+def _pair(mine: float | None, ref: float | None) -> tuple[float, float] | None:
+    return None if mine is None or ref is None else (mine, ref)
 
 
 def _end_cost(i: int, runs: Sequence[RunFacts], chain: Chain, step_s: float, limit_s: float,

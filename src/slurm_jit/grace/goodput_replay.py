@@ -8,7 +8,8 @@ async write, if it still runs); the save counts once complete, ``save_s`` after 
 * the time limit: (a) at the limit, keeping its last complete save; (b), (c) at the signal ``stop_s`` before it,
   keeping every step done, the one the signal lands in included, the job ending ``stop_s`` later;
 * a fault of the schedule (wall time from the chain's start): a crash or a hang keeps the last complete save and
-  the job ends ``crash_detect_s`` / ``hang_detect_s`` later (at the limit at most); a preemption ends (a) at once
+  the job ends ``crash_detect_s`` / ``hang_detect_s`` later (at the limit at most; for (b), (c), whose ranks catch
+  SIGTERM, at the limit + ``slurm_kill_wait_s``: Slurm's SIGKILL); a preemption ends (a) at once
   (its last save), and stops (b), (c) as the time limit's signal does.
 
 A fault that lands while a job is already ending (its stop, its detection) hits nothing. The next job starts when
@@ -122,8 +123,8 @@ def _steps(run: _Run, event_t: float) -> tuple[int, bool, list[tuple[float, int]
 
 def _job(run: _Run) -> None:
     """One job from its start to its end; updates the run."""
-    c, kept_before, compute_before = run.costs, run.durable, run.totals["compute"]
-    limit = run.t + c.time_limit_s
+    c, kept_before, compute_before, start = run.costs, run.durable, run.totals["compute"], run.t
+    limit = start + c.time_limit_s
     cutoff = limit - c.stop_s if run.system.saves_when_warned else limit
     event_t, fault = _next_event(run, cutoff)
     run.jobs += 1
@@ -142,7 +143,7 @@ def _job(run: _Run) -> None:
         kept = max([kept_before, *(s for at, s in saves if at <= run.t)])
         delay = 0.0 if fault is None or fault.kind == PREEMPT else (
             c.hang_detect_s if fault.kind == HANG else c.crash_detect_s)
-        end = min(run.t + delay, limit)
+        end = min(run.t + delay, start + c.stuck_end_s(run.system))
         run.totals["detection"] += end - run.t
     run.faults_hit += fault is not None
     if fault is not None:
