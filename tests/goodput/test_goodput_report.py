@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import xml.etree.ElementTree as ET
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -102,11 +103,11 @@ def test_the_matched_loss_swaps_the_references_start_up_and_end_for_the_chains()
     assert analysed(uninterrupted_s=132.0).matched_loss_s == pytest.approx(33.0)  # no reference: the loss
 
 
-def test_a_hung_job_that_outlives_the_limit_by_kill_wait_is_predicted_with_it() -> None:
+def test_a_hung_job_held_past_the_limit_is_predicted_with_its_overrun() -> None:
     """(b) hangs at step 41 (t 46); upstream's SIGTERM handler keeps the hung ranks alive past the 180 s limit
-    until Slurm's SIGKILL 30 s later (allocation 0-210); the next run resumes after step 40's save: the replay
-    that ends the hung job at limit + KillWait predicts the measured goodput, the one that ends it at the limit
-    does not."""
+    until Slurm's SIGKILL (allocation 0-210); the next run resumes after step 40's save. The replay that ends the
+    hung job at the limit + the measured 30 s predicts the measured goodput; the one that ends it at the limit
+    does not. Where no run was held past the limit, the given default is fed."""
     chain = Chain(key="b", reference=False, started=0.0, finished=True, outcome="finished",
                   submits=[(0.0, "10"), (212.0, "11")],
                   runs=[Run(job="10", restart=0, start=0.0, end=210.0, state="TIMEOUT"),
@@ -119,12 +120,17 @@ def test_a_hung_job_that_outlives_the_limit_by_kill_wait_is_predicted_with_it() 
                        weights_equal=True)
     assert r.goodput == pytest.approx(86 / 260) and r.ends[0].detection_s == pytest.approx(164.0)
     runs = [report.run_facts(run, events) for run in chain.runs]
-    with_kill_wait = predict.predict(r, runs, save_steps=10, limit_s=180.0, preempt_t=None, kill_wait_s=30.0)
-    at_the_limit = predict.predict(r, runs, save_steps=10, limit_s=180.0, preempt_t=None)
-    assert with_kill_wait.costs.slurm_kill_wait_s == 30.0
-    assert with_kill_wait.predicted == pytest.approx(86 / 256)  # restart 6 s, steps 1-40, end at 210, 6 + 40 s
-    assert at_the_limit.predicted == pytest.approx(86 / 226)
-    assert with_kill_wait.error < 0.02 < 0.1 < at_the_limit.error
+    pred = predict.predict(r, runs, save_steps=10, limit_s=180.0, preempt_t=None, overrun_s=99.0)
+    assert pred.costs.limit_overrun_s == pytest.approx(30.0)  # measured: the default is not used
+    assert pred.predicted == pytest.approx(86 / 256)  # restart 6 s, steps 1-40, end at 210, 6 + 40 s
+    at_the_limit = predict.replayed_goodput(replace(pred.costs, limit_overrun_s=0.0), "b", 80,
+                                            predict.faults_at(r, runs, None))
+    assert at_the_limit == pytest.approx(86 / 226)
+    assert pred.error < 0.02 < 0.1 < abs(at_the_limit - r.goodput) / r.goodput
+    chain, events = kill_preempt_finish()  # nothing held past the limit: the default
+    runs = [report.run_facts(run, events) for run in chain.runs]
+    assert predict.measured_costs(analysed(), runs, save_steps=10, limit_s=180.0,
+                                  overrun_s=predict.default_overrun_s(30.0)).limit_overrun_s == 45.0
 
 
 def test_a_chain_that_did_not_finish_counts_the_share_of_the_work_it_did() -> None:

@@ -79,10 +79,10 @@ def test_hang_runs_to_the_time_limit_unless_a_watchdog_ends_it() -> None:
     assert (watched.wall_s, watched.detection_s) == (18.5, 3.0)
 
 
-def test_a_stuck_job_that_catches_sigterm_outlives_the_limit_by_slurms_kill_wait() -> None:
+def test_a_stuck_job_that_catches_sigterm_outlives_the_limit_until_slurms_sigkill() -> None:
     """(b), (c) catch SIGTERM to stop at a step boundary: ranks stuck at the limit live on until Slurm's SIGKILL,
-    KillWait later; (a)'s ranks die of the SIGTERM at the limit."""
-    c, fault = costs(save_steps=4, time_limit_s=20.0, slurm_kill_wait_s=30.0), (Fault(at_s=9.5, kind=HANG),)
+    after its time-limit check and KillWait (here 30 s in all); (a)'s ranks die of the SIGTERM at the limit."""
+    c, fault = costs(save_steps=4, time_limit_s=20.0, limit_overrun_s=30.0), (Fault(at_s=9.5, kind=HANG),)
     plain = replay(c, gp.PLAIN, work_steps=8, faults=fault)  # as without KillWait: the job ends at 20
     assert (plain.wall_s, plain.detection_s) == (26.0, 10.5)
     upstream = replay(c, gp.UPSTREAM_JIT, work_steps=8, faults=fault)  # ends at 50; 2 + 4 steps + 1 save kept
@@ -94,9 +94,9 @@ def test_a_stuck_job_that_catches_sigterm_outlives_the_limit_by_slurms_kill_wait
     assert crash.detection_s == 15.0
     failures = gp.Failures(gpus=1, mtbf_gpu_h=0.01, hang_fraction=1.0)
     with_kw = gp.expected(c, gp.UPSTREAM_JIT, failures)
-    without = gp.expected(replace(c, slurm_kill_wait_s=0.0), gp.UPSTREAM_JIT, failures)
+    without = gp.expected(replace(c, limit_overrun_s=0.0), gp.UPSTREAM_JIT, failures)
     assert with_kw.kept_s == without.kept_s and with_kw.attempt_s > without.attempt_s
-    assert gp.expected(c, gp.PLAIN, failures) == gp.expected(replace(c, slurm_kill_wait_s=0.0), gp.PLAIN, failures)
+    assert gp.expected(c, gp.PLAIN, failures) == gp.expected(replace(c, limit_overrun_s=0.0), gp.PLAIN, failures)
 
 
 def test_async_save_counts_only_once_written() -> None:
@@ -169,7 +169,7 @@ def test_expectation_matches_replayed_random_schedules(system: gp.System, backgr
     stop, which the closed form leaves out); (b) also with hung jobs held past the limit by KillWait."""
     hang = 40.0 if system is gp.JIT_TRAINER else math.inf
     c = costs(save_steps=20, save_blocked_s=2.0, save_s=2.0 + background_s, restart_s=15.0, stop_s=8.0,
-              crash_detect_s=30.0, hang_detect_s=hang, time_limit_s=400.0, slurm_kill_wait_s=kill_wait_s)
+              crash_detect_s=30.0, hang_detect_s=hang, time_limit_s=400.0, limit_overrun_s=kill_wait_s)
     failures = gp.Failures(gpus=1, mtbf_gpu_h=0.05, hang_fraction=0.3, preemptions_per_day=gp.DAY_S / 500)
     work = 400_000
     r = replay(c, system, work_steps=work, faults=_random_faults(failures, 20 * work, seed=7))
@@ -279,7 +279,7 @@ def test_watchdog_numbers_agree_with_the_trainer() -> None:
     ({"step_s": 0.0}, "step time 0.0: must be a number > 0"), ({"restart_s": -1.0}, "restart -1.0"),
     ({"time_limit_s": math.nan}, "time limit nan"), ({"crash_detect_s": math.inf}, "crash detect inf"),
     ({"save_steps": 0}, "save_steps 0"), ({"save_s": 0.5}, "save time 0.5 s < its blocked time"),
-    ({"stop_s": 100.0}, "does not fit in the time limit"), ({"slurm_kill_wait_s": -30.0}, "slurm kill wait -30.0"),
+    ({"stop_s": 100.0}, "does not fit in the time limit"), ({"limit_overrun_s": -30.0}, "limit overrun -30.0"),
 ])
 def test_bad_costs_say_how_to_fix_them(kw: dict[str, float], match: str) -> None:
     with pytest.raises(GraceError, match=match) as err:

@@ -134,7 +134,8 @@ def report_system(key: str, schedule: Schedule, root: Path, uninterrupted: float
     save_steps = schedule.snapshot_steps if key == "c" else schedule.save_steps
     pred = predict.predict(rep, runs, save_steps=save_steps, limit_s=limit_s,
                            preempt_t=chain.preempt[0] if chain.preempt else None,
-                           background_s=_background_s(paths) if key == "c" else 0.0, kill_wait_s=kill_wait)
+                           background_s=_background_s(paths) if key == "c" else 0.0,
+                           overrun_s=predict.default_overrun_s(kill_wait))
     scale = {(mix, gpus): predict.at_scale(pred.costs, key, gpus, hangs_and_preemptions=mixed)
              for mix, mixed in (("crashes only", False), ("10 % hangs, 0.87 preemptions/day", True))
              for gpus in predict.SCALES}
@@ -153,8 +154,8 @@ def _markdown(schedule: Schedule, results: dict[str, dict[str, Any]], preemption
                   f"Fed to the calculator: step {c.step_s:.3f} s, save every {c.save_steps} steps blocking "
                   f"{c.save_blocked_s:.3f} s (complete after {c.save_s:.3f} s), restart {c.restart_s:.1f} s, warned "
                   f"stop {c.stop_s:.1f} s, crash detection {c.crash_detect_s:.1f} s, hang detection "
-                  f"{c.hang_detect_s:.1f} s, time limit {c.time_limit_s:.0f} s, Slurm's KillWait "
-                  f"{c.slurm_kill_wait_s:.0f} s.", f"![timeline](timeline-{key}.svg)",
+                  f"{c.hang_detect_s:.1f} s, time limit {c.time_limit_s:.0f} s, a stuck job past it "
+                  f"{c.limit_overrun_s:.1f} s.", f"![timeline](timeline-{key}.svg)",
                   ""]
     lines += ["At scale (the measured costs, a 24-hour limit, Llama 3's failure rate; advised save_steps in "
               "brackets):", "", render.scale_table({k: r["scale"] for k, r in results.items()}), ""]

@@ -6,8 +6,9 @@ step's end to the next step's end, less a step: the same measure for a synchrono
 an async save's full time from the JitTrainer's timing log; the restart (mean of the in-allocation parts:
 launch, imports, engine, load, first step's excess); the detections of the kill and the hang and the warned
 stop as measured (the event until the allocation's end); the time limit as the mean allocation of the runs the
-time limit ended; Slurm's KillWait, which a (b) or (c) job stuck at the limit outlives it by (their ranks catch
-SIGTERM: only the SIGKILL after KillWait ends them). :func:`replayed_goodput` replays the chain under the run's
+time limit ended; how long a (b) or (c) job stuck at the limit outlived it (their ranks catch SIGTERM: only
+Slurm's SIGKILL ends them, after slurmctld's next time-limit check and KillWait; where no run was stuck at the limit,
+:func:`default_overrun_s`). :func:`replayed_goodput` replays the chain under the run's
 faults (at the allocation time they landed at, allocations laid end to end) and its uninterrupted twin: the
 predicted goodput is their ratio, to set beside the measured one. :func:`at_scale` gives the expectation at N GPUs
 with a 24-hour limit.
@@ -28,6 +29,7 @@ from slurm_jit.grace.goodput_replay import CRASH, Fault, replay
 SYSTEM_OF = {s.key: s for s in gp.SYSTEMS}
 DAY_S = 86_400.0
 SCALES = (1_024, 16_384)
+LIMIT_CHECK_S = 30.0  # slurmctld looks for jobs past their limit every PERIODIC_TIMEOUT (src/slurmctld/slurmctld.h)
 HANG_FRACTION = 0.1  # docs/goodput.md's example mix: 10 % of unwarned failures hang, Llama 3's planned
 # interruptions (47 in 54 days) as warned preemptions
 
@@ -58,20 +60,28 @@ def _detection(ends: Sequence[EndCost], kind: str, default: float) -> float:
     return _mean([e.detection_s for e in ends if e.kind == kind], default)
 
 
+def default_overrun_s(kill_wait_s: float) -> float:
+    """A stuck job's allocation past its limit, unmeasured: half a time-limit check's interval, then KillWait."""
+    return LIMIT_CHECK_S / 2 + kill_wait_s
+
+
 def measured_costs(report: SystemReport, runs: Sequence[RunFacts], *, save_steps: int, limit_s: float,
-                   background_s: float = 0.0, kill_wait_s: float = 0.0) -> gp.Costs:
-    """The calculator's costs for this system, from its run."""
+                   background_s: float = 0.0, overrun_s: float = 0.0) -> gp.Costs:
+    """The calculator's costs for this system, from its run (``overrun_s``: a stuck job's allocation past the
+    limit where no run of the chain was stuck at it)."""
     step = max(report.step_s, 1e-3)
     blocked = save_blocked_s(runs, save_steps, step)
     restarts = [e.restart_s for e in report.ends if {"launch", "engine"} <= set(e.restart)]
     limited = [runs[e.run].alloc_s for e in report.ends if e.kind == TIME_LIMIT]
     limit = _mean(limited, limit_s)
     stop = min(_detection(report.ends, TIME_LIMIT, gp.default_stop_s(step, blocked)), limit / 2)
+    stuck = [runs[e.run].alloc_s - limit for e in report.ends
+             if e.kind in (HANG, KILL) and runs[e.run].alloc_s > limit_s]  # held past the limit by Slurm
     return gp.Costs(step_s=step, save_steps=save_steps, save_blocked_s=blocked, save_s=blocked + background_s,
                     restart_s=_mean(restarts, 0.0), stop_s=stop,
                     crash_detect_s=_detection(report.ends, KILL, gp.NCCL_TIMEOUT_S),
                     hang_detect_s=_detection(report.ends, HANG, math.inf), time_limit_s=limit,
-                    slurm_kill_wait_s=kill_wait_s)
+                    limit_overrun_s=max(0.0, _mean(stuck, overrun_s)))
 
 
 def faults_at(report: SystemReport, runs: Sequence[RunFacts], preempt_t: float | None) -> tuple[Fault, ...]:
@@ -97,9 +107,9 @@ def replayed_goodput(costs: gp.Costs, key: str, work_steps: int, faults: tuple[F
 
 
 def predict(report: SystemReport, runs: Sequence[RunFacts], *, save_steps: int, limit_s: float,
-            preempt_t: float | None, background_s: float = 0.0, kill_wait_s: float = 0.0) -> Prediction:
+            preempt_t: float | None, background_s: float = 0.0, overrun_s: float = 0.0) -> Prediction:
     costs = measured_costs(report, runs, save_steps=save_steps, limit_s=limit_s, background_s=background_s,
-                           kill_wait_s=kill_wait_s)
+                           overrun_s=overrun_s)
     predicted = replayed_goodput(costs, report.key, report.work_steps, faults_at(report, runs, preempt_t))
     return Prediction(measured=report.goodput, predicted=predicted, costs=costs)
 

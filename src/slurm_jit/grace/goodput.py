@@ -15,8 +15,9 @@ pays the restart, then runs cycles of K steps of compute and a periodic save, un
   exponential distribution, rate N / MTBF per GPU (or nodes / MTBF per node): every system keeps its last save that
   was complete at X; the allocation runs on for the detection time (a crash: until the job ends; a hang: (a), (b)
   until the time limit unless a collective timeout ends the job, (c) the watchdog's bound), capped at T, or for
-  (b), (c) at T + ``slurm_kill_wait_s``: their ranks catch SIGTERM to stop at a step boundary, so stuck ranks live
-  on until Slurm's SIGKILL, KillWait after the limit (0: the job ends at T);
+  (b), (c) at T + ``limit_overrun_s``: their ranks catch SIGTERM to stop at a step boundary, so stuck ranks live
+  on until Slurm's SIGKILL: slurmctld finds the job past its limit at its next time-limit check (every 30 s), then
+  KillWait (30 s by default) (0: the job ends at T);
 * a warned preemption (a rate per day of the job, independent of N): (a) is killed at once (GraceTime 0) and
   keeps its last save; (b) and (c) stop, save, and keep everything, in ``stop_s``.
 
@@ -106,15 +107,15 @@ class Costs:
     crash_detect_s: float  # an unwarned crash until the job ends
     hang_detect_s: float  # a hang until the job ends; math.inf: until the time limit
     time_limit_s: float  # the job's --time
-    # Slurm's KillWait: a job whose ranks catch SIGTERM (a system that saves when warned) and are stuck at the
-    # time limit (a hang, a dead peer's collective) holds its allocation this long past it, until SIGKILL; 0: the
-    # job ends at the limit (slurm.conf's default KillWait is 30 s)
-    slurm_kill_wait_s: float = 0.0
+    # a job whose ranks catch SIGTERM (a system that saves when warned) and are stuck at the time limit (a hang, a
+    # dead peer's collective) holds its allocation this long past it, until Slurm's SIGKILL: slurmctld's next
+    # time-limit check (every 30 s), then KillWait (30 s by default); 0: the job ends at the limit
+    limit_overrun_s: float = 0.0
 
     def __post_init__(self) -> None:
         _check("step time", self.step_s, zero_ok=False)
         _check("time limit", self.time_limit_s, zero_ok=False)
-        for name in ("save_blocked_s", "save_s", "restart_s", "stop_s", "crash_detect_s", "slurm_kill_wait_s"):
+        for name in ("save_blocked_s", "save_s", "restart_s", "stop_s", "crash_detect_s", "limit_overrun_s"):
             _check(name.removesuffix("_s").replace("_", " "), getattr(self, name))
         _check("hang detection", self.hang_detect_s, inf_ok=True)
         if isinstance(self.save_steps, bool) or not isinstance(self.save_steps, int) or self.save_steps < 1:
@@ -129,7 +130,7 @@ class Costs:
     def stuck_end_s(self, system: System) -> float:
         """When a job stuck at the time limit ends, from its start: the limit, or KillWait after it for a system
         whose ranks catch SIGTERM."""
-        return self.time_limit_s + (self.slurm_kill_wait_s if system.saves_when_warned else 0.0)
+        return self.time_limit_s + (self.limit_overrun_s if system.saves_when_warned else 0.0)
 
     @property
     def interval_s(self) -> float:

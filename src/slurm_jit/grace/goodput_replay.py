@@ -9,7 +9,7 @@ async write, if it still runs); the save counts once complete, ``save_s`` after 
   keeping every step done, the one the signal lands in included, the job ending ``stop_s`` later;
 * a fault of the schedule (wall time from the chain's start): a crash or a hang keeps the last complete save and
   the job ends ``crash_detect_s`` / ``hang_detect_s`` later (at the limit at most; for (b), (c), whose ranks catch
-  SIGTERM, at the limit + ``slurm_kill_wait_s``: Slurm's SIGKILL); a preemption ends (a) at once
+  SIGTERM, at the limit + ``limit_overrun_s``: until Slurm's SIGKILL); a preemption ends (a) at once
   (its last save), and stops (b), (c) as the time limit's signal does.
 
 A fault that lands while a job is already ending (its stop, its detection) hits nothing. The next job starts when
