@@ -17,6 +17,7 @@ import pytest
 import torch
 import transformers
 from disk_helpers import fill, tmpfs
+from safetensors.torch import save_file
 
 from slurm_jit.checkpoint import manifest, protocol
 from slurm_jit.train.async_save import commit
@@ -177,14 +178,25 @@ def test_the_collecting_engine_collects_zip_saves_and_writes_legacy_ones(tmp_pat
 
     engine = TorchCheckpointEngine()
     engine.zipfile_serialization = True
-    collector = CollectingEngine(engine)
+    ckpt = tmp_path / "checkpoint-1"
+    collector = CollectingEngine(engine, ckpt, save_file)
     state = {"w": torch.ones(3)}
-    collector.save(state, str(tmp_path / "a.pt"))
-    assert collector.collected == [(tmp_path / "a.pt", state)] and not (tmp_path / "a.pt").exists()
+    collector.save(state, str(ckpt / "a.pt"))
+    assert collector.collected == [(ckpt / "a.pt", state)] and not (ckpt / "a.pt").exists()
+    assert collector.key(ckpt / "global_step1" / "a.pt") == "global_step1/a.pt"
     assert collector.name == engine.name  # everything else is the original's
+    collector.save(state, str(tmp_path / "elsewhere.pt"))  # not this checkpoint's file: written at once
+    assert (tmp_path / "elsewhere.pt").exists() and len(collector.collected) == 1
+    collector.save_safetensors({"w": torch.ones(2)}, str(tmp_path / "export.safetensors"))
+    assert (tmp_path / "export.safetensors").exists() and len(collector.collected) == 1
+    thread = threading.Thread(target=collector.save, args=(state, str(ckpt / "b.pt")))  # another thread's
+    ckpt.mkdir()
+    thread.start()
+    thread.join(60)
+    assert (ckpt / "b.pt").exists() and len(collector.collected) == 1
     engine.zipfile_serialization = False
-    collector.save(state, str(tmp_path / "legacy.pt"))
-    assert (tmp_path / "legacy.pt").exists() and len(collector.collected) == 1
+    collector.save(state, str(ckpt / "legacy.pt"))
+    assert (ckpt / "legacy.pt").exists() and len(collector.collected) == 1
 
 
 def test_the_flag_is_off_by_default_and_must_be_a_bool() -> None:
@@ -200,3 +212,16 @@ def test_the_flag_without_deepspeed_is_refused_in_one_line(tmp_path: Path) -> No
     with pytest.raises(JitRefusal, match=r"async_periodic_saves=True\) needs DeepSpeed") as err:
         JitTrainer(model=model, args=args, jit_config=JitConfig(async_periodic_saves=True))
     assert "\n" not in str(err.value) and "HINT:" in str(err.value)
+
+
+def test_the_commit_gives_up_at_once_when_aborted(tmp_path: Path) -> None:
+    """train() ended with a peer lost: rank 0's wait for that peer's marker stops at the abort, not the deadline."""
+    ckpt = tmp_path / "checkpoint-2"
+    ckpt.mkdir()
+    commit.write_marker(ckpt, 0, {})
+    abort = threading.Event()
+    abort.set()
+    t0 = time.monotonic()
+    with pytest.raises(commit.CommitError, match="peer lost") as caught:
+        commit.wait_for_markers(ckpt, 2, timeout_s=60.0, abort=abort)
+    assert time.monotonic() - t0 < 5.0 and "HINT:" in str(caught.value) and "\n" not in str(caught.value)

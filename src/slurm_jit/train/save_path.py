@@ -104,7 +104,7 @@ def save_checkpoint(trainer: JitTrainer, model: Any, trial: Any, upstream: Upstr
     _begin(trainer, ckpt, step, kind)
     phases.mark("begin")
     with save_errors.disk_full_is_one_line(ckpt):  # one clear line; the sentinel stays, nothing rotates
-        with zip_crc32(trainer.jit_config.zip_crc32), async_periodic.collecting(trainer, kind) as collected:
+        with zip_crc32(trainer.jit_config.zip_crc32), async_periodic.collecting(trainer, kind, ckpt) as collected:
             contents, weights = upstream_save(trainer, model, trial, kind, upstream)
         phases.mark("write")
         if async_periodic.submit(trainer, collected, ckpt, step, kind, phases, t0,

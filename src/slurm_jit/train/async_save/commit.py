@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -114,11 +115,16 @@ def read_markers(ckpt: Path, world_size: int) -> dict[int, dict[str, dict[str, A
     return found
 
 
-def wait_for_markers(ckpt: Path, world_size: int, timeout_s: float,
-                     poll_s: float = POLL_S) -> dict[int, dict[str, dict[str, Any]]]:
-    """Every rank's marker, once all exist; CommitError at the deadline (the checkpoint stays incomplete)."""
+def wait_for_markers(ckpt: Path, world_size: int, timeout_s: float, poll_s: float = POLL_S,
+                     abort: threading.Event | None = None) -> dict[int, dict[str, dict[str, Any]]]:
+    """Every rank's marker, once all exist; CommitError at the deadline, or at once when ``abort`` is set (train()
+    ended with a peer lost: its marker can never come). The checkpoint stays incomplete."""
     deadline = time.monotonic() + timeout_s
     while True:
+        if abort is not None and abort.is_set():
+            raise CommitError(f"slurm_jit: {ckpt} not committed: training ended with a peer lost, whose files can "
+                              f"never be durable; it stays incomplete ({protocol.SENTINEL_NAME} kept). HINT: the "
+                              "previous complete checkpoint is the resume point")
         _raise_if_a_rank_failed(ckpt, world_size)
         found = read_markers(ckpt, world_size)
         if len(found) == world_size:
@@ -133,10 +139,11 @@ def wait_for_markers(ckpt: Path, world_size: int, timeout_s: float,
 
 
 def commit(ckpt: Path, world_size: int, timeout_s: float,
-           seal: Callable[[dict[str, dict[str, Any]]], int], poll_s: float = POLL_S) -> int:
+           seal: Callable[[dict[str, dict[str, Any]]], int], poll_s: float = POLL_S,
+           abort: threading.Event | None = None) -> int:
     """Rank 0: once every marker exists, the manifest of every file (``seal``), then the sentinel removed.
     Returns what ``seal`` returns (the bytes)."""
-    markers = wait_for_markers(ckpt, world_size, timeout_s, poll_s)
+    markers = wait_for_markers(ckpt, world_size, timeout_s, poll_s, abort)
     listed = {rel: entry for entries in markers.values() for rel, entry in entries.items()}
     present = protocol.payload_files(ckpt)
     gone = sorted(set(listed) - set(present))

@@ -7,12 +7,17 @@ collector during an async save's collection: the background thread writes while 
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file as _safetensors_save_file
+
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how safetensors' Rust I/O errors name their errno
 
 
 @dataclass
@@ -26,6 +31,13 @@ class SafetensorsFile:
 def write(path: Path, state: Any) -> None:
     """Write one collected (or staged) file as the synchronous save would have."""
     if isinstance(state, SafetensorsFile):
-        _safetensors_save_file(state.tensors, str(path), metadata=state.metadata)
+        try:
+            _safetensors_save_file(state.tensors, str(path), metadata=state.metadata)
+        except SafetensorError as exc:  # an I/O error as the OSError it is: a full disk gets its own line
+            found = _OS_ERROR.search(str(exc))
+            if found is None:
+                raise
+            errno = int(found.group(1))
+            raise OSError(errno, os.strerror(errno), str(path)) from exc
     else:
         torch.save(state, path)

@@ -42,9 +42,10 @@ import contextlib
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -74,26 +75,43 @@ FAILED_CLOSE_WAIT_S = 60.0  # after a failed train(): how long the save in fligh
 class CollectingEngine:
     """Stands in for DeepSpeed's torch checkpoint engine during one save: ``save`` collects (path, state) instead
     of writing (a legacy-format file, which the background writer does not write, is written at once); everything
-    else is the original's."""
+    else is the original's. Only this save's files are collected: a call from another thread, or for a path outside
+    the checkpoint directory (a ``save_model`` override's export, a user's thread), writes at once as it would have.
+    """
 
-    def __init__(self, original: Any) -> None:
+    def __init__(self, original: Any, ckpt: Path, safetensors_save: Callable[..., Any]) -> None:
         self.original = original
+        self.ckpt = ckpt
+        self.safetensors_save = safetensors_save  # the original save_file, for the calls that are not the save's
+        self.thread = threading.get_ident()
         self.collected: list[tuple[Path, Any]] = []
         self.sources: dict[int, torch.Tensor] = {}  # a placeholder's storage (_cdata) -> the tensor it stands for
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.original, name)
 
+    def _ours(self, path: str | os.PathLike[str]) -> bool:
+        return threading.get_ident() == self.thread and Path(os.path.abspath(path)).is_relative_to(
+            os.path.abspath(self.ckpt))
+
     def save(self, state_dict: Any, path: str) -> None:
-        if not self.original.zipfile_serialization:
+        if not self.original.zipfile_serialization or not self._ours(path):
             self.original.save(state_dict, path)
             return
         self.collected.append((Path(path), state_dict))
 
     def save_safetensors(self, tensors: dict[str, Any], filename: str, metadata: dict[str, str] | None = None,
-                         ) -> None:
+                         ) -> Any:
         """Stands in for ``safetensors.torch.save_file`` (save_pretrained's call): kept to be staged and written."""
+        if not self._ours(filename):
+            return self.safetensors_save(tensors, filename, metadata=metadata)
         self.collected.append((Path(filename), files.SafetensorsFile(dict(tensors), metadata)))
+        return None
+
+    def key(self, path: Path) -> str:
+        """A collected file's staging key: its path in the checkpoint (two files of one name in two folders, e.g.
+        a second adapter's ``ref/adapter_model.safetensors``, are two keys), the same from save to save."""
+        return os.path.relpath(os.path.abspath(path), os.path.abspath(self.ckpt))
 
 
 @dataclass
@@ -115,8 +133,10 @@ class _StepGate:
     Installed on the engine instance for one save; :meth:`open` removes it (at that step, or before any other save,
     or at the end of training)."""
 
-    def __init__(self, engine: Any, staged: StagedSave, record: Callable[[float], None]) -> None:
-        self.engine, self.staged, self.record = engine, staged, record
+    def __init__(self, engine: Any, staged: StagedSave, record: Callable[[float], None],
+                 feed: Callable[[str], None]) -> None:
+        """``feed``: the hang watchdog's boundary (a wait for the copies has a save's bound, not a step's)."""
+        self.engine, self.staged, self.record, self.feed = engine, staged, record, feed
         self._own = engine.__dict__.get("step")  # an instance attribute of someone else's, put back as it was
         self._original = engine.step
         self._open = False
@@ -132,11 +152,15 @@ class _StepGate:
             return
         self._open = True
         t0 = time.monotonic()
-        self.staged.wait_copied()
-        if self._own is not None:
-            self.engine.step = self._own
-        else:
-            self.engine.__dict__.pop("step", None)
+        if not self.staged.copied:
+            self.feed("save")
+            self.staged.wait_copied()
+            self.feed("step")
+        if self.engine.__dict__.get("step") == self._step:  # a wrapper put on meanwhile (it calls us) stays
+            if self._own is not None:
+                self.engine.step = self._own
+            else:
+                del self.engine.step
         self.record(time.monotonic() - t0)
 
 
@@ -150,6 +174,7 @@ class AsyncSaves:
     in_flight: _InFlight | None = None
     waited_s: float = 0.0  # the last wait for a save in flight (the next save's blocked time includes it)
     closed: bool = False
+    abort: threading.Event = field(default_factory=threading.Event)  # rank 0's commit gives up (a peer lost)
 
 
 def refusal(trainer: JitTrainer) -> str | None:
@@ -185,7 +210,7 @@ def _saves(trainer: JitTrainer, create: bool) -> AsyncSaves | None:
 
 
 @contextlib.contextmanager
-def collecting(trainer: JitTrainer, kind: str) -> Iterator[CollectingEngine | None]:
+def collecting(trainer: JitTrainer, kind: str, ckpt: Path) -> Iterator[CollectingEngine | None]:
     """Around upstream's save: DeepSpeed's checkpoint engine and safetensors' ``save_file`` collect instead of
     writing, and accelerate's ``get_state_dict`` does not clone (the staging copies), where this save goes to the
     background (yields the collector, else None: a synchronous save)."""
@@ -202,7 +227,7 @@ def collecting(trainer: JitTrainer, kind: str) -> Iterator[CollectingEngine | No
         saves.disabled = True
         yield None
         return
-    collector = CollectingEngine(original)
+    collector = CollectingEngine(original, ckpt, safetensors.torch.save_file)
     engine.checkpoint_engine = collector
     try:
         with _safetensors_collected(collector), _state_dict_uncloned(trainer, collector.sources):
@@ -279,15 +304,17 @@ def _byte_span(tensor: torch.Tensor) -> tuple[int, int]:
     return int(tensor.storage_offset()) * size, int(last + 1) * size
 
 
-def _stage(trainer: JitTrainer, saves: AsyncSaves, collected: list[tuple[Path, Any]],
-           sources: dict[int, torch.Tensor]) -> StagedSave | HostMemoryError:
-    """The collected states in host memory, keyed by file name (stable across steps: the buffers are reused), the
-    copies deferred but for the module's buffers (a forward may change them before the next optimizer step)."""
+def _stage(trainer: JitTrainer, saves: AsyncSaves, collector: CollectingEngine) -> StagedSave | HostMemoryError:
+    """The collected states in host memory, keyed by their paths in the checkpoint (stable across steps: the buffers
+    are reused), the copies deferred but for the module's weights and buffers: only DeepSpeed's optimizer step
+    changes the optimizer's states (its fp32 master and moments), which the gate holds; a callback, a forward hook
+    (``nn.Embedding(max_norm=...)`` renormalises in place) or a forward (running statistics) may change the
+    module's before it."""
     module: Any = trainer.accelerator.unwrap_model(trainer.model_wrapped)
-    buffers = frozenset(b.untyped_storage()._cdata for b in module.buffers())
+    now = frozenset(t.untyped_storage()._cdata for t in (*module.parameters(), *module.buffers()))
     try:
-        return saves.stager.stage({path.name: state for path, state in collected}, defer=True, copy_now=buffers,
-                                  sources=sources)
+        return saves.stager.stage({collector.key(path): state for path, state in collector.collected}, defer=True,
+                                  copy_now=now, sources=collector.sources)
     except HostMemoryError as exc:
         return exc
 
@@ -330,7 +357,7 @@ def submit(trainer: JitTrainer, collector: CollectingEngine | None, ckpt: Path, 
     saves = _saves(trainer, create=False)
     if collector is None or saves is None:
         return False
-    staged = _stage(trainer, saves, collector.collected, collector.sources)
+    staged = _stage(trainer, saves, collector)
     fault_points.hit("stage", ckpt)  # fault injection: staged in host memory, the ranks not yet agreed
     if not _all_staged(trainer, isinstance(staged, StagedSave)):
         _fall_back(trainer, saves, staged, collector)
@@ -340,7 +367,7 @@ def submit(trainer: JitTrainer, collector: CollectingEngine | None, ckpt: Path, 
     on_save()
     phases.mark("callbacks")
     rank, world = int(trainer.args.process_index), int(trainer.args.world_size)
-    items = [(path, staged.states[path.name]) for path, _ in collector.collected]
+    items = [(path, staged.states[collector.key(path)]) for path, _ in collector.collected]
     job = _InFlight(step, ckpt, fields["contents"], time.monotonic(), staged.nbytes)
     after = _after(trainer, job, rank, world, kind, fields, [str(p.relative_to(ckpt)) for p, _ in items])
     if saves.writer.submit(ckpt, items, wait_if_busy=False, after=after, release=staged.release,
@@ -352,8 +379,11 @@ def submit(trainer: JitTrainer, collector: CollectingEngine | None, ckpt: Path, 
     phases.mark("submit")
     blocked_s, waited_s = time.monotonic() - t0, saves.waited_s
     saves.waited_s = 0.0
+    from slurm_jit.train import stop_path  # noqa: PLC0415 (stop_path imports save_path, which imports this)
+
     job.gate = _StepGate(trainer.model_wrapped, staged,
-                         lambda wait_s: _record_blocked(trainer, job, kind, blocked_s, waited_s, phases, wait_s))
+                         lambda wait_s: _record_blocked(trainer, job, kind, blocked_s, waited_s, phases, wait_s),
+                         lambda phase: stop_path.feed(trainer, phase))
     logger.log(logging.INFO if trainer._is_rank0 else logging.DEBUG, "slurm_jit: %s checkpoint %s: training "
                "blocked %.2f s (%d bytes staged, copied beside the next step); written in the background", kind,
                ckpt, blocked_s, staged.nbytes)
@@ -386,6 +416,7 @@ def _after(trainer: JitTrainer, job: _InFlight, rank: int, world: int, kind: str
     from slurm_jit.train import save_path  # noqa: PLC0415 (save_path imports this module)
 
     run_dir = job.ckpt.parent
+    abort = run.async_saves.abort if (run := trainer._jit_run) is not None and run.async_saves is not None else None
     best_before = trainer.state.best_model_checkpoint  # at the submit: an evaluation may name a newer one meanwhile
 
     def after() -> None:
@@ -398,7 +429,7 @@ def _after(trainer: JitTrainer, job: _InFlight, rank: int, world: int, kind: str
             own_s = time.monotonic() - job.submitted_at
             timeout_s = max(commit_mod.COMMIT_WAIT_MIN_S, commit_mod.COMMIT_WAIT_FACTOR * own_s)
             nbytes = commit_mod.commit(job.ckpt, world, timeout_s,
-                                       lambda files: _seal(trainer, job, kind, fields, files))
+                                       lambda files: _seal(trainer, job, kind, fields, files), abort=abort)
             save_path.rotate_checkpoints_safely(trainer, run_dir, just_written=job.ckpt, best_before=best_before)
             logger.info("slurm_jit: %s checkpoint %s complete in the background, %.2f s after its submission "
                         "(%d bytes)", kind, job.ckpt, time.monotonic() - job.submitted_at, nbytes)
@@ -482,11 +513,17 @@ def finish(trainer: JitTrainer) -> None:
 
 
 def close_after_failure(trainer: JitTrainer) -> None:
-    """train() raised: the save in flight may finish (bounded), its error only logged; the thread ended."""
+    """train() raised: the save in flight may finish (bounded), its error only logged; the thread ended. Where a
+    peer was lost (the error in flight says so) rank 0's commit gives up at once: that peer's marker never comes."""
     saves = _saves(trainer, create=False)
     if saves is None or saves.closed:
         return
     saves.closed = True
+    from slurm_jit.train import lost_peers  # noqa: PLC0415 (lost_peers -> stop_record; kept out of import time)
+
+    error = sys.exc_info()[1]
+    if error is not None and lost_peers.how_lost(error) is not None:
+        saves.abort.set()
     if saves.in_flight is not None and saves.in_flight.gate is not None:
         saves.in_flight.gate.open()  # the engine's step is its own again (the copies end with the thread's job)
     try:
