@@ -183,7 +183,9 @@ def test_the_collecting_engine_collects_zip_saves_and_writes_legacy_ones(tmp_pat
     state = {"w": torch.ones(3)}
     collector.save(state, str(ckpt / "a.pt"))
     assert collector.collected == [(ckpt / "a.pt", state)] and not (ckpt / "a.pt").exists()
-    assert collector.key(ckpt / "global_step1" / "a.pt") == "global_step1/a.pt"
+    # the step-free key of a file (the staging buffer reused from save to save), its folder kept
+    assert collector.key(ckpt / "global_step1" / "a.pt") == "global_step#/a.pt" != collector.key(ckpt / "a.pt")
+    assert collector.key(ckpt / "ref" / "adapter_model.safetensors") == "ref/adapter_model.safetensors"
     assert collector.name == engine.name  # everything else is the original's
     collector.save(state, str(tmp_path / "elsewhere.pt"))  # not this checkpoint's file: written at once
     assert (tmp_path / "elsewhere.pt").exists() and len(collector.collected) == 1

@@ -95,3 +95,15 @@ def test_a_stop_signal_during_the_staging_is_taken_at_that_step(tmp_path: Path) 
     check = json.loads(ckpt_check(out, "--deep", "--json").stdout)
     verdicts = {c["step"]: (c["status"], c["kind"]) for c in check["checkpoints"]}
     assert verdicts == {2: ("complete", "periodic")}, verdicts
+
+
+def test_the_staging_buffers_are_allocated_once_and_reused_from_save_to_save(tmp_path: Path) -> None:
+    """Four async saves (steps 1-4): each rank allocates its staging buffers at the first and reuses them after (a
+    file's staging key is its path in the checkpoint without DeepSpeed's step folder: keyed with it, every save
+    allocated anew, and the bench's peak RSS went from 1.3x to 3.4x steady)."""
+    out = tmp_path / "out"
+    result = run_logged(out, ["--max-steps", "5", "--save-steps", "1", "--async-periodic-saves"])
+    assert result.codes == [0, 0], result.log[-4000:]
+    saves = {r["step"] for r in timing.read_records(out) if r["event"] == "save_blocked"}
+    assert saves == {1, 2, 3, 4}, saves
+    assert result.log.count("async save staging:") == 2, result.log[-4000:]  # one allocation per rank

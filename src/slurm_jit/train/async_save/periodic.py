@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -65,6 +66,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+DEEPSPEED_TAG = re.compile(r"(^|/)global_step\d+(/|$)")  # save_checkpoint's default tag folder (the Trainer's)
 ZERO3 = 3  # ZeRO-3's get_state_dict gathers the partitioned weights: never replaced by the module's state dict
 SAFETENSORS_NAMES = ("save_file", "safe_save_file")  # the names modules give safetensors.torch.save_file
 ASYNC_KIND = "periodic"  # the only kind saved in the background: a JIT save and the final one stay synchronous
@@ -110,8 +112,10 @@ class CollectingEngine:
 
     def key(self, path: Path) -> str:
         """A collected file's staging key: its path in the checkpoint (two files of one name in two folders, e.g.
-        a second adapter's ``ref/adapter_model.safetensors``, are two keys), the same from save to save."""
-        return os.path.relpath(os.path.abspath(path), os.path.abspath(self.ckpt))
+        a second adapter's ``ref/adapter_model.safetensors``, are two keys) with DeepSpeed's step tag folder made
+        step-free, so that the key, and with it the staging buffer, is the same from save to save."""
+        rel = os.path.relpath(os.path.abspath(path), os.path.abspath(self.ckpt))
+        return DEEPSPEED_TAG.sub(r"\1global_step#\2", rel)
 
 
 @dataclass
