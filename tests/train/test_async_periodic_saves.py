@@ -10,6 +10,7 @@ import json
 import signal
 from pathlib import Path
 
+import pytest
 from jit_helpers import ckpt_check, run_logged, start_ranks, wait_for
 
 from slurm_jit import exactness, timing
@@ -97,6 +98,7 @@ def test_a_stop_signal_during_the_staging_is_taken_at_that_step(tmp_path: Path) 
     assert verdicts == {2: ("complete", "periodic")}, verdicts
 
 
+@pytest.mark.deepspeed
 def test_the_staging_buffers_are_allocated_once_and_reused_from_save_to_save(tmp_path: Path) -> None:
     """Four async saves (steps 1-4): each rank allocates its staging buffers at the first and reuses them after (a
     file's staging key is its path in the checkpoint without DeepSpeed's step folder: keyed with it, every save

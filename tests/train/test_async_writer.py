@@ -198,3 +198,18 @@ def test_a_deferred_snapshot_is_copied_by_prepare_before_its_safetensors_file_is
     assert staged.wait_copied(WAIT_S) and writer.wait(WAIT_S)
     weights["a"].add_(1)  # training's optimizer step, after the copy: not in the file
     assert (ckpt / "model.safetensors").read_bytes() == (tmp_path / "sync.safetensors").read_bytes()
+
+
+@needs_root
+def test_a_full_disk_under_a_safetensors_file_is_the_oserror_it_is(tmp_path) -> None:
+    """safetensors raises its own SafetensorError for an I/O error; files.write makes it the OSError it is (errno
+    from its "(os error N)"), so that the writer's disk-full line with its HINT comes, not the generic one."""
+    import errno
+
+    from slurm_jit.train.async_save import files
+
+    with tmpfs(tmp_path / "mnt", 256 * 1024) as mount:
+        fill(mount)
+        with pytest.raises(OSError) as caught:
+            files.write(mount / "model.safetensors", files.SafetensorsFile({"w": torch.ones(1024)}, None))
+    assert caught.value.errno == errno.ENOSPC, caught.value
