@@ -170,7 +170,13 @@ def _assert_best_kept_across_the_stop(out: Path, ckpt: Path) -> set[str]:
 
 
 def _save_steps(args: list[str]) -> int | None:
-    return int(args[args.index("--save-steps") + 1]) if "--save-steps" in args else None
+    """The steps a periodic save can land on: --save-steps, or under save_strategy="best" the evaluation steps (a
+    stop signalled during such a save takes it as the stop's checkpoint, train/stop_path.py)."""
+    if "--save-steps" in args:
+        return int(args[args.index("--save-steps") + 1])
+    if 'save_strategy="best"' in args and "--eval-steps" in args:
+        return int(args[args.index("--eval-steps") + 1])
+    return None
 
 
 def _final_state(out: Path) -> dict[str, object]:
