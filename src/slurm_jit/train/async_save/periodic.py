@@ -41,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import sys
 import threading
 import time
@@ -51,13 +50,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import safetensors.torch
-import torch
 
 from slurm_jit.checkpoint import protocol
 from slurm_jit.train import save_errors
+from slurm_jit.train.async_save import collect, fault_points, files
 from slurm_jit.train.async_save import commit as commit_mod
-from slurm_jit.train.async_save import fault_points, files
 from slurm_jit.train.async_save import writer as writer_mod  # the module: writer imports save_path, which imports us
+from slurm_jit.train.async_save.collect import CollectingEngine
 from slurm_jit.train.async_save.memory_guard import HostMemoryError
 from slurm_jit.train.async_save.staging import HostStager, StagedSave
 
@@ -66,56 +65,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-DEEPSPEED_TAG = re.compile(r"(^|/)global_step\d+(/|$)")  # save_checkpoint's default tag folder (the Trainer's)
-ZERO3 = 3  # ZeRO-3's get_state_dict gathers the partitioned weights: never replaced by the module's state dict
-SAFETENSORS_NAMES = ("save_file", "safe_save_file")  # the names modules give safetensors.torch.save_file
 ASYNC_KIND = "periodic"  # the only kind saved in the background: a JIT save and the final one stay synchronous
 TORCH_ENGINE = "TorchCheckpointEngine"  # DeepSpeed's default engine: save() is one torch.save
 FAILED_CLOSE_WAIT_S = 60.0  # after a failed train(): how long the save in flight may still finish
-
-
-class CollectingEngine:
-    """Stands in for DeepSpeed's torch checkpoint engine during one save: ``save`` collects (path, state) instead
-    of writing (a legacy-format file, which the background writer does not write, is written at once); everything
-    else is the original's. Only this save's files are collected: a call from another thread, or for a path outside
-    the checkpoint directory (a ``save_model`` override's export, a user's thread), writes at once as it would have.
-    """
-
-    def __init__(self, original: Any, ckpt: Path, safetensors_save: Callable[..., Any]) -> None:
-        self.original = original
-        self.ckpt = ckpt
-        self.safetensors_save = safetensors_save  # the original save_file, for the calls that are not the save's
-        self.thread = threading.get_ident()
-        self.collected: list[tuple[Path, Any]] = []
-        self.sources: dict[int, torch.Tensor] = {}  # a placeholder's storage (_cdata) -> the tensor it stands for
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.original, name)
-
-    def _ours(self, path: str | os.PathLike[str]) -> bool:
-        return threading.get_ident() == self.thread and Path(os.path.abspath(path)).is_relative_to(
-            os.path.abspath(self.ckpt))
-
-    def save(self, state_dict: Any, path: str) -> None:
-        if not self.original.zipfile_serialization or not self._ours(path):
-            self.original.save(state_dict, path)
-            return
-        self.collected.append((Path(path), state_dict))
-
-    def save_safetensors(self, tensors: dict[str, Any], filename: str, metadata: dict[str, str] | None = None,
-                         ) -> Any:
-        """Stands in for ``safetensors.torch.save_file`` (save_pretrained's call): kept to be staged and written."""
-        if not self._ours(filename):
-            return self.safetensors_save(tensors, filename, metadata=metadata)
-        self.collected.append((Path(filename), files.SafetensorsFile(dict(tensors), metadata)))
-        return None
-
-    def key(self, path: Path) -> str:
-        """A collected file's staging key: its path in the checkpoint (two files of one name in two folders, e.g.
-        a second adapter's ``ref/adapter_model.safetensors``, are two keys) with DeepSpeed's step tag folder made
-        step-free, so that the key, and with it the staging buffer, is the same from save to save."""
-        rel = os.path.relpath(os.path.abspath(path), os.path.abspath(self.ckpt))
-        return DEEPSPEED_TAG.sub(r"\1global_step#\2", rel)
 
 
 @dataclass
@@ -234,78 +186,10 @@ def collecting(trainer: JitTrainer, kind: str, ckpt: Path) -> Iterator[Collectin
     collector = CollectingEngine(original, ckpt, safetensors.torch.save_file)
     engine.checkpoint_engine = collector
     try:
-        with _safetensors_collected(collector), _state_dict_uncloned(trainer, collector.sources):
+        with collect.safetensors_collected(collector), collect.state_dict_uncloned(trainer, collector.sources):
             yield collector
     finally:
         engine.checkpoint_engine = original
-
-
-@contextlib.contextmanager
-def _safetensors_collected(collector: CollectingEngine) -> Iterator[None]:
-    """Every loaded module's name for ``safetensors.torch.save_file`` (transformers' ``safe_save_file``, PEFT's,
-    safetensors' own) is the collector's for the block, and the original's after."""
-    original = safetensors.torch.save_file
-    swapped = [(module, name) for module in list(sys.modules.values()) for name in SAFETENSORS_NAMES
-               if getattr(module, name, None) is original]
-    for module, name in swapped:
-        setattr(module, name, collector.save_safetensors)
-    try:
-        yield
-    finally:
-        for module, name in swapped:
-            setattr(module, name, original)
-
-
-@contextlib.contextmanager
-def _state_dict_uncloned(trainer: JitTrainer, sources: dict[int, torch.Tensor]) -> Iterator[None]:
-    """accelerate's ``get_state_dict`` under ZeRO-0/1/2 is a clone of the module's state dict (a full copy of the
-    weights on every rank, in training's time); here the module's state dict itself, which the staging copies once
-    (the weights shared with DeepSpeed's model-states file), with what aliases an earlier entry replaced by a
-    placeholder that the staging fills from it (``sources``)."""
-    accelerator = trainer.accelerator
-    engine: Any = trainer.model_wrapped
-    stage = engine.zero_optimization_stage()
-    if "get_state_dict" in accelerator.__dict__ or stage >= ZERO3:  # someone else's; ZeRO-3's is a gather: kept
-        yield
-        return
-
-    def get_state_dict(model: Any, unwrap: bool = True) -> dict[str, Any]:
-        return _unaliased(dict((accelerator.unwrap_model(model) if unwrap else model).state_dict()), sources)
-
-    accelerator.get_state_dict = get_state_dict
-    try:
-        yield
-    finally:
-        accelerator.__dict__.pop("get_state_dict", None)
-
-
-def _unaliased(state: dict[str, Any], sources: dict[int, torch.Tensor]) -> dict[str, Any]:
-    """``state`` with each tensor whose bytes overlap an earlier entry's replaced by a placeholder of its own
-    storage (``empty_like``: no copy now; ``sources`` says what the staging copies into its buffer): what
-    save_pretrained sees is then what it sees in accelerate's all-clone state dict (no two entries share memory, so
-    a tied ``lm_head.weight`` is written, as the synchronous save writes it), and nothing is copied before the
-    staging."""
-    held: dict[int, list[tuple[int, int]]] = {}
-    for key, tensor in state.items():
-        if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
-            continue
-        span = _byte_span(tensor)
-        ranges = held.setdefault(tensor.untyped_storage().data_ptr(), [])
-        if any(span[0] < end and start < span[1] for start, end in ranges):
-            placeholder = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-            sources[placeholder.untyped_storage()._cdata] = tensor.detach()
-            state[key] = placeholder
-        else:
-            ranges.append(span)
-    return state
-
-
-def _byte_span(tensor: torch.Tensor) -> tuple[int, int]:
-    """The bytes of its storage a tensor reaches: [first, last + 1)."""
-    size = tensor.element_size()
-    last = tensor.storage_offset() + sum((n - 1) * stride for n, stride in zip(tensor.shape, tensor.stride(),
-                                                                                  strict=True) if n > 0)
-    return int(tensor.storage_offset()) * size, int(last + 1) * size
 
 
 def _stage(trainer: JitTrainer, saves: AsyncSaves, collector: CollectingEngine) -> StagedSave | HostMemoryError:
