@@ -201,3 +201,44 @@ def test_malformed_frozen_fingerprint_is_corrupt_and_an_older_checkpoint_is_pick
     run = run_ckpt_check(tmp_path)
     assert run.code == ckpt_check.EXIT_RESUMABLE and run.last_line == bytes(older), run
     assert "Traceback" not in run.stderr
+
+
+# ---------------------------------------------------------------- DeepSpeed without ZeRO (stage 0)
+
+
+def _stage0(out: Path, step: int, *, shards: tuple[int, ...] = (), model_states: bool = True,
+            stage: int = 0) -> Path:
+    """A 2-rank DeepSpeed checkpoint as ZeRO stage 0 writes it: the optimizer in the model states file, no
+    optimizer shard (a bf16 stage-0 run's optimizer writes one per rank: ``shards``)."""
+    ckpt = out / f"checkpoint-{step}"
+    protocol.write_sentinel(ckpt, step, "periodic")
+    ckpt_factory.write_files(ckpt, step, world=2, deepspeed=True)
+    tag = ckpt / f"global_step{step}"
+    for rank in range(2):
+        if rank not in shards:
+            (tag / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").unlink()
+    if not model_states:
+        (tag / "mp_rank_00_model_states.pt").unlink()
+    protocol.write_manifest(ckpt, step=step, kind="periodic", world_size=2, zero_stage=stage,
+                            deepspeed_tag=f"global_step{step}", files=protocol.file_entries(
+                                ckpt, protocol.payload_files(ckpt)))
+    return ckpt
+
+
+def test_a_stage_0_checkpoint_without_optimizer_shards_is_complete(tmp_path: Path) -> None:
+    """Found by a review: a DeepSpeed config with "stage": 0 wrote checkpoints that were never resumable
+    ("optimizer shard of rank 0 missing"), and --resume started afresh."""
+    ckpt = _stage0(tmp_path, 3)
+    info = protocol.inspect(ckpt, 3)
+    assert info.status is Status.COMPLETE, info.reason
+    assert protocol.find_resumable(tmp_path).checkpoint.path == ckpt
+
+
+@pytest.mark.parametrize(("kwargs", "why"), [
+    ({"stage": 2}, "optimizer shard of rank 0 missing (2 ranks)"),  # ZeRO-2 needs every rank's shard
+    ({"shards": (0,)}, "optimizer shard of rank 1 missing (2 ranks)"),  # a bf16 stage-0 run writes every rank's
+    ({"model_states": False}, "no model states file"),
+], ids=["stage-2", "one-of-two-shards", "no-model-states"])
+def test_a_stage_0_checkpoint_still_needs_what_its_layout_has(tmp_path: Path, kwargs: dict, why: str) -> None:
+    info = protocol.inspect(_stage0(tmp_path, 3, **kwargs), 3)
+    assert info.status is Status.INCOMPLETE and why in info.reason, info.reason

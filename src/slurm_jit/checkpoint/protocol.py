@@ -252,7 +252,8 @@ def _structural(path: Path, step: int, manifest: dict[str, Any] | None,
                 info: Callable[..., CheckpointInfo]) -> CheckpointInfo:
     """The verdict on a checkpoint whose manifest (if any) and trainer state are fine: can it be resumed?"""
     recorded_world = manifest.get("world_size") if manifest is not None else None
-    missing = structure.check(path, recorded_world)
+    recorded_stage = manifest.get("zero_stage") if manifest is not None else None
+    missing = structure.check(path, recorded_world, recorded_stage if manifest_mod.plain_int(recorded_stage) else None)
     if missing is None:
         if manifest is None:
             return info(Status.UNVERIFIED, "no manifest (plain Trainer save); structure whole")

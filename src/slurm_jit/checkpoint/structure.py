@@ -155,7 +155,7 @@ def tag_mismatch(ckpt_dir: Path, step: int) -> str | None:
     return why
 
 
-def _deepspeed_missing(ckpt_dir: Path, world: int) -> str | None:
+def _deepspeed_missing(ckpt_dir: Path, world: int, zero_stage: int | None) -> str | None:
     tag, why = read_latest(ckpt_dir)
     if tag is None:
         return why
@@ -163,6 +163,8 @@ def _deepspeed_missing(ckpt_dir: Path, world: int) -> str | None:
     if not real_dir(tag_dir):
         return f"'latest' names {tag}, which is not a directory here"
     optim, model = _shards(tag_dir)
+    if zero_stage == 0 and not optim:  # no ZeRO: DeepSpeed keeps the optimizer in the model states file
+        return None if _regular(tag_dir / MODEL_STATES) else f"{tag}: no model states file"
     if not _regular(tag_dir / MODEL_STATES) and _first_missing(model, world) is not None:
         return f"{tag}: no model states file"
     missing = _first_missing(optim, world)
@@ -176,13 +178,15 @@ def has_deepspeed(ckpt_dir: Path) -> bool:
         name.startswith(DS_TAG_PREFIX) for name in os.listdir(ckpt_dir))
 
 
-def check(ckpt_dir: Path, recorded_world: int | None = None) -> str | None:
-    """None when the checkpoint holds everything a resume needs, else the first thing missing or broken."""
+def check(ckpt_dir: Path, recorded_world: int | None = None, zero_stage: int | None = None) -> str | None:
+    """None when the checkpoint holds everything a resume needs, else the first thing missing or broken.
+    ``zero_stage``: the manifest's; under stage 0 (DeepSpeed without ZeRO) the optimizer is in the model states
+    file and no rank writes a shard (a bf16 stage-0 run's optimizer does: then every rank's is needed)."""
     world, why = world_size(ckpt_dir, recorded_world)
     if world is None:
         return why
     if has_deepspeed(ckpt_dir):
-        why = _deepspeed_missing(ckpt_dir, world)
+        why = _deepspeed_missing(ckpt_dir, world, zero_stage)
     elif not any(_regular(ckpt_dir / name) for name in WEIGHT_FILES):
         why = "no model weights file"
     elif not _regular(ckpt_dir / OPTIMIZER_FILE):
