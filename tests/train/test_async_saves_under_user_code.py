@@ -44,10 +44,15 @@ class Hostile(transformers.TrainerCallback):
     def on_train_end(self, args, state, control, **kw):
         with open(os.path.join(SIDE, f"wrapped-{RANK}.txt"), "w") as f:
             f.write(str(self.wrapped_calls))
+        EXPORTING.clear()  # a daemon thread inside torch at interpreter exit can abort it ("terminate called")
+        if EXPORTER is not None:
+            EXPORTER.join()
+
+EXPORTING, EXPORTER = threading.Event(), None
 
 def exporter():  # a user's thread that writes small safetensors files now and then
     n = 0
-    while True:
+    while EXPORTING.is_set():
         p = os.path.join(SIDE, f"thread-{RANK}-{n}.safetensors")
         safetensors.torch.save_file({"x": torch.full((4,), float(n))}, p)
         if not os.path.exists(p):
@@ -60,7 +65,10 @@ def make_trainer(**kwargs):
     kwargs["callbacks"] = list(kwargs.get("callbacks") or []) + [cb]
     cb.trainer = JitTrainer(**kwargs)
     if os.environ.get("ATK_EXPORTER"):
-        threading.Thread(target=exporter, daemon=True).start()
+        global EXPORTER
+        EXPORTING.set()
+        EXPORTER = threading.Thread(target=exporter, daemon=True)
+        EXPORTER.start()
     return cb.trainer
 
 if __name__ == "__main__":

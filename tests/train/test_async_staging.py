@@ -5,6 +5,7 @@ tensors shaped as a ZeRO-2 rank's files (zero2_states), real torch.save, no Deep
 from __future__ import annotations
 
 import io
+import threading
 from typing import Any
 
 import psutil
@@ -14,7 +15,7 @@ import torch.serialization
 import zero2_states
 from deepspeed.checkpoint import constants as ds
 
-from slurm_jit.train.async_save import HostMemoryError, HostStager, StagingBusyError, locations, memory_guard
+from slurm_jit.train.async_save import HostMemoryError, HostStager, StagingBusyError, locations, memory_guard, staging
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
 OPTIM_FILE = "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
@@ -218,3 +219,50 @@ def test_a_placeholder_is_staged_with_the_values_of_its_source_at_the_copy() -> 
     weight.add_(1000)  # after it: not in the snapshot
     got = staged.states["model.safetensors"]["lm_head.weight"]
     assert torch.equal(got, (torch.arange(12, dtype=torch.float32).reshape(3, 4) + 100).t())
+
+
+def test_copies_made_at_the_staging_are_cut_into_shares_for_the_copy_threads(model_and_states) -> None:
+    """copy_threads: a host copy of PARALLEL_MIN_BYTES or more is made by several threads (this one and the pool's),
+    a storage cut between them where needed, and the snapshot is the same bytes; a smaller one by this thread."""
+    big = torch.randn(staging.PARALLEL_MIN_BYTES // 4 + 12345)  # just above the threshold, cut off the grid
+    small = torch.arange(1000, dtype=torch.int64)
+    model, states = model_and_states
+    states = {**states, "big.pt": {"big": big, "small": small, "view": big[7:99]}}
+    at_staging = {key: _saved(state) for key, state in states.items()}
+    stager = HostStager(pin=False, copy_threads=3)
+    threads: list[str] = []
+    original = staging._copy_share
+
+    def counted(share: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if share:
+            threads.append(threading.current_thread().name)
+        original(share)
+
+    staging._copy_share = counted
+    try:
+        staged = stager.stage(states)
+    finally:
+        staging._copy_share = original
+    big.add_(1)
+    zero2_states.mutate_in_place(model, states)
+    for key, state in staged.states.items():
+        assert _saved(state) == at_staging[key], key
+    assert len(threads) == 3 and len(set(threads)) >= 2, threads  # 3 shares, this thread's and the pool's
+    stager.free()
+
+
+def test_shares_deal_the_bytes_evenly_and_cover_every_byte() -> None:
+    targets = [torch.zeros(n, dtype=torch.uint8) for n in (10, 1, 33, 7)]
+    sources = [torch.arange(n, dtype=torch.int64).to(torch.uint8) + i for i, n in enumerate((10, 1, 33, 7))]
+    shares = staging._shares(list(zip(targets, sources, strict=True)), 4)
+    assert [sum(t.numel() for t, _ in share) for share in shares] == [13, 13, 13, 12]
+    for share in shares:
+        staging._copy_share(share)
+    assert all(torch.equal(t, s) for t, s in zip(targets, sources, strict=True))
+
+
+def test_the_copy_threads_are_the_cores_this_process_may_use(monkeypatch) -> None:
+    monkeypatch.setattr(staging.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert staging.copy_threads() == 2
+    monkeypatch.setattr(staging.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    assert staging.copy_threads() == staging.MAX_COPY_THREADS

@@ -46,6 +46,8 @@ class CollectingEngine:
         self.thread = threading.get_ident()
         self.collected: list[tuple[Path, Any]] = []
         self.sources: dict[int, torch.Tensor] = {}  # a placeholder's storage (_cdata) -> the tensor it stands for
+        self.splits: dict[int, torch.Tensor] = {}  # a split view's own storage (_cdata) -> the view it was made of
+        self.made: list[torch.Tensor] = []  # the placeholders and split views, alive while their _cdata are keys
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.original, name)
@@ -65,8 +67,19 @@ class CollectingEngine:
         """Stands in for ``safetensors.torch.save_file`` (save_pretrained's call): kept to be staged and written."""
         if not self._ours(filename):
             return self.safetensors_save(tensors, filename, metadata=metadata)
-        self.collected.append((Path(filename), files.SafetensorsFile(dict(tensors), metadata)))
+        self.collected.append((Path(filename), files.SafetensorsFile(
+            {name: self.joined(tensor) for name, tensor in tensors.items()}, metadata)))
         return None
+
+    def joined(self, tensor: Any) -> Any:
+        """A split view (:func:`split_views`) handed to save_file as it was made: the view of the shared storage it
+        was made of (the staging copies that storage once, for every file that holds it); anything else as it is."""
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+            return tensor
+        view = self.splits.get(tensor.untyped_storage()._cdata)
+        same = view is not None and (tensor.dtype, tensor.shape, tensor.stride(), tensor.storage_offset()) == (
+            view.dtype, view.shape, view.stride(), 0)
+        return view if same else tensor
 
     def key(self, path: Path) -> str:
         """A collected file's staging key: its path in the checkpoint (two files of one name in two folders, e.g.
@@ -93,11 +106,35 @@ def safetensors_collected(collector: CollectingEngine) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def state_dict_uncloned(trainer: JitTrainer, sources: dict[int, torch.Tensor]) -> Iterator[None]:
+def deepspeed_lookup_once() -> Iterator[None]:
+    """accelerate's ``extract_model_from_parallel`` (every ``unwrap_model``: three in one save) asks
+    ``is_deepspeed_available()``, which parses DeepSpeed's package metadata each time (~2 ms here); for the block,
+    the answer found once (an installed package does not change within a save)."""
+    try:
+        from accelerate.utils import other  # noqa: PLC0415 (accelerate is the Trainer's; import it where used)
+    except ImportError:
+        yield
+        return
+    original = getattr(other, "is_deepspeed_available", None)
+    if original is None:
+        yield
+        return
+    answer = bool(original())
+    other.is_deepspeed_available = lambda: answer
+    try:
+        yield
+    finally:
+        other.is_deepspeed_available = original
+
+
+@contextlib.contextmanager
+def state_dict_uncloned(trainer: JitTrainer, collector: CollectingEngine) -> Iterator[None]:
     """accelerate's ``get_state_dict`` under ZeRO-0/1/2 is a clone of the module's state dict (a full copy of the
     weights on every rank, in training's time); here the module's state dict itself, which the staging copies once
     (the weights shared with DeepSpeed's model-states file), with what aliases an earlier entry replaced by a
-    placeholder that the staging fills from it (``sources``)."""
+    placeholder that the staging fills from it (``collector.sources``), and each view of a storage that other
+    entries view too (DeepSpeed's flat buffer of ZeRO-1/2) given a storage of its own over the same memory
+    (``collector.splits``: save_pretrained would clone them all)."""
     accelerator = trainer.accelerator
     engine: Any = trainer.model_wrapped
     stage = engine.zero_optimization_stage()
@@ -106,7 +143,8 @@ def state_dict_uncloned(trainer: JitTrainer, sources: dict[int, torch.Tensor]) -
         return
 
     def get_state_dict(model: Any, unwrap: bool = True) -> dict[str, Any]:
-        return unaliased(dict((accelerator.unwrap_model(model) if unwrap else model).state_dict()), sources)
+        state = dict((accelerator.unwrap_model(model) if unwrap else model).state_dict())
+        return split_views(unaliased(state, collector.sources, collector.made), collector.splits, collector.made)
 
     accelerator.get_state_dict = get_state_dict
     try:
@@ -115,7 +153,7 @@ def state_dict_uncloned(trainer: JitTrainer, sources: dict[int, torch.Tensor]) -
         accelerator.__dict__.pop("get_state_dict", None)
 
 
-def unaliased(state: dict[str, Any], sources: dict[int, torch.Tensor]) -> dict[str, Any]:
+def unaliased(state: dict[str, Any], sources: dict[int, torch.Tensor], made: list[torch.Tensor]) -> dict[str, Any]:
     """``state`` with each tensor whose bytes overlap an earlier entry's replaced by a placeholder of its own
     storage (``empty_like``: no copy now; ``sources`` says what the staging copies into its buffer): what
     save_pretrained sees is then what it sees in accelerate's all-clone state dict (no two entries share memory, so
@@ -130,9 +168,32 @@ def unaliased(state: dict[str, Any], sources: dict[int, torch.Tensor]) -> dict[s
         if any(span[0] < end and start < span[1] for start, end in ranges):
             placeholder = torch.empty_like(tensor, memory_format=torch.contiguous_format)
             sources[placeholder.untyped_storage()._cdata] = tensor.detach()
+            made.append(placeholder)  # kept alive while its _cdata is a key (transformers may drop it)
             state[key] = placeholder
         else:
             ranges.append(span)
+    return state
+
+
+def split_views(state: dict[str, Any], splits: dict[int, torch.Tensor], made: list[torch.Tensor]) -> dict[str, Any]:
+    """``state`` with each tensor that shares its storage with another entry (disjoint views of DeepSpeed's flat
+    ZeRO-1/2 buffer: every trainable weight) replaced by a tensor of the same memory with a storage of its own
+    (DLPack: no copy, the values are the weights' own, so whatever save_pretrained computes from them is right).
+    transformers' ``remove_tied_weights_from_state_dict`` clones every view of a shared storage (the whole model, in
+    training's time); a split view is not shared. ``splits`` says which view each stands for, so that the collector
+    hands the staging the views again (:meth:`CollectingEngine.joined`)."""
+    holders: dict[int, int] = {}
+    for tensor in state.values():
+        if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+            holders[tensor.untyped_storage()._cdata] = holders.get(tensor.untyped_storage()._cdata, 0) + 1
+    for key, tensor in state.items():
+        if (not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta" or not tensor.is_contiguous()
+                or holders[tensor.untyped_storage()._cdata] < 2 or tensor.numel() == 0):
+            continue
+        split = torch.from_dlpack(tensor.detach())
+        splits[split.untyped_storage()._cdata] = tensor.detach()
+        made.append(split)  # a storage freed while its _cdata is a key could be another's address later
+        state[key] = split
     return state
 
 

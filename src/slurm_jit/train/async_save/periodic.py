@@ -53,7 +53,7 @@ import safetensors.torch
 
 from slurm_jit.checkpoint import protocol
 from slurm_jit.train import save_errors
-from slurm_jit.train.async_save import collect, fault_points, files
+from slurm_jit.train.async_save import collect, fault_points, files, staging
 from slurm_jit.train.async_save import commit as commit_mod
 from slurm_jit.train.async_save import writer as writer_mod  # the module: writer imports save_path, which imports us
 from slurm_jit.train.async_save.collect import CollectingEngine
@@ -159,7 +159,8 @@ def _saves(trainer: JitTrainer, create: bool) -> AsyncSaves | None:
     if run is None or not trainer.jit_config.async_periodic_saves:
         return None
     if run.async_saves is None and create:
-        run.async_saves = AsyncSaves(HostStager(sharing_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)),
+        run.async_saves = AsyncSaves(HostStager(sharing_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1),
+                                                   copy_threads=staging.copy_threads()),
                                      writer_mod.BackgroundWriter(zip_crc32=trainer.jit_config.zip_crc32))
     saves: AsyncSaves | None = run.async_saves
     return saves
@@ -186,7 +187,8 @@ def collecting(trainer: JitTrainer, kind: str, ckpt: Path) -> Iterator[Collectin
     collector = CollectingEngine(original, ckpt, safetensors.torch.save_file)
     engine.checkpoint_engine = collector
     try:
-        with collect.safetensors_collected(collector), collect.state_dict_uncloned(trainer, collector.sources):
+        with collect.safetensors_collected(collector), collect.state_dict_uncloned(trainer, collector), \
+                collect.deepspeed_lookup_once():
             yield collector
     finally:
         engine.checkpoint_engine = original
@@ -198,8 +200,9 @@ def _stage(trainer: JitTrainer, saves: AsyncSaves, collector: CollectingEngine) 
     changes the optimizer's states (its fp32 master and moments), which the gate holds; a callback, a forward hook
     (``nn.Embedding(max_norm=...)`` renormalises in place) or a forward (running statistics) may change the
     module's before it."""
-    module: Any = trainer.accelerator.unwrap_model(trainer.model_wrapped)
-    now = frozenset(t.untyped_storage()._cdata for t in (*module.parameters(), *module.buffers()))
+    module: Any = trainer.model_wrapped.module  # DeepSpeed's engine (accelerate's unwrap_model: ~2 ms of metadata)
+    now = frozenset(t.untyped_storage()._cdata for t in (*module.parameters(), *module.buffers())) | frozenset(
+        collector.splits)  # a split view that save_file got changed (a view of it): the module's memory all the same
     try:
         return saves.stager.stage({collector.key(path): state for path, state in collector.collected}, defer=True,
                                   copy_now=now, sources=collector.sources)

@@ -1,0 +1,84 @@
+"""What an async periodic save hands save_pretrained instead of accelerate's cloned state dict
+(train/async_save/collect.py), on a real transformers GPT-2 whose weights are views of one flat buffer as ZeRO-1/2
+leaves them: transformers' own remove_tied_weights_from_state_dict clones nothing (it cloned the whole model in
+training's time), keeps the keys and values of the synchronous path (accelerate's clone), and the collector hands
+the staging the views of the flat buffer again."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+from slurm_jit.train.async_save import collect
+
+
+def _flat_gpt2() -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
+                                    eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config)  # lm_head.weight is wte.weight (tied)
+    params = list(model.parameters())
+    flat = torch.empty(sum(p.numel() for p in params))
+    offset = 0
+    for p in params:  # as DeepSpeed's ZeRO-1/2 optimizer leaves the module: every weight a view of one buffer
+        flat[offset:offset + p.numel()].copy_(p.data.flatten())
+        p.data = flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+    return model
+
+
+def test_save_pretrained_clones_nothing_and_writes_what_the_clone_path_writes(tmp_path: Path) -> None:
+    model = _flat_gpt2()
+    flat = next(model.parameters()).untyped_storage()
+    synchronous = remove_tied_weights_from_state_dict({k: v.clone() for k, v in model.state_dict().items()}, model)
+    collector = collect.CollectingEngine(object(), tmp_path, lambda *a, **k: None)
+    state = collect.split_views(collect.unaliased(dict(model.state_dict()), collector.sources, collector.made),
+                                collector.splits, collector.made)
+    clones = 0
+    original = torch.Tensor.clone
+
+    def counted(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        nonlocal clones
+        clones += 1
+        return original(self, *args, **kwargs)
+
+    torch.Tensor.clone = counted  # type: ignore[method-assign]
+    try:
+        kept = remove_tied_weights_from_state_dict(state, model)
+    finally:
+        torch.Tensor.clone = original  # type: ignore[method-assign]
+    assert clones == 0
+    assert list(kept) == list(synchronous)  # lm_head.weight kept, as accelerate's clones keep it
+    for name, tensor in kept.items():
+        source = collector.sources.get(tensor.untyped_storage()._cdata)
+        assert torch.equal(source if source is not None else tensor, synchronous[name]), name
+    joined = {name: collector.joined(tensor) for name, tensor in kept.items()}
+    on_flat = [n for n, t in joined.items() if t.untyped_storage()._cdata == flat._cdata]
+    assert len(on_flat) == len(list(model.parameters()))  # every weight the flat's own; the tied copy a placeholder
+    assert all(joined[n].data_ptr() == kept[n].data_ptr() for n in on_flat)  # the same memory: nothing was copied
+
+
+def test_a_split_view_that_save_pretrained_changed_is_left_as_it_came(tmp_path: Path) -> None:
+    """A view of a split view (not the tensor made) is not swapped back: it is staged as it is, copied at the save
+    (its storage is among the splits)."""
+    model = _flat_gpt2()
+    collector = collect.CollectingEngine(object(), tmp_path, lambda *a, **k: None)
+    state = collect.split_views(dict(model.state_dict()), collector.splits, collector.made)
+    weight = state["transformer.h.0.mlp.c_fc.weight"]
+    assert collector.joined(weight).untyped_storage()._cdata != weight.untyped_storage()._cdata
+    reshaped = weight.view(-1)
+    assert collector.joined(reshaped) is reshaped
+    assert reshaped.untyped_storage()._cdata in collector.splits
+
+
+def test_the_deepspeed_lookup_is_answered_once_and_given_back() -> None:
+    from accelerate.utils import other
+
+    original = other.is_deepspeed_available
+    with collect.deepspeed_lookup_once():
+        assert other.is_deepspeed_available is not original
+        assert other.is_deepspeed_available() == original()
+    assert other.is_deepspeed_available is original
