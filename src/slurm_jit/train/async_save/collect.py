@@ -142,9 +142,13 @@ def state_dict_uncloned(trainer: JitTrainer, collector: CollectingEngine) -> Ite
         yield
         return
 
+    # save_pretrained runs where the Trainer writes the model (and on every rank of a model sharded at load time)
+    writes = bool(trainer.args.should_save or getattr(trainer, "is_distributed_loading_by_transformers", True))
+
     def get_state_dict(model: Any, unwrap: bool = True) -> dict[str, Any]:
-        state = dict((accelerator.unwrap_model(model) if unwrap else model).state_dict())
-        return split_views(unaliased(state, collector.sources, collector.made), collector.splits, collector.made)
+        state = unaliased(dict((accelerator.unwrap_model(model) if unwrap else model).state_dict()), collector.sources,
+                          collector.made)
+        return split_views(state, collector.splits, collector.made) if writes else state
 
     accelerator.get_state_dict = get_state_dict
     try:
