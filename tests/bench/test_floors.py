@@ -127,3 +127,17 @@ def test_the_readers_read_every_byte(tmp_path: Path, monkeypatch: pytest.MonkeyP
     times = floors.read_trials([files[:2], files[2:]], trials=3)
     assert len(times) == 3 and all(t > 0 for t in times)
     assert sorted(counted) == [1234] * 3 + [9 * 2**20 + 1] * 3
+
+
+def test_each_rank_hashes_the_files_it_wrote_for_the_manifest() -> None:
+    """save_path.hashed_by: the manifest's hashing dealt as the files were written (a rank reads its own, from its
+    page cache), every file hashed once; a name beyond the world size is rank 0's."""
+    from slurm_jit.train.save_path import hashed_by
+
+    rels = ["config.json", "global_step4/mp_rank_00_model_states.pt",
+            "global_step4/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+            "global_step4/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", "rng_state_0.pth", "rng_state_1.pth",
+            "rng_state_5.pth", "trainer_state.json"]
+    shares = [hashed_by(rels, rank, 2) for rank in range(2)]
+    assert shares[1] == ["global_step4/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", "rng_state_1.pth"]
+    assert sorted(shares[0] + shares[1]) == sorted(rels)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import statistics
 import tempfile
@@ -22,6 +21,7 @@ from pathlib import Path
 import psutil
 
 from slurm_jit.bench.disk import CHUNK_BYTES
+from slurm_jit.checkpoint import names
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +35,6 @@ STATE_BYTES_PER_PARAM = 16
 # Copies on tmpfs at once: the checkpoint, the floor's files beside it, the resume's final save.
 TMPFS_COPIES = 3
 TMPFS_SPARE_BYTES = 2 * 2**30  # left free in tmpfs and in memory (tmpfs pages are memory) for everything else
-# Which rank wrote a DeepSpeed/Trainer checkpoint file: ZeRO's per-rank shards and the Trainer's per-rank RNG
-# state name it; the rest (model states of ZeRO-1/2, scheduler, trainer state, config) rank 0 writes.
-_RANK_FILE_RE = re.compile(r"(?:zero_pp_rank|rng_state)_(\d+)(?:_|\.)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,10 +74,7 @@ def above_floor(phases_s: Mapping[str, float], floor_s: float, carrier: str = "w
     return {name: round(s - floor_s if name == carrier else s, 4) for name, s in phases_s.items()}
 
 
-def rank_of(rel: str) -> int:
-    """The rank that writes (and on a resume, first reads) a checkpoint file, from its name."""
-    match = _RANK_FILE_RE.search(rel.rsplit("/", 1)[-1])
-    return int(match.group(1)) if match else 0
+rank_of = names.writer_rank  # the rank that writes a checkpoint file, from its name
 
 
 def by_rank(files: Mapping[str, int], world_size: int) -> list[list[tuple[str, int]]]:

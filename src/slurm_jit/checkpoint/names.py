@@ -31,6 +31,10 @@ SUPERSEDED_SUFFIX = ".superseded-"
 SUPERSEDED_RE = re.compile(r"checkpoint-([0-9]+)\.superseded-([0-9]+)", re.ASCII)
 DELETING_PREFIX = ".slurm-jit-deleting-"  # a checkpoint being deleted: out of every checkpoint-* pattern first
 
+# Which rank wrote a DeepSpeed/Trainer checkpoint file: ZeRO's per-rank shards and the Trainer's per-rank RNG
+# state name it; the rest (model states of ZeRO-1/2, scheduler, trainer state, config) rank 0 writes.
+WRITER_RANK_RE = re.compile(r"(?:zero_pp_rank|rng_state)_(\d+)(?:_|\.)")
+
 SUPERSEDED_WHAT = "a complete checkpoint replaced by a later save of step {step}; never resumed"
 QUARANTINED_WHAT = "set aside as not resumable (incomplete or corrupt); never resumed"
 
@@ -95,3 +99,9 @@ def set_aside(out_dir: str | os.PathLike[str]) -> list[SetAside]:
         elif QUARANTINED_RE.fullmatch(name):
             found.append(SetAside(name=name, kind="incomplete", what=QUARANTINED_WHAT))
     return found
+
+
+def writer_rank(rel: str) -> int:
+    """The rank that writes (and on a resume, first reads) a checkpoint file, from its name."""
+    match = WRITER_RANK_RE.search(rel.rsplit("/", 1)[-1])
+    return int(match.group(1)) if match else 0

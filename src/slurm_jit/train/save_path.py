@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.serialization import config as torch_serialization
 
-from slurm_jit.checkpoint import protocol
+from slurm_jit.checkpoint import names, protocol
 from slurm_jit.train import frozen_weights, keep_batch, save_errors, signals, slim_save, stop_path
 from slurm_jit.train.async_save import periodic as async_periodic
 
@@ -217,13 +217,24 @@ def upstream_save(trainer: JitTrainer, model: Any, trial: Any, kind: str, upstre
 
 
 def write_manifest(trainer: JitTrainer, ckpt: Path, step: int, kind: str, fields: dict[str, Any]) -> int:
-    """Ranks hash a share of the files each; rank 0 writes the manifest. Returns the bytes (rank 0)."""
+    """Each rank hashes the files it wrote (still in its page cache; on a shared file system, no other node's file
+    read over the network); rank 0 writes the manifest. Returns the bytes (rank 0)."""
     agreement = trainer._agreement
     rels = agreement.broadcast(protocol.payload_files(ckpt) if trainer._is_rank0 else None)
-    parts = agreement.gather(protocol.file_entries(ckpt, rels[agreement.rank::agreement.world_size]))
+    parts = agreement.gather(protocol.file_entries(ckpt, hashed_by(rels, agreement.rank, agreement.world_size)))
     if not trainer._is_rank0 or parts is None:
         return 0
     return seal(trainer, ckpt, step, kind, fields, {rel: entry for part in parts for rel, entry in part.items()})
+
+
+def hashed_by(rels: list[str], rank: int, world_size: int) -> list[str]:
+    """The files ``rank`` hashes for the manifest: those it wrote (:func:`names.writer_rank`; a name beyond the
+    world size, rank 0's)."""
+    def writer(rel: str) -> int:
+        named = names.writer_rank(rel)
+        return named if named < world_size else 0
+
+    return [rel for rel in rels if writer(rel) == rank]
 
 
 def seal(trainer: JitTrainer, ckpt: Path, step: int, kind: str, fields: dict[str, Any],
