@@ -141,3 +141,12 @@ def test_each_rank_hashes_the_files_it_wrote_for_the_manifest() -> None:
     shares = [hashed_by(rels, rank, 2) for rank in range(2)]
     assert shares[1] == ["global_step4/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", "rng_state_1.pth"]
     assert sorted(shares[0] + shares[1]) == sorted(rels)
+
+
+def test_the_checksum_floor_hashes_every_rank_bytes_with_one_thread_each() -> None:
+    """floors.hash_trials: as many timed trials as asked, each hashing every rank's bytes (a real xxh3-128 of them:
+    a larger state takes longer)."""
+    small = floors.hash_trials([[2**20], [2**20]], 3)
+    large = floors.hash_trials([[64 * 2**20, 64 * 2**20], [128 * 2**20]], 3)
+    assert len(small) == len(large) == 3 and all(t > 0 for t in small + large)
+    assert min(large) > min(small)

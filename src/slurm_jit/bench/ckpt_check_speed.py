@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from slurm_jit.bench import floors, runs
 from slurm_jit.bench.disk import MB, DiskLimits, drop_page_cache
@@ -80,9 +81,12 @@ def _deep_in_process_s(out: Path) -> tuple[float, int]:
         return time.monotonic() - start_s, code
 
 
-def deep_floor_row(out: Path, ckpt: Path, floor_trials_s: list[float], readers: int) -> Row:
+def deep_floor_row(out: Path, ckpt: Path, floor_trials_s: list[float], readers: int,
+                   hash_trials_s: list[float] | None = None) -> Row:
     """``ckpt-check --deep`` over a checkpoint on tmpfs, best of as many trials as the floor's, over the best of
-    the raw read floor of the same files (issue #34's target); the command's wall time beside it."""
+    the raw read floor of the same files (issue #34's target); the command's wall time beside it; with
+    ``hash_trials_s`` (floors.hash_trials of the same bytes), the checksum's own time and the check over read +
+    checksum in the details (reported)."""
     name = "ckpt_check_deep_over_read_floor"
     trials = len(floor_trials_s)
     compares = (f"`ckpt-check --deep` over a {runs.tree_bytes(ckpt) / MB:.0f} MB JIT checkpoint on tmpfs "
@@ -93,7 +97,12 @@ def deep_floor_row(out: Path, ckpt: Path, floor_trials_s: list[float], readers: 
         return failed(name, "ratio", floors.FLOOR_TARGET, compares, f"exit codes {[code for _, code in deep]}")
     command_s, code = _timed(_ckpt_check(out, "--deep"))
     deep_s, floor_s = floors.best_of([s for s, _ in deep]), floors.best_of(floor_trials_s)
-    return measured(name, floors.over_floor(deep_s, floor_s), "ratio", floors.FLOOR_TARGET, compares,
+    checksum: dict[str, Any] = {}
+    if hash_trials_s:
+        hash_s = floors.best_of(hash_trials_s)
+        checksum = {"checksum_floor_s": round(hash_s, 4), "checksum_trials_s": [round(t, 4) for t in hash_trials_s],
+                    "over_read_plus_checksum_floor": round(floors.over_floor(deep_s, floor_s + hash_s), 4)}
+    return measured(name, floors.over_floor(deep_s, floor_s), "ratio", floors.FLOOR_TARGET, compares, **checksum,
                     deep_s=round(deep_s, 4), deep_trials_s=[round(s, 4) for s, _ in deep], floor_s=round(floor_s, 4),
                     floor_trials_s=[round(t, 4) for t in floor_trials_s], command_s=round(command_s, 3),
                     command_exit_code=code)

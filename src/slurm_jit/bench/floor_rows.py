@@ -38,12 +38,14 @@ def zero2_rows(model: runs.Model, *, save_row: bool, resume_rows: bool) -> list[
     out: list[Row] = []
     with floors.scratch(floors.TMPFS, "zero2") as base:
         ours = save.run_ours(base / "zero2", model, 2)
+        hash_s = floors.hash_trials(ours.sizes_by_rank(), floors.TMPFS_TRIALS)
         if save_row:
-            out.append(save.write_floor_row(ZERO2_SAVE_ROW, ours, _write_floor(base, ours), "ZeRO-2"))
+            out.append(save.write_floor_row(ZERO2_SAVE_ROW, ours, _write_floor(base, ours), "ZeRO-2", hash_s))
         if resume_rows:
             read_s = floors.read_trials(ours.paths_by_rank(), floors.TMPFS_TRIALS)
             # before the resume, which adds its own final checkpoint to the directory --deep would check
-            out.append(ckpt_check_speed.deep_floor_row(ours.outcome.out, ours.ckpt, read_s, ours.world_size))
+            out.append(ckpt_check_speed.deep_floor_row(ours.outcome.out, ours.ckpt, read_s, ours.world_size,
+                                                       hash_s))
             out.append(resume.read_floor_row(ours, resume.resume(ours, model), read_s))
     return out
 
@@ -54,7 +56,8 @@ def zero3_rows(model: runs.Model) -> list[Row]:
         return no_room
     with floors.scratch(floors.TMPFS, "zero3") as base:
         ours = save.run_ours(base / "zero3", model, 3)
-        return [save.write_floor_row(ZERO3_SAVE_ROW, ours, _write_floor(base, ours), "ZeRO-3 (no 16-bit gather)")]
+        return [save.write_floor_row(ZERO3_SAVE_ROW, ours, _write_floor(base, ours), "ZeRO-3 (no 16-bit gather)",
+                                     floors.hash_trials(ours.sizes_by_rank(), floors.TMPFS_TRIALS))]
 
 
 def disk_row(ours: save.JitSave, work: Path) -> Row:

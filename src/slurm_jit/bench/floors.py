@@ -19,9 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+import xxhash
 
 from slurm_jit.bench.disk import CHUNK_BYTES
 from slurm_jit.checkpoint import names
+from slurm_jit.checkpoint.manifest import HASH_CHUNK_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -187,4 +189,29 @@ def read_trials(paths_by_rank: Sequence[Sequence[Path]], trials: int) -> list[fl
             read = sum(pool.map(_read_rank, lists))
             times.append(time.monotonic() - start_s)
             logger.info("bench: floor read of %d bytes by %d readers: %.3f s", read, len(lists), times[-1])
+    return times
+
+
+def _hash_rank(source: memoryview) -> int:
+    """One hasher: the manifest's checksum (xxh3-128, in the manifest's chunks) of ``source``, from memory."""
+    digest = xxhash.xxh3_128()
+    for offset in range(0, len(source), HASH_CHUNK_BYTES):
+        digest.update(source[offset:offset + HASH_CHUNK_BYTES])
+    digest.digest()
+    return len(source)
+
+
+def hash_trials(sizes_by_rank: Sequence[Sequence[int]], trials: int) -> list[float]:
+    """Seconds of each of ``trials`` parallel checksums (one thread per rank, as each rank hashes the files it wrote
+    for the manifest) of each rank's bytes, from memory: no file, no copy. A checkpoint whose every byte carries a
+    checksum costs at least this beside its write; the save rows report it, to show what of the time above the write
+    floor the checksum alone takes on this CPU."""
+    sources = [_source(sum(sizes)) for sizes in sizes_by_rank]
+    times: list[float] = []
+    with ThreadPoolExecutor(max_workers=len(sources), thread_name_prefix="bench-floor") as pool:
+        for _ in range(trials):
+            start_s = time.monotonic()
+            hashed = sum(pool.map(_hash_rank, sources))
+            times.append(time.monotonic() - start_s)
+            logger.info("bench: floor checksum of %d bytes by %d hashers: %.3f s", hashed, len(sources), times[-1])
     return times

@@ -88,16 +88,24 @@ def _floor_details(save: JitSave) -> dict[str, Any]:
             "phases_s": {name: round(s, 4) for name, s in save.phases.items()}}
 
 
-def write_floor_row(name: str, save: JitSave, trials_s: list[float], what: str) -> Row:
-    """The save on tmpfs over the best of the raw write floor's trials on tmpfs (issue #34's target)."""
+def write_floor_row(name: str, save: JitSave, trials_s: list[float], what: str,
+                    hash_trials_s: list[float] | None = None) -> Row:
+    """The save on tmpfs over the best of the raw write floor's trials on tmpfs (issue #34's target); with
+    ``hash_trials_s`` (floors.hash_trials of the same bytes), the checksum's own time and the save over write +
+    checksum in the details (reported)."""
     floor_s = floors.best_of(trials_s)
+    checksum: dict[str, Any] = {}
+    if hash_trials_s:
+        hash_s = floors.best_of(hash_trials_s)
+        checksum = {"checksum_floor_s": round(hash_s, 4), "checksum_trials_s": [round(t, 4) for t in hash_trials_s],
+                    "over_write_plus_checksum_floor": round(floors.over_floor(save.save_s, floor_s + hash_s), 4)}
     return measured(name, floors.over_floor(save.save_s, floor_s), "ratio", floors.FLOOR_TARGET,
                     f"{what}, output directory on tmpfs ({floors.TMPFS}): the JIT save's time (longest rank, every "
                     f"phase, timing log) over the raw floor: each rank's bytes (its files' sizes) written from memory "
                     f"by {save.world_size} threads at once, os.write in {CHUNK_BYTES // 2**20} MiB chunks + fsync, "
                     f"into tmpfs, best of {len(trials_s)}",
                     floor_s=round(floor_s, 4), floor_trials_s=[round(t, 4) for t in trials_s],
-                    above_floor_s=floors.above_floor(save.phases, floor_s), **_floor_details(save))
+                    above_floor_s=floors.above_floor(save.phases, floor_s), **checksum, **_floor_details(save))
 
 
 def disk_floor_row(save: JitSave, trials_s: list[float], directory: Path) -> Row:
