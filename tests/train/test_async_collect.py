@@ -82,3 +82,19 @@ def test_the_deepspeed_lookup_is_answered_once_and_given_back() -> None:
         assert other.is_deepspeed_available is not original
         assert other.is_deepspeed_available() == original()
     assert other.is_deepspeed_available is original
+
+
+class _Subclass(torch.Tensor):
+    pass
+
+
+def test_what_dlpack_cannot_carry_is_left_as_it_came(tmp_path: Path) -> None:
+    """A view DLPack refuses (the conjugate bit) and a tensor subclass keep their shared storage (save_pretrained
+    clones them, as it did before); the plain views beside them are split."""
+    flat = torch.zeros(8, dtype=torch.complex64)
+    conj, plain, sub = flat[:2].conj(), flat[2:4], flat[4:6].as_subclass(_Subclass)
+    collector = collect.CollectingEngine(object(), tmp_path, lambda *a, **k: None)
+    state = collect.split_views({"conj": conj, "plain": plain, "sub": sub}, collector.splits, collector.made)
+    assert state["conj"] is conj and state["sub"] is sub
+    assert state["plain"] is not plain and state["plain"].data_ptr() == plain.data_ptr()
+    assert collector.joined(state["plain"]) is collector.splits[state["plain"].untyped_storage()._cdata]

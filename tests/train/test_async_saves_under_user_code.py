@@ -224,3 +224,38 @@ def test_a_save_model_override_that_exports_elsewhere_survives_an_async_save(tmp
                         [str(script)])
     assert result.codes == [0, 0] and "Traceback" not in result.log, result.log[-2000:]
     assert (export / "model.safetensors").is_file()
+
+
+SCALING = '''
+from slurm_jit import demo_train
+from slurm_jit.train.trainer import JitTrainer
+
+class ScalingTrainer(JitTrainer):  # an override that changes the state dict it gets in place (a cast, a scale)
+    def save_model(self, output_dir=None, _internal_call=False):
+        super().save_model(output_dir, _internal_call)
+        state = self.accelerator.get_state_dict(self.deepspeed)  # accelerate's: a copy under ZeRO-0/1/2
+        for tensor in state.values():
+            tensor.mul_(0.5)
+
+if __name__ == "__main__":
+    demo_train.main(trainer_cls=ScalingTrainer)
+'''
+
+
+def test_a_save_model_override_that_changes_its_state_dict_in_place_changes_neither_training_nor_the_checkpoint(
+        tmp_path: Path) -> None:
+    """Found by a review: the uncloned state dict of an async save handed the module's live weights to a subclass's
+    save_model, which halved them in place: model.safetensors held the halved weights (the staging copies after the
+    upstream save) and training went on from them. With an override of save_model the state dict is accelerate's
+    clone again: every file of the async checkpoint and every loss are the synchronous run's."""
+    script = tmp_path / "scaling.py"
+    script.write_text(SCALING)
+    args = ["--max-steps", "4", "--save-steps", "2", "--untie-embeddings"]
+    sync, asyn = tmp_path / "sync", tmp_path / "async"
+    assert run_logged(sync, args, None, [str(script)]).codes == [0, 0]
+    assert run_logged(asyn, [*args, "--async-periodic-saves"], None, [str(script)]).codes == [0, 0]
+    assert _losses(asyn) == _losses(sync)
+    for rel in ("model.safetensors", "global_step2/mp_rank_00_model_states.pt"):
+        files = {d: json.loads((d / "checkpoint-2/slurm-jit-manifest.json").read_text())["files"][rel]
+                 for d in (sync, asyn)}
+        assert files[asyn] == files[sync], rel

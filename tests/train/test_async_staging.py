@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import io
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import psutil
@@ -266,3 +268,25 @@ def test_the_copy_threads_are_the_cores_this_process_may_use(monkeypatch) -> Non
     assert staging.copy_threads() == 2
     monkeypatch.setattr(staging.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
     assert staging.copy_threads() == staging.MAX_COPY_THREADS
+
+
+def test_a_failed_share_returns_only_once_every_other_share_has_ended(monkeypatch) -> None:
+    """A copy that fails in this thread still waits for the pool's shares: no thread writes into a buffer after
+    the staging has given up on it (the next save reuses it)."""
+    ended: list[str] = []
+    main = threading.current_thread()
+
+    def share(part: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if threading.current_thread() is main:
+            raise RuntimeError("copy failed")
+        time.sleep(0.3)
+        ended.append(threading.current_thread().name)
+
+    monkeypatch.setattr(staging, "_copy_share", share)
+    source = torch.empty(staging.PARALLEL_MIN_BYTES, dtype=torch.uint8)
+    slot = torch.empty(staging.PARALLEL_MIN_BYTES, dtype=torch.uint8).untyped_storage()
+    pool = ThreadPoolExecutor(1)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        staging._copy_pairs([(slot, source.untyped_storage())], pool)
+    assert len(ended) == 1  # before the pool's shutdown, which would wait for it anyway
+    pool.shutdown()

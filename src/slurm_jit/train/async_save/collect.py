@@ -138,16 +138,17 @@ def state_dict_uncloned(trainer: JitTrainer, collector: CollectingEngine) -> Ite
     accelerator = trainer.accelerator
     engine: Any = trainer.model_wrapped
     stage = engine.zero_optimization_stage()
-    if "get_state_dict" in accelerator.__dict__ or stage >= ZERO3:  # someone else's; ZeRO-3's is a gather: kept
-        yield
+    if "get_state_dict" in accelerator.__dict__ or stage >= ZERO3 or not only_upstream_sees_it(trainer):
+        yield  # someone else's; ZeRO-3's is a gather; a user's code may change what it gets: accelerate's clone
         return
 
     # save_pretrained runs where the Trainer writes the model (and on every rank of a model sharded at load time)
     writes = bool(trainer.args.should_save or getattr(trainer, "is_distributed_loading_by_transformers", True))
 
     def get_state_dict(model: Any, unwrap: bool = True) -> dict[str, Any]:
-        state = unaliased(dict((accelerator.unwrap_model(model) if unwrap else model).state_dict()), collector.sources,
-                          collector.made)
+        own = (accelerator.unwrap_model(model) if unwrap else model).state_dict()
+        # accelerate's clone keeps the dict's type (an OrderedDict), not its _metadata
+        state = unaliased(type(own)(own.items()), collector.sources, collector.made)
         return split_views(state, collector.splits, collector.made) if writes else state
 
     accelerator.get_state_dict = get_state_dict
@@ -179,6 +180,31 @@ def unaliased(state: dict[str, Any], sources: dict[int, torch.Tensor], made: lis
     return state
 
 
+def only_upstream_sees_it(trainer: JitTrainer) -> bool:
+    """True when what ``get_state_dict`` returns goes only through code known not to change it in place: the
+    JitTrainer's ``save_model``, transformers' ``_save`` and ``save_pretrained`` (PEFT's). The module's own
+    tensors are live weights: a user's override that scales or casts them in place (harmless to accelerate's clone)
+    would change training, and the checkpoint (found by a review: a save_model override that scaled the dict it
+    got halved the weights of ``model.safetensors``, and the run's next losses)."""
+    from transformers import PreTrainedModel, Trainer  # noqa: PLC0415 (the Trainer's own classes)
+
+    from slurm_jit.train.trainer import JitTrainer  # noqa: PLC0415 (trainer imports save_path, which imports us)
+
+    cls = type(trainer)
+    if cls.save_model is not JitTrainer.save_model or cls._save is not Trainer._save or {"save_model", "_save"} & set(
+            vars(trainer)):
+        return False
+    known = [PreTrainedModel.save_pretrained]
+    try:
+        from peft import PeftModel  # noqa: PLC0415 (optional)
+
+        known.append(PeftModel.save_pretrained)
+    except ImportError:
+        pass
+    model = trainer.model
+    return "save_pretrained" not in vars(model) and any(type(model).save_pretrained is f for f in known)
+
+
 def split_views(state: dict[str, Any], splits: dict[int, torch.Tensor], made: list[torch.Tensor]) -> dict[str, Any]:
     """``state`` with each tensor that shares its storage with another entry (disjoint views of DeepSpeed's flat
     ZeRO-1/2 buffer: every trainable weight) replaced by a tensor of the same memory with a storage of its own
@@ -191,10 +217,13 @@ def split_views(state: dict[str, Any], splits: dict[int, torch.Tensor], made: li
         if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
             holders[tensor.untyped_storage()._cdata] = holders.get(tensor.untyped_storage()._cdata, 0) + 1
     for key, tensor in state.items():
-        if (not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta" or not tensor.is_contiguous()
+        if (type(tensor) is not torch.Tensor or tensor.device.type == "meta" or not tensor.is_contiguous()
                 or holders[tensor.untyped_storage()._cdata] < 2 or tensor.numel() == 0):
+            continue  # a subclass (DTensor, a quantised weight) stays as it is: save_pretrained clones it
+        try:
+            split = torch.from_dlpack(tensor.detach())
+        except (RuntimeError, TypeError, BufferError):  # a view DLPack cannot carry (conjugate, negative bit)
             continue
-        split = torch.from_dlpack(tensor.detach())
         splits[split.untyped_storage()._cdata] = tensor.detach()
         made.append(split)  # a storage freed while its _cdata is a key could be another's address later
         state[key] = split

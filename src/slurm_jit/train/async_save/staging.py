@@ -318,9 +318,13 @@ def _copy_pairs(pairs: list[tuple[torch.UntypedStorage, _Source]], pool: ThreadP
             target.copy_(source, non_blocking=source.device.type != "cpu")
     shares = _shares(host, pool._max_workers + 1) if pool is not None and host else []
     futures = [pool.submit(_copy_share, share) for share in shares[1:]] if pool is not None else []
-    _copy_share(shares[0] if shares else [])
-    for future in futures:
-        future.result()
+    try:
+        _copy_share(shares[0] if shares else [])
+    finally:  # never return (or raise) while a pool thread still writes into a buffer
+        for future in futures:
+            exception = future.exception()  # waits
+            if exception is not None:
+                raise exception
 
 
 def _views(slot: torch.UntypedStorage, source: _Source) -> tuple[torch.Tensor, torch.Tensor]:
