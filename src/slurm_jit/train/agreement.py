@@ -213,6 +213,15 @@ class StopAgreement:
         dist.gather_object(obj, out, dst=0, group=self.group)
         return out
 
+    def all_true(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is true on every rank: one all-reduce of one number (a gather and a
+        broadcast of objects are four collectives, each with its pickling)."""
+        if not self.distributed:
+            return bool(flag)
+        box = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        dist.all_reduce(box, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(box.item())
+
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier(group=self.group)

@@ -211,9 +211,7 @@ def _stage(trainer: JitTrainer, saves: AsyncSaves, collector: CollectingEngine) 
 
 
 def _all_staged(trainer: JitTrainer, ok: bool) -> bool:
-    agreement = trainer._agreement
-    parts = agreement.gather(ok)
-    return bool(agreement.broadcast(all(parts) if parts is not None else None))
+    return trainer._agreement.all_true(ok)
 
 
 def _fall_back(trainer: JitTrainer, saves: AsyncSaves, staged: StagedSave | HostMemoryError,
@@ -368,6 +366,8 @@ def _raise_on_every_rank(trainer: JitTrainer, job: _InFlight, error: save_errors
     """The ranks agree on the save's fate: where any rank's background write failed, every rank raises (its own
     error, or the first failed rank's line), so that no rank goes on into the next save's collectives alone."""
     agreement = trainer._agreement
+    if agreement.all_true(error is None):  # the usual case: one all-reduce; the lines only when a rank failed
+        return
     parts = agreement.gather(None if error is None else str(error).splitlines()[0])
     failed = [(rank, why) for rank, why in enumerate(parts or []) if why is not None]
     first = agreement.broadcast(failed[0] if failed else None)
