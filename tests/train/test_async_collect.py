@@ -98,3 +98,28 @@ def test_what_dlpack_cannot_carry_is_left_as_it_came(tmp_path: Path) -> None:
     assert state["conj"] is conj and state["sub"] is sub
     assert state["plain"] is not plain and state["plain"].data_ptr() == plain.data_ptr()
     assert collector.joined(state["plain"]) is collector.splits[state["plain"].untyped_storage()._cdata]
+
+
+def test_the_modules_naming_save_file_are_found_without_scanning_every_module_again(monkeypatch) -> None:
+    """_Namers: a module loaded after the first scan is found at the next; one scanned while still being imported
+    (``__spec__._initializing``) is scanned again; a name a module dropped is not handed back."""
+    import importlib.machinery
+    import sys
+    import types
+
+    import safetensors.torch
+
+    save_file = safetensors.torch.save_file
+    namers = collect._Namers()
+    before = namers.find(save_file)
+    assert (safetensors.torch, "save_file") in before
+    late = types.ModuleType("slurm_jit_test_late")
+    late.__spec__ = importlib.machinery.ModuleSpec("slurm_jit_test_late", None)
+    late.__spec__._initializing = True  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "slurm_jit_test_late", late)
+    assert (late, "safe_save_file") not in namers.find(save_file)
+    late.safe_save_file = save_file  # bound later in its body
+    late.__spec__._initializing = False  # type: ignore[attr-defined]
+    assert (late, "safe_save_file") in namers.find(save_file)
+    del late.safe_save_file
+    assert (late, "safe_save_file") not in namers.find(save_file)
