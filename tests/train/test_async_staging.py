@@ -4,6 +4,7 @@ tensors shaped as a ZeRO-2 rank's files (zero2_states), real torch.save, no Deep
 
 from __future__ import annotations
 
+import collections
 import io
 import threading
 import time
@@ -223,9 +224,9 @@ def test_a_placeholder_is_staged_with_the_values_of_its_source_at_the_copy() -> 
     assert torch.equal(got, (torch.arange(12, dtype=torch.float32).reshape(3, 4) + 100).t())
 
 
-def test_copies_made_at_the_staging_are_cut_into_shares_for_the_copy_threads(model_and_states) -> None:
-    """copy_threads: a host copy of PARALLEL_MIN_BYTES or more is made by several threads (this one and the pool's),
-    a storage cut between them where needed, and the snapshot is the same bytes; a smaller one by this thread."""
+def test_copies_made_at_the_staging_are_cut_into_pieces_for_the_copy_threads(model_and_states) -> None:
+    """copy_threads: a host copy of PARALLEL_MIN_BYTES or more is cut into pieces that this thread and the pool's
+    take in turn (a storage cut between them), and the snapshot is the same bytes; a smaller one this thread makes."""
     big = torch.randn(staging.PARALLEL_MIN_BYTES // 4 + 12345)  # just above the threshold, cut off the grid
     small = torch.arange(1000, dtype=torch.int64)
     model, states = model_and_states
@@ -233,33 +234,31 @@ def test_copies_made_at_the_staging_are_cut_into_shares_for_the_copy_threads(mod
     at_staging = {key: _saved(state) for key, state in states.items()}
     stager = HostStager(pin=False, copy_threads=3)
     threads: list[str] = []
-    original = staging._copy_share
+    original = staging._drain
 
-    def counted(share: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        if share:
-            threads.append(threading.current_thread().name)
-        original(share)
+    def counted(pieces: Any) -> None:
+        threads.append(threading.current_thread().name)
+        original(pieces)
 
-    staging._copy_share = counted
+    staging._drain = counted
     try:
         staged = stager.stage(states)
     finally:
-        staging._copy_share = original
+        staging._drain = original
     big.add_(1)
     zero2_states.mutate_in_place(model, states)
     for key, state in staged.states.items():
         assert _saved(state) == at_staging[key], key
-    assert len(threads) == 3 and len(set(threads)) >= 2, threads  # 3 shares, this thread's and the pool's
+    assert len(threads) == 3 and len(set(threads)) >= 2, threads  # this thread and the pool's two drained
     stager.free()
 
 
-def test_shares_deal_the_bytes_evenly_and_cover_every_byte() -> None:
+def test_pieces_cover_every_byte_once_and_none_is_larger_than_asked() -> None:
     targets = [torch.zeros(n, dtype=torch.uint8) for n in (10, 1, 33, 7)]
     sources = [torch.arange(n, dtype=torch.int64).to(torch.uint8) + i for i, n in enumerate((10, 1, 33, 7))]
-    shares = staging._shares(list(zip(targets, sources, strict=True)), 4)
-    assert [sum(t.numel() for t, _ in share) for share in shares] == [13, 13, 13, 12]
-    for share in shares:
-        staging._copy_share(share)
+    pieces = staging._pieces(list(zip(targets, sources, strict=True)), 8)
+    assert [t.numel() for t, _ in pieces] == [8, 2, 1, 8, 8, 8, 8, 1, 7]
+    staging._drain(collections.deque(pieces))
     assert all(torch.equal(t, s) for t, s in zip(targets, sources, strict=True))
 
 
@@ -270,19 +269,19 @@ def test_the_copy_threads_are_the_cores_this_process_may_use(monkeypatch) -> Non
     assert staging.copy_threads() == staging.MAX_COPY_THREADS
 
 
-def test_a_failed_share_returns_only_once_every_other_share_has_ended(monkeypatch) -> None:
-    """A copy that fails in this thread still waits for the pool's shares: no thread writes into a buffer after
-    the staging has given up on it (the next save reuses it)."""
+def test_a_failed_copy_returns_only_once_every_other_thread_has_ended(monkeypatch) -> None:
+    """A copy that fails in this thread still waits for the pool's: no thread writes into a buffer after the
+    staging has given up on it (the next save reuses it)."""
     ended: list[str] = []
     main = threading.current_thread()
 
-    def share(part: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def drain(pieces: Any) -> None:
         if threading.current_thread() is main:
             raise RuntimeError("copy failed")
         time.sleep(0.3)
         ended.append(threading.current_thread().name)
 
-    monkeypatch.setattr(staging, "_copy_share", share)
+    monkeypatch.setattr(staging, "_drain", drain)
     source = torch.empty(staging.PARALLEL_MIN_BYTES, dtype=torch.uint8)
     slot = torch.empty(staging.PARALLEL_MIN_BYTES, dtype=torch.uint8).untyped_storage()
     pool = ThreadPoolExecutor(1)

@@ -35,6 +35,7 @@ available), and every other object is rebuilt. A caller may rely on:
 
 from __future__ import annotations
 
+import collections
 import io
 import logging
 import os
@@ -54,6 +55,7 @@ from slurm_jit.train.async_save import locations, memory_guard
 logger = logging.getLogger(__name__)
 
 PARALLEL_MIN_BYTES = 32 * 2**20  # below this, one thread copies: a share would not pay for the hand-over
+PIECE_BYTES = 4 * 2**20  # what one thread takes at a time: small enough that no thread waits long for another
 MAX_COPY_THREADS = 4  # host memory bandwidth: more threads than this add little (measured 2x with 2 threads here)
 
 _Source = torch.UntypedStorage | torch.Tensor  # what a buffer is copied from: a storage, or a placeholder's tensor
@@ -307,7 +309,8 @@ def _copy_pairs(pairs: list[tuple[torch.UntypedStorage, _Source]], pool: ThreadP
     """Each (buffer, source) copied: a storage whole, a tensor's values into its placeholder's buffer (contiguous,
     as empty_like made it). Through tensor views: a tensor's ``copy_`` releases the GIL, a storage's does not
     (measured: a storage copy in a thread held training's thread to 29 % of its pace). With ``pool``, host-to-host
-    copies of :data:`PARALLEL_MIN_BYTES` or more are cut into one share per thread (``pool``'s and this one)."""
+    copies of :data:`PARALLEL_MIN_BYTES` or more are cut into pieces of :data:`PIECE_BYTES` that this thread and
+    the pool's take in turn (a thread the host does not run meanwhile holds up at most its one piece)."""
     views = [_views(slot, source) for slot, source in pairs
              if source.device.type != "meta" and slot.nbytes() > 0]  # else nothing to copy (torch.save writes none)
     host = [(t, s) for t, s in views if t.device.type == "cpu" and s.device.type == "cpu" and s.is_contiguous()]
@@ -316,10 +319,12 @@ def _copy_pairs(pairs: list[tuple[torch.UntypedStorage, _Source]], pool: ThreadP
     for target, source in views:
         if not any(target is t for t, _ in host):
             target.copy_(source, non_blocking=source.device.type != "cpu")
-    shares = _shares(host, pool._max_workers + 1) if pool is not None and host else []
-    futures = [pool.submit(_copy_share, share) for share in shares[1:]] if pool is not None else []
+    if pool is None or not host:
+        return
+    pieces = collections.deque(_pieces(host, PIECE_BYTES))
+    futures = [pool.submit(_drain, pieces) for _ in range(pool._max_workers)]
     try:
-        _copy_share(shares[0] if shares else [])
+        _drain(pieces)
     finally:  # never return (or raise) while a pool thread still writes into a buffer
         for future in futures:
             exception = future.exception()  # waits
@@ -336,26 +341,26 @@ def _views(slot: torch.UntypedStorage, source: _Source) -> tuple[torch.Tensor, t
     return target, torch.empty(0, dtype=torch.uint8, device=source.device).set_(source)
 
 
-def _shares(pairs: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    """The bytes of ``pairs`` (contiguous) dealt into ``n`` shares of about equal size, a pair cut where needed."""
-    flat = [(t.reshape(-1).view(torch.uint8), s.reshape(-1).view(torch.uint8)) for t, s in pairs]
-    per_share = -(-sum(t.numel() for t, _ in flat) // n)
-    shares: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[]]
-    room = per_share
-    for target, source in flat:
-        start = 0
-        while start < target.numel():
-            if room == 0:
-                shares.append([])
-                room = per_share
-            take = min(room, target.numel() - start)
-            shares[-1].append((target[start:start + take], source[start:start + take]))
-            start, room = start + take, room - take
-    return shares
+_Pair = tuple[torch.Tensor, torch.Tensor]  # (target, source) of one copy
 
 
-def _copy_share(share: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    for target, source in share:
+def _pieces(pairs: list[_Pair], piece_bytes: int) -> list[_Pair]:
+    """The bytes of ``pairs`` (contiguous) cut into (target, source) pieces of at most ``piece_bytes``."""
+    pieces: list[_Pair] = []
+    for target, source in pairs:
+        flat_target, flat_source = target.reshape(-1).view(torch.uint8), source.reshape(-1).view(torch.uint8)
+        for start in range(0, flat_target.numel(), piece_bytes):
+            pieces.append((flat_target[start:start + piece_bytes], flat_source[start:start + piece_bytes]))
+    return pieces
+
+
+def _drain(pieces: collections.deque[_Pair]) -> None:
+    """Copy pieces until none is left (``popleft`` is atomic: each piece is taken by one thread)."""
+    while True:
+        try:
+            target, source = pieces.popleft()
+        except IndexError:
+            return
         target.copy_(source)
 
 
