@@ -220,14 +220,14 @@ def only_upstream_sees_it(trainer: JitTrainer) -> bool:
     if cls.save_model is not JitTrainer.save_model or cls._save is not Trainer._save or {"save_model", "_save"} & set(
             vars(trainer)):
         return False
-    known = [PreTrainedModel.save_pretrained]
+    known: list[Any] = [PreTrainedModel.save_pretrained]
     try:
         from peft import PeftModel  # noqa: PLC0415 (optional)
 
         known.append(PeftModel.save_pretrained)
     except ImportError:
         pass
-    model = trainer.model
+    model: Any = trainer.model
     return "save_pretrained" not in vars(model) and any(type(model).save_pretrained is f for f in known)
 
 

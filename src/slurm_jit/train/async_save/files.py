@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,8 +29,17 @@ class SafetensorsFile:
     metadata: dict[str, str] | None
 
 
+@dataclass
+class Later:
+    """A state made when the writer comes to it (a staged snapshot's rebuild, in the writer's thread)."""
+
+    make: Callable[[], Any]
+
+
 def write(path: Path, state: Any) -> None:
     """Write one collected (or staged) file as the synchronous save would have."""
+    if isinstance(state, Later):
+        state = state.make()
     if isinstance(state, SafetensorsFile):
         try:
             _safetensors_save_file(state.tensors, str(path), metadata=state.metadata)

@@ -256,7 +256,7 @@ def submit(trainer: JitTrainer, collector: CollectingEngine | None, ckpt: Path, 
     on_save()
     phases.mark("callbacks")
     rank, world = int(trainer.args.process_index), int(trainer.args.world_size)
-    items = [(path, staged.states[collector.key(path)]) for path, _ in collector.collected]
+    items = [(path, _later(staged, collector.key(path))) for path, _ in collector.collected]
     job = _InFlight(step, ckpt, fields["contents"], time.monotonic(), staged.nbytes)
     after = _after(trainer, job, rank, world, kind, fields, [str(p.relative_to(ckpt)) for p, _ in items])
     if saves.writer.submit(ckpt, items, wait_if_busy=False, after=after, release=staged.release,
@@ -277,6 +277,11 @@ def submit(trainer: JitTrainer, collector: CollectingEngine | None, ckpt: Path, 
                "blocked %.2f s (%d bytes staged, copied beside the next step); written in the background", kind,
                ckpt, blocked_s, staged.nbytes)
     return True
+
+
+def _later(staged: StagedSave, key: str) -> files.Later:
+    """The staged state of ``key``, rebuilt around its buffers when the background writer comes to it."""
+    return files.Later(lambda: staged.states[key])
 
 
 def _copy(ckpt: Path, staged: StagedSave) -> None:

@@ -42,7 +42,7 @@ import os
 import pickle
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -123,15 +123,25 @@ class _StagedRebuilder(pickle.Unpickler):
 
 @dataclass
 class StagedSave:
-    """One save's snapshot: ``states[key]`` is what to ``torch.save`` for the file ``key``."""
+    """One save's snapshot: ``states[key]`` is what to ``torch.save`` for the file ``key`` (rebuilt around the
+    buffers at the first look, in whichever thread looks first: the background writer's, out of training's time)."""
 
-    states: dict[str, Any]
+    rebuild: Callable[[], dict[str, Any]] = field(repr=False)
     nbytes: int  # bytes copied (the storages torch.save writes, each shared storage once)
     copy_s: float  # seconds the copies took (CUDA: until synchronized); a deferred copy: set by copy_pending
     stage_s: float  # seconds stage() took in all (the pickling and rebuilding included)
     pending: list[tuple[torch.UntypedStorage, _Source]] = field(repr=False, default_factory=list)
     _copied: threading.Event = field(repr=False, default_factory=threading.Event)
     _released: threading.Event = field(repr=False, default_factory=threading.Event)
+    _states: dict[str, Any] | None = field(repr=False, default=None)
+    _rebuilding: threading.Lock = field(repr=False, default_factory=threading.Lock)
+
+    @property
+    def states(self) -> dict[str, Any]:
+        with self._rebuilding:
+            if self._states is None:
+                self._states = self.rebuild()
+            return self._states
 
     def copy_pending(self) -> None:
         """The copies ``stage(defer=True)`` left (any thread; the GIL is released while copying); the snapshot is
@@ -221,10 +231,14 @@ class HostStager:
         if self.pin and torch.cuda.is_available():
             torch.cuda.synchronize()  # the non-blocking copies are done before training changes the originals
         copy_s = time.monotonic() - t_copy
-        staged = {key: _StagedRebuilder(io.BytesIO(f.pickled), self._slots[key], f.atoms).load()
-                  for key, f in found.items()}
+        slots = {key: self._slots[key] for key in found}  # this snapshot's (the next stage makes new lists)
+
+        def rebuild() -> dict[str, Any]:
+            return {key: _StagedRebuilder(io.BytesIO(f.pickled), slots[key], f.atoms).load()
+                    for key, f in found.items()}
+
         nbytes = sum(slot.nbytes() for slot, _ in pairs)
-        self._current = StagedSave(staged, nbytes, copy_s, time.monotonic() - t0, pending=later)
+        self._current = StagedSave(rebuild, nbytes, copy_s, time.monotonic() - t0, pending=later)
         if not later:
             self._current._copied.set()
         return self._current
