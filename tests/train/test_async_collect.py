@@ -123,3 +123,40 @@ def test_the_modules_naming_save_file_are_found_without_scanning_every_module_ag
     assert (late, "safe_save_file") in namers.find(save_file)
     del late.safe_save_file
     assert (late, "safe_save_file") not in namers.find(save_file)
+
+
+def test_the_trainer_state_is_kept_as_it_was_at_the_save_and_written_as_the_trainer_writes_it(tmp_path: Path) -> None:
+    """files.TrainerStateFile.of: what the background writer writes is byte for byte what save_to_json wrote at the
+    save, whatever training does to the state afterwards (a new log entry, a step, a callback's state, an entry of
+    the log changed in place)."""
+    from transformers import TrainerState
+
+    from slurm_jit.train.async_save import files
+
+    state = TrainerState(global_step=7, stateful_callbacks={"TrainerControl": {"args": {"should_save": True}}})
+    state.log_history = [{"loss": 4.5 - i / 100, "step": i} for i in range(300)]
+    state.save_to_json(str(tmp_path / "at-save.json"))
+    kept = files.TrainerStateFile.of(state)
+    state.log_history.append({"loss": 1.0, "step": 300})
+    state.log_history[0]["loss"] = 0.0
+    state.global_step = 8
+    state.stateful_callbacks["TrainerControl"]["args"]["should_save"] = False
+    files.write(tmp_path / "later.json", kept)
+    assert (tmp_path / "later.json").read_bytes() == (tmp_path / "at-save.json").read_bytes()
+
+
+def test_the_trainers_save_to_json_is_collected_only_for_the_block(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from transformers import TrainerState
+
+    state = TrainerState(global_step=3)
+    collector = collect.CollectingEngine(object(), tmp_path / "checkpoint-3", lambda *a, **k: None)
+    trainer = SimpleNamespace(state=state)
+    with collect.trainer_state_collected(trainer, collector):  # type: ignore[arg-type]
+        state.save_to_json(str(tmp_path / "checkpoint-3" / "trainer_state.json"))  # the save's: collected
+        (tmp_path / "elsewhere").mkdir()
+        state.save_to_json(str(tmp_path / "elsewhere" / "trainer_state.json"))  # not the save's: written now
+    assert [p.name for p, _ in collector.collected] == ["trainer_state.json"]
+    assert not (tmp_path / "checkpoint-3").exists() and (tmp_path / "elsewhere" / "trainer_state.json").is_file()
+    assert "save_to_json" not in vars(state)

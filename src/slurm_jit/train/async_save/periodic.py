@@ -188,7 +188,7 @@ def collecting(trainer: JitTrainer, kind: str, ckpt: Path) -> Iterator[Collectin
     engine.checkpoint_engine = collector
     try:
         with collect.safetensors_collected(collector), collect.state_dict_uncloned(trainer, collector), \
-                collect.deepspeed_lookup_once():
+                collect.trainer_state_collected(trainer, collector), collect.deepspeed_lookup_once():
             yield collector
     finally:
         engine.checkpoint_engine = original
@@ -204,8 +204,9 @@ def _stage(trainer: JitTrainer, saves: AsyncSaves, collector: CollectingEngine) 
     now = frozenset(t.untyped_storage()._cdata for t in (*module.parameters(), *module.buffers())) | frozenset(
         collector.splits)  # a split view that save_file got changed (a view of it): the module's memory all the same
     try:
-        return saves.stager.stage({collector.key(path): state for path, state in collector.collected}, defer=True,
-                                  copy_now=now, sources=collector.sources)
+        return saves.stager.stage({collector.key(path): state for path, state in collector.collected
+                                   if not isinstance(state, files.TrainerStateFile)},  # a snapshot already
+                                  defer=True, copy_now=now, sources=collector.sources)
     except HostMemoryError as exc:
         return exc
 
@@ -256,7 +257,8 @@ def submit(trainer: JitTrainer, collector: CollectingEngine | None, ckpt: Path, 
     on_save()
     phases.mark("callbacks")
     rank, world = int(trainer.args.process_index), int(trainer.args.world_size)
-    items = [(path, _later(staged, collector.key(path))) for path, _ in collector.collected]
+    items = [(path, state if isinstance(state, files.TrainerStateFile) else _later(staged, collector.key(path)))
+             for path, state in collector.collected]
     job = _InFlight(step, ckpt, fields["contents"], time.monotonic(), staged.nbytes)
     after = _after(trainer, job, rank, world, kind, fields, [str(p.relative_to(ckpt)) for p, _ in items])
     if saves.writer.submit(ckpt, items, wait_if_busy=False, after=after, release=staged.release,
