@@ -302,3 +302,34 @@ def test_the_snapshot_is_rebuilt_around_its_buffers_only_when_first_looked_at(mo
     for key, state in staged.states.items():
         assert _saved(state) == at_staging[key], key
     assert staged.states is staged.states  # rebuilt once
+
+
+def test_a_staged_save_does_not_hold_what_it_was_staged_from() -> None:
+    """Found by a review: the lazy rebuild's closure held every original storage (a tied weight's placeholder, as
+    large as the embedding, on the GPU) until the next save; it holds the pickled structures only."""
+    import gc
+
+    original = torch.arange(1000, dtype=torch.float32)
+    staged = HostStager(pin=False).stage({"a.pt": {"x": original}})
+    cdata = original.untyped_storage()._cdata
+    held = [obj for cell in staged.rebuild.__closure__ or () for obj in _reachable(cell.cell_contents)]
+    assert not [obj for obj in held if isinstance(obj, torch.UntypedStorage) and obj._cdata == cdata]
+    assert torch.equal(staged.states["a.pt"]["x"], original)
+    gc.collect()
+
+
+def _reachable(root: Any, depth: int = 6) -> list[Any]:
+    """Objects reachable from ``root`` through containers and instance attributes, ``depth`` levels down."""
+    out, level = [], [root]
+    for _ in range(depth):
+        nxt = []
+        for obj in level:
+            out.append(obj)
+            if isinstance(obj, dict):
+                nxt.extend(obj.values())
+            elif isinstance(obj, list | tuple | set):
+                nxt.extend(obj)
+            elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+                nxt.extend(vars(obj).values())
+        level = nxt
+    return out

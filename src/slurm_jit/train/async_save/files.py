@@ -19,9 +19,6 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file as _safetensors_save_file
-from transformers import TrainerState
-
-_save_to_json = TrainerState.save_to_json  # the class's function (a collection swaps it on one instance)
 
 _OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how safetensors' Rust I/O errors name their errno
 
@@ -45,14 +42,25 @@ class TrainerStateFile:
         """The state as it is now, cheaply: its log (a list that grows over the whole run, ~29 ms of json at 2500
         entries) copied entry by entry (each a flat dict of numbers and strings), every other field deep-copied."""
         snapshot = copy.copy(state)
+        vars(snapshot).pop("save_to_json", None)  # the collection's swap on the instance (it holds the collector)
         for field in dataclasses.fields(state):
             value = getattr(state, field.name)
             if field.name == "log_history" and isinstance(value, list):
-                value = [dict(entry) if isinstance(entry, dict) else copy.deepcopy(entry) for entry in value]
+                value = [_entry(entry) for entry in value]
             else:
                 value = copy.deepcopy(value)
             setattr(snapshot, field.name, value)
         return cls(snapshot)
+
+
+def _entry(entry: Any) -> Any:
+    """A log entry as it is now: a flat dict of numbers and strings copied as a dict, anything else deep-copied."""
+    if type(entry) is dict and all(value is None or type(value) in _ATOMS for value in entry.values()):
+        return dict(entry)
+    return copy.deepcopy(entry)
+
+
+_ATOMS = (int, float, str, bool)  # immutable: a log entry made of them is copied whole by dict()
 
 
 @dataclass
@@ -67,7 +75,7 @@ def write(path: Path, state: Any) -> None:
     if isinstance(state, Later):
         state = state.make()
     if isinstance(state, TrainerStateFile):
-        _save_to_json(state.state, str(path))  # the class's, as the Trainer's own call writes it
+        type(state.state).save_to_json(state.state, str(path))  # the class's, as the Trainer's own call writes it
         return
     if isinstance(state, SafetensorsFile):
         try:

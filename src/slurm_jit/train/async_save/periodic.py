@@ -6,11 +6,12 @@ Owns the async save in flight of one ``train()`` (:class:`AsyncSaves`, on ``Run.
 1. the sentinel (``save_path``, as every save), then upstream's save with DeepSpeed's checkpoint engine swapped for
    :class:`~.collect.CollectingEngine`: the model states and each rank's optimizer states are collected, not
    written, and so are the consolidated weights (rank 0's ``save_model``: ``safetensors``' ``save_file`` calls
-   collected, and accelerate's ``get_state_dict`` without its clone, which staging makes); the Trainer's small files
-   (RNG, trainer state, scheduler, config, ``latest``, ``zero_to_fp32.py``) are written as today;
+   collected, and accelerate's ``get_state_dict`` without its clone, which staging makes), and the trainer state
+   (``trainer_state.json``: a snapshot); the Trainer's other small files (RNG, scheduler, config, ``latest``,
+   ``zero_to_fp32.py``) are written as today;
 2. the collected states staged in host memory (:class:`~.staging.HostStager`) with their copies deferred (the
    module's weights and buffers, which a callback, a hook or a forward may change, copied at once), the ranks agree
-   that all staged (one gather and broadcast on the side group), the callbacks' ``on_save``, and the snapshot handed
+   that all staged (one all-reduce on the side group), the callbacks' ``on_save``, and the snapshot handed
    to the :class:`~.writer.BackgroundWriter`; training continues. DeepSpeed's next optimizer step (``engine.step``,
    what changes the optimizer's staged states) first waits for the copies (:class:`_StepGate`): they run in the
    writer's thread beside the next step's forward and backward, DCP's ``async_staging`` contract.

@@ -129,7 +129,7 @@ class StagedSave:
     rebuild: Callable[[], dict[str, Any]] = field(repr=False)
     nbytes: int  # bytes copied (the storages torch.save writes, each shared storage once)
     copy_s: float  # seconds the copies took (CUDA: until synchronized); a deferred copy: set by copy_pending
-    stage_s: float  # seconds stage() took in all (the pickling and rebuilding included)
+    stage_s: float  # seconds stage() took in all (the pickling included; the rebuild is the writer's)
     pending: list[tuple[torch.UntypedStorage, _Source]] = field(repr=False, default_factory=list)
     _copied: threading.Event = field(repr=False, default_factory=threading.Event)
     _released: threading.Event = field(repr=False, default_factory=threading.Event)
@@ -232,10 +232,13 @@ class HostStager:
             torch.cuda.synchronize()  # the non-blocking copies are done before training changes the originals
         copy_s = time.monotonic() - t_copy
         slots = {key: self._slots[key] for key in found}  # this snapshot's (the next stage makes new lists)
+        # the pickled structures and their atoms only: the originals' storages are not held past the copies
+        structures = {key: (f.pickled, f.atoms) for key, f in found.items()}
+        del found
 
         def rebuild() -> dict[str, Any]:
-            return {key: _StagedRebuilder(io.BytesIO(f.pickled), slots[key], f.atoms).load()
-                    for key, f in found.items()}
+            return {key: _StagedRebuilder(io.BytesIO(pickled), slots[key], atoms).load()
+                    for key, (pickled, atoms) in structures.items()}
 
         nbytes = sum(slot.nbytes() for slot, _ in pairs)
         self._current = StagedSave(rebuild, nbytes, copy_s, time.monotonic() - t0, pending=later)
