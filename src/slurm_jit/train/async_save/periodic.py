@@ -195,7 +195,7 @@ def collecting(trainer: JitTrainer, kind: str, ckpt: Path) -> Iterator[Collectin
         engine.checkpoint_engine = original
 
 
-def _stage(trainer: JitTrainer, saves: AsyncSaves, collector: CollectingEngine) -> StagedSave | HostMemoryError:
+def _stage(trainer: JitTrainer, saves: AsyncSaves, collector: CollectingEngine) -> StagedSave | Exception:
     """The collected states in host memory, keyed by their paths in the checkpoint (stable across steps: the buffers
     are reused), the copies deferred but for the module's weights and buffers: only DeepSpeed's optimizer step
     changes the optimizer's states (its fp32 master and moments), which the gate holds; a callback, a forward hook
@@ -210,13 +210,16 @@ def _stage(trainer: JitTrainer, saves: AsyncSaves, collector: CollectingEngine) 
                                   defer=True, copy_now=now, sources=collector.sources)
     except HostMemoryError as exc:
         return exc
+    except Exception as exc:  # noqa: BLE001 - any failure to stage is this rank's "no": the ranks then agree
+        logger.debug("slurm_jit: staging of %s failed", collector.ckpt, exc_info=True)
+        return exc  # (a raise here would leave the other ranks in the agreement until the side group's timeout)
 
 
 def _all_staged(trainer: JitTrainer, ok: bool) -> bool:
     return trainer._agreement.all_true(ok)
 
 
-def _fall_back(trainer: JitTrainer, saves: AsyncSaves, staged: StagedSave | HostMemoryError,
+def _fall_back(trainer: JitTrainer, saves: AsyncSaves, staged: StagedSave | Exception,
                collector: CollectingEngine) -> None:
     """Some rank could not stage: every rank writes this save synchronously (the placeholders filled first), and
     every later one."""
@@ -224,13 +227,17 @@ def _fall_back(trainer: JitTrainer, saves: AsyncSaves, staged: StagedSave | Host
 
     if isinstance(staged, HostMemoryError):
         logger.warning("%s", staged)
+    elif isinstance(staged, Exception):
+        first = (str(staged).strip().splitlines() or [""])[0][:200]
+        logger.warning("slurm_jit: the staging of %s in host memory failed on this rank: %s: %s (the traceback at "
+                       "DEBUG, logger %s)", collector.ckpt, type(staged).__name__, first, __name__)
     else:
         staged.release()
     saves.stager.free()
     saves.disabled = True
     if trainer._is_rank0:
-        logger.warning("slurm_jit: async periodic saves off for this run: a rank's host memory cannot hold its "
-                       "staging buffer; every checkpoint is saved synchronously")
+        logger.warning("slurm_jit: async periodic saves off for this run: a rank could not stage its save in host "
+                       "memory (its line above); every checkpoint is saved synchronously")
     for _, state in collector.collected:
         for tensor in state.tensors.values() if isinstance(state, files.SafetensorsFile) else ():
             source = collector.sources.get(tensor.untyped_storage()._cdata)
