@@ -12,11 +12,12 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 import xxhash
@@ -181,14 +182,18 @@ def _read_rank(paths: list[Path]) -> int:
 
 def read_trials(paths_by_rank: Sequence[Sequence[Path]], trials: int) -> list[float]:
     """Seconds of each of ``trials`` parallel reads (one thread per rank) of each rank's files."""
+    return _parallel_trials(_read_rank, [list(paths) for paths in paths_by_rank], trials, "read")
+
+
+def _parallel_trials(work: Callable[[Any], int], per_rank: list[Any], trials: int, what: str) -> list[float]:
+    """Seconds of each of ``trials`` runs of ``work`` on every rank's item at once, one thread per rank."""
     times: list[float] = []
-    lists = [list(paths) for paths in paths_by_rank]
-    with ThreadPoolExecutor(max_workers=len(lists), thread_name_prefix="bench-floor") as pool:
+    with ThreadPoolExecutor(max_workers=len(per_rank), thread_name_prefix="bench-floor") as pool:
         for _ in range(trials):
             start_s = time.monotonic()
-            read = sum(pool.map(_read_rank, lists))
+            done = sum(pool.map(work, per_rank))
             times.append(time.monotonic() - start_s)
-            logger.info("bench: floor read of %d bytes by %d readers: %.3f s", read, len(lists), times[-1])
+            logger.info("bench: floor %s of %d bytes by %d threads: %.3f s", what, done, len(per_rank), times[-1])
     return times
 
 
@@ -206,12 +211,4 @@ def hash_trials(sizes_by_rank: Sequence[Sequence[int]], trials: int) -> list[flo
     for the manifest) of each rank's bytes, from memory: no file, no copy. A checkpoint whose every byte carries a
     checksum costs at least this beside its write; the save rows report it, to show what of the time above the write
     floor the checksum alone takes on this CPU."""
-    sources = [_source(sum(sizes)) for sizes in sizes_by_rank]
-    times: list[float] = []
-    with ThreadPoolExecutor(max_workers=len(sources), thread_name_prefix="bench-floor") as pool:
-        for _ in range(trials):
-            start_s = time.monotonic()
-            hashed = sum(pool.map(_hash_rank, sources))
-            times.append(time.monotonic() - start_s)
-            logger.info("bench: floor checksum of %d bytes by %d hashers: %.3f s", hashed, len(sources), times[-1])
-    return times
+    return _parallel_trials(_hash_rank, [_source(sum(sizes)) for sizes in sizes_by_rank], trials, "checksum")
