@@ -333,8 +333,9 @@ def _copy_pairs(pairs: list[tuple[torch.UntypedStorage, _Source]], pool: ThreadP
     host = [(t, s) for t, s in views if t.device.type == "cpu" and s.device.type == "cpu" and s.is_contiguous()]
     if pool is None or sum(t.nbytes for t, _ in host) < PARALLEL_MIN_BYTES:
         host = []
+    pooled = {id(t) for t, _ in host}
     for target, source in views:
-        if not any(target is t for t, _ in host):
+        if id(target) not in pooled:
             target.copy_(source, non_blocking=source.device.type != "cpu")
     if pool is None or not host:
         return
