@@ -41,9 +41,12 @@ def drain(two_node_jobs: list[str]) -> Iterator[None]:
 
 
 def _stepped(out: Path) -> bool:
-    path = out / "slurm-jit" / "timing-rank0.jsonl"
+    """demo_train's loss log, written at every step (the timing log is flushed every 20 steps: a run whose first
+    flush came at step 3 showed step 4 only at step 23, the signal came 5 steps before the end, and the trainer
+    rightly finished instead of stopping)."""
+    path = out / "losses-rank0.jsonl"
     lines = path.read_text(errors="replace").splitlines() if path.exists() else []
-    steps = [json.loads(line).get("step", -1) for line in lines if '"event": "step"' in line]
+    steps = [json.loads(line)["step"] for line in lines if line.endswith("}")]
     return max(steps, default=-1) >= STOP_AT_STEP
 
 
