@@ -64,10 +64,13 @@ def killed_then_term(tmp_path_factory: pytest.TempPathFactory) -> LostRun:
 
 @pytest.fixture(scope="module")
 def killed_in_jit_save(tmp_path_factory: pytest.TempPathFactory) -> LostRun:
-    """SIGTERM to both ranks; once the JIT save's directory exists (its sentinel), rank 1 is SIGKILLed in it."""
+    """SIGTERM to both ranks; once the JIT save's directory exists (its sentinel), rank 1 is SIGKILLed in it.
+
+    Steps of 2 s: the stop lands on step 4 or 5, never on the periodic save of step 6 (with fast steps, a loaded
+    host let steps 5 and 6 pass before the signal: the JIT stop then found checkpoint-6 saved, began no save)."""
     out = tmp_path_factory.mktemp("lost-save") / "out"
-    ranks = jit_helpers.start_ranks(out, ["--max-steps", "400", "--save-steps", "3", "--kill-wait", "0"],
-                                    env={FAULT_SAVE_SLEEP_ENV: str(SAVE_SLEEP_S)})
+    ranks = jit_helpers.start_ranks(out, ["--max-steps", "400", "--save-steps", "3", "--kill-wait", "0",
+                                          "--step-sleep", "2"], env={FAULT_SAVE_SLEEP_ENV: str(SAVE_SLEEP_S)})
     jit_helpers.wait_for_steps(ranks, out, 4)  # checkpoint-3 is complete
     before = {p.name for p in out.glob("checkpoint-*")}
     ranks.signal(0)
