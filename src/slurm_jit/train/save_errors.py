@@ -16,10 +16,9 @@ import contextlib
 import errno
 import os
 import re
+import sys
 from collections.abc import Iterator
 from pathlib import Path
-
-import torch.distributed as dist
 
 from slurm_jit.checkpoint import protocol
 
@@ -137,7 +136,8 @@ def peer_gone_line(ckpt_dir: Path, exc: BaseException) -> str | None:
     """The line for a save that a collective failed because another rank ended (its own write refused on its own
     node, which that rank says in its own line) or stopped answering; None for any other failure."""
     first_line = gloo_words((str(exc).strip().splitlines() or [""])[0])[:200]
-    distributed_error = getattr(dist, "DistError", None)
+    dist = sys.modules.get("torch.distributed")  # its errors exist only where it is loaded: the launcher's
+    distributed_error = getattr(dist, "DistError", None)  # processes (after_step, the runner) never import torch
     if not ((distributed_error is not None and isinstance(exc, distributed_error))
             or (isinstance(exc, RuntimeError) and any(w in first_line for w in PEER_GONE_WORDS))):
         return None
