@@ -233,3 +233,48 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> str:
         return json.dumps({"failures": asdict(failures), "unwarned_per_h": failures.unwarned_per_s * gp.HOUR_S,
                            "systems": table, "sources": dict(sources)}, indent=2)
     return render_text(table, failures, sources)
+
+
+def save_steps_note(output_dir: str, gpus: int, gpus_counted: str, time_limit_s: float) -> str | None:
+    """The launcher's plan: the ``save_steps`` Young's interval advises for a JitTrainer job of ``gpus`` GPUs (Llama
+    3's failure rate per GPU), from the output directory's timing log (its step and periodic save times, the async
+    snapshot's blocked time where it saves in the background); None where the log has no step or no save, or mixes
+    world sizes. Young's interval depends on the blocked save and the failure rate only: no restart cost needed."""
+    try:
+        records = select_world_size(timing.read_records(output_dir), None)
+    except (timing.TimingLogError, GraceError):
+        return None
+    got, _ = log_costs(records)
+    if "step" not in got or ("save" not in got and "staging" not in got) or got["step"] <= 0:
+        return None
+    save_s = got.get("save", got.get("staging", 0.0))
+    costs = gp.system_costs(step_s=got["step"], save_s=save_s, restart_s=0.0, time_limit_s=time_limit_s, save_steps=1,
+                            async_blocked_s=got.get("staging"), async_save_s=got.get("async_save"))
+    failures = gp.Failures(gpus=max(1, gpus))
+    advised = gp.advised_save_steps(costs[gp.JIT_TRAINER.key], gp.JIT_TRAINER, failures)
+    if advised is None:
+        return None
+    c = costs[gp.JIT_TRAINER.key]
+    blocked = (f"an async snapshot blocks training {c.save_blocked_s:.3g} s (complete after {c.save_s:.3g} s)"
+               if "staging" in got else f"a periodic save blocks training {c.save_blocked_s:.3g} s")
+    every_h = 1 / failures.unwarned_per_s / gp.HOUR_S
+    every = f"{every_h:,.0f}" if every_h >= 100 else f"{every_h:.3g}"
+    seen = _periodic_interval(records)
+    now = f"; the log's run saved every {seen} steps" if seen else ""
+    return (f"save_steps {advised} is Young's interval for {gpus:,} {gpus_counted} (one unwarned failure every "
+            f"{every} h at Llama 3's rate per GPU): the timing log's steps take {c.step_s:.3g} s and {blocked}"
+            f"{now}. HINT: grace-calc goodput --from {output_dir} --gpus {gpus} --time-limit {time_limit_s:.0f} "
+            "--restart R (a requeue's cost here) for your cluster's failure rates and each choice's goodput")
+
+
+def _periodic_interval(records: list[dict[str, Any]]) -> int | None:
+    """The interval between the newest run's periodic saves (synchronous or async), when it saved at least twice at
+    one interval; else None."""
+    saves = [r for r in records if r.get("event") in ("save", "save_blocked") and r.get("kind") == "periodic"
+             and isinstance(r.get("step"), int)]
+    if not saves:
+        return None
+    newest = saves[-1].get("run_id")
+    steps = sorted({r["step"] for r in saves if r.get("run_id") == newest})
+    gaps = {b - a for a, b in zip(steps, steps[1:], strict=False)}
+    return gaps.pop() if len(gaps) == 1 else None

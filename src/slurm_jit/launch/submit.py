@@ -29,6 +29,7 @@ import tomllib
 from slurm_jit import slurm
 from slurm_jit.checkpoint import elastic_plan
 from slurm_jit.grace import cli as grace_cli
+from slurm_jit.grace import goodput_cli
 from slurm_jit.grace.calc import GraceError, GraceResult
 from slurm_jit.grace.sbatch_script import ScriptError
 from slurm_jit.launch import entry, gate, node_range, ops, output_claim, policy, sbatch_options, submitit_hooks, task
@@ -380,6 +381,9 @@ def plan_lines(launch: Launch, checked: gate.GateResult) -> list[str]:
     ranks = f"{sizes[0]}-{sizes[-1]}" if nodes.elastic else str(launch.world_size)
     elastic_nodes = node_range.plan_line(nodes, per_node)
     staging = grace_cli.staging_note(launch.output_dir, per_node)
+    saves = goodput_cli.save_steps_note(launch.output_dir, *_gpus(ex.parameters.get("gpus_per_node"),
+                                                                  nodes.max_nodes, sizes[-1]),
+                                        time_limit_s=sbatch_options.time_limit_s(launch.time))
     return [
         f"plan: {nodes.sbatch_value()} node(s) x {per_node} task(s) = {ranks} ranks, one srun task each; "
         f"--time={launch.time}",
@@ -389,6 +393,7 @@ def plan_lines(launch: Launch, checked: gate.GateResult) -> list[str]:
         f"  ops:      {ops.plan_line(ops.job_env(), gpus=bool(ex.parameters.get('gpus_per_node')))}",
         f"  grace:    {terms} = {result.needed_s:g} s",
         *([f"  staging:  {staging}"] if staging else []),
+        *([f"  saves:    {saves}"] if saves else []),
         f"  signal:   #SBATCH --signal=TERM@{result.lead_s} (no B:, so it reaches the ranks); "
         f"export SLURM_JIT_SIGNAL_LEAD_S={result.lead_s}",
         f"  requeue:  {requeue}",
@@ -397,6 +402,13 @@ def plan_lines(launch: Launch, checked: gate.GateResult) -> list[str]:
         f"  resume:   {checked.message.removeprefix('ckpt-check gate: ')}",
         *([f"  elastic:  {_elastic_line(launch, checked)}"] if checked.elastic is not None else []),
     ]
+
+
+def _gpus(gpus_per_node: object, max_nodes: int, max_ranks: int) -> tuple[int, str]:
+    """The job's GPUs at its largest (sbatch's ``[type:]count[,...]`` per node x nodes), or its ranks where it asks
+    for none (counted as GPUs by the failure model)."""
+    per_node = sum(int(part.rpartition(":")[2]) for part in str(gpus_per_node or "0").split(",") if part)
+    return (per_node * max_nodes, "GPUs") if per_node else (max_ranks, "ranks (counted as GPUs)")
 
 
 def _elastic_line(launch: Launch, checked: gate.GateResult) -> str:
