@@ -65,3 +65,15 @@ def test_without_gpus_the_ranks_are_counted_and_an_async_snapshot_s_block_is_use
 
 def test_no_saves_line_without_a_timing_log(tmp_path: Path) -> None:
     assert "saves:" not in _plan(tmp_path / "fresh")
+
+
+def test_a_log_the_model_refuses_gives_no_line_and_the_plan_goes_on(tmp_path: Path) -> None:
+    """A save longer than the job's time limit (a log from another setup): no advice, no traceback."""
+    out = tmp_path / "out"
+    log = timing.TimingLog(out, rank=0, world_size=1, run_id="r1")
+    for step in range(1, 5):
+        log.step(step, STEP_S)
+    log.save(4, "periodic", 1e9, 1000)
+    log.close()
+    plan = _plan(out)
+    assert "saves:" not in plan and "Traceback" not in plan, plan

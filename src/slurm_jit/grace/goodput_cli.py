@@ -248,10 +248,13 @@ def save_steps_note(output_dir: str, gpus: int, gpus_counted: str, time_limit_s:
     if "step" not in got or ("save" not in got and "staging" not in got) or got["step"] <= 0:
         return None
     save_s = got.get("save", got.get("staging", 0.0))
-    costs = gp.system_costs(step_s=got["step"], save_s=save_s, restart_s=0.0, time_limit_s=time_limit_s, save_steps=1,
-                            async_blocked_s=got.get("staging"), async_save_s=got.get("async_save"))
-    failures = gp.Failures(gpus=max(1, gpus))
-    advised = gp.advised_save_steps(costs[gp.JIT_TRAINER.key], gp.JIT_TRAINER, failures)
+    try:  # a log's figures the model refuses (a save longer than the job): no advice, the plan goes on
+        costs = gp.system_costs(step_s=got["step"], save_s=save_s, restart_s=0.0, time_limit_s=time_limit_s,
+                                save_steps=1, async_blocked_s=got.get("staging"), async_save_s=got.get("async_save"))
+        failures = gp.Failures(gpus=max(1, gpus))
+        advised = gp.advised_save_steps(costs[gp.JIT_TRAINER.key], gp.JIT_TRAINER, failures)
+    except GraceError:
+        return None
     if advised is None:
         return None
     c = costs[gp.JIT_TRAINER.key]

@@ -408,7 +408,9 @@ def _gpus(gpus_per_node: object, max_nodes: int, max_ranks: int) -> tuple[int, s
     """The job's GPUs at its largest (sbatch's ``[type:]count[,...]`` per node x nodes), or its ranks where it asks
     for none (counted as GPUs by the failure model)."""
     per_node = sum(int(part.rpartition(":")[2]) for part in str(gpus_per_node or "0").split(",") if part)
-    return (per_node * max_nodes, "GPUs") if per_node else (max_ranks, "ranks (counted as GPUs)")
+    if per_node:
+        return per_node * max_nodes, "GPUs" if per_node * max_nodes > 1 else "GPU"
+    return max_ranks, "ranks (counted as GPUs)" if max_ranks > 1 else "rank (counted as a GPU)"
 
 
 def _elastic_line(launch: Launch, checked: gate.GateResult) -> str:
