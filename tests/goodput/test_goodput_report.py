@@ -177,6 +177,27 @@ def test_at_scale_each_system_gets_a_goodput_and_its_advised_interval() -> None:
             assert 0 < goodput <= 1 and advised is not None and advised >= 1
 
 
+def test_the_paced_goodput_puts_the_reference_at_the_chains_start_up_end_and_step_pace() -> None:
+    """A reference on a busier host: start-up 10 s (the chain's 6), end 42 s (44), steps of 1.1 s (the chain's 1.0):
+    its allocation (10 + 79 x 1.1 + 1.1 + 42 = 140 s) flatters the chain's goodput (140 / 165); at the chain's own
+    pace it is 140 - 4 + 2 - 79 x 0.1 = 130.1 s, the goodput 130.1 / 165."""
+    chain, events = kill_preempt_finish()
+    ref_run = Run(job="1", restart=0, start=0.0, end=140.0, state="COMPLETED")
+    ref_events = _run_events("1", 0, t0=1.0, imports=4.0, begin=9.0, first=(0, 10.0))
+    ref_events += [{"event": "step", "rank": 0, "job": "1", "restart": 0, "step": s, "t": 10.0 + s * 1.1}
+                   for s in range(1, 81)]
+    ref = report.run_facts(ref_run, ref_events)
+    assert ref.startup_s == pytest.approx(10.0) and ref.end_s == pytest.approx(140.0 - 98.0)
+    r = report.analyse(chain, events, uninterrupted_s=140.0, work_steps=80, limit_s=180.0, lead_s=30.0,
+                       weights_equal=True, reference=ref)
+    assert r.step_pace_s == pytest.approx((1.0, 1.1))
+    assert r.goodput == pytest.approx(140.0 / 165.0)
+    assert r.paced_goodput == pytest.approx((140.0 - 4.0 + 2.0 - 79 * 0.1) / 165.0)
+    assert "| **84.8 %** | 78.8 % |" in render.summary_table([r], {})
+    assert analysed().paced_goodput is None  # no reference: not known
+    assert "| **78.8 %** | - |" in render.summary_table([analysed()], {})
+
+
 def test_the_tables_and_the_picture() -> None:
     chain, events = kill_preempt_finish()
     r = analysed()

@@ -39,6 +39,7 @@ def test_tools_goodput_quick_measures_a_finished_chain(tmp_path: Path) -> None:
     c = results["systems"]["c"]
     assert c["finished"] and c["steps_done"] == make_schedule(1, quick=True).work_steps, c["outcome"]
     assert 0 < c["goodput"] <= 1 and 0 < c["predicted_goodput"] <= 1
+    assert c["paced_goodput"] is not None and 0 < c["paced_goodput"] <= 1  # the reference at the chain's own pace
     assert c["weights_equal"] is True  # bitwise: the same sha256 of every parameter as the uninterrupted run
     kinds = [e["kind"] for e in c["ends"]]
     assert kinds.count("kill") == 1 and kinds.count("hang") == 1 and kinds.count("preempt") == 1, kinds

@@ -168,7 +168,7 @@ def _json(schedule: Schedule, results: dict[str, dict[str, Any]]) -> dict[str, A
         rep, pred = r["report"], r["prediction"]
         out["systems"][key] = {
             **{k: v for k, v in asdict(rep).items() if k != "ends"}, "goodput": rep.goodput, "loss_s": rep.loss_s,
-            "split_s": rep.split_s, "matched_loss_s": rep.matched_loss_s,
+            "split_s": rep.split_s, "matched_loss_s": rep.matched_loss_s, "paced_goodput": rep.paced_goodput,
             "ends": [{**asdict(e), "restart_s": e.restart_s, "total_s": e.total_s} for e in rep.ends],
             "predicted_goodput": pred.predicted, "costs": asdict(pred.costs),
             "preempt": r["chain"].preempt, "at_scale": [[m, g, v[0], v[1]] for (m, g), v in r["scale"].items()]}

@@ -23,12 +23,14 @@ def _weights(equal: bool | None, key: str) -> str:
 
 
 def summary_table(reports: Sequence[SystemReport], predictions: dict[str, Prediction]) -> str:
-    rows = ["| system | goodput | calculator | allocated s | uninterrupted s | queued s | jobs / runs | steps "
-            "computed (redone) | final weights | outcome |", "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| system | goodput | at the chain's pace | calculator | allocated s | uninterrupted s | queued s | "
+            "jobs / runs | steps computed (redone) | final weights | outcome |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in reports:
         p = predictions.get(r.key)
         calc = f"{_pct(p.predicted)} ({100 * p.error:.0f} % off)" if p else "-"
-        rows.append(f"| {SYSTEMS[r.key].label} | **{_pct(r.goodput)}** | {calc} | {r.allocation_s:.0f} | "
+        paced = "-" if r.paced_goodput is None else _pct(r.paced_goodput)
+        rows.append(f"| {SYSTEMS[r.key].label} | **{_pct(r.goodput)}** | {paced} | {calc} | {r.allocation_s:.0f} | "
                     f"{r.uninterrupted_s:.0f} | {r.queue_s:.0f} | {r.jobs} / {r.runs} | {r.steps_computed} "
                     f"({r.steps_redone}) | {_weights(r.weights_equal, r.key)} | {r.outcome} |")
     return "\n".join(rows)

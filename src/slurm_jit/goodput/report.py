@@ -113,12 +113,27 @@ class SystemReport:
     # (chain's, reference's) first run's start-up and last run's end, where both are known (see matched_loss_s)
     startup_s: tuple[float, float] | None = None
     end_s: tuple[float, float] | None = None
+    step_pace_s: tuple[float, float] | None = None  # (chain's, reference's) median step (see paced_goodput)
 
     @property
     def goodput(self) -> float:
         """Uninterrupted allocation over the chain's; a chain that did not finish counts its share of the work."""
         share = 1.0 if self.finished else min(1.0, self.steps_done / max(1, self.work_steps))
         return min(1.0, self.uninterrupted_s * share / self.allocation_s) if self.allocation_s > 0 else 0.0
+
+    @property
+    def paced_goodput(self) -> float | None:
+        """The goodput with the uninterrupted run put at the chain's own pace: its start-up and end swapped for the
+        chain's (as :attr:`matched_loss_s`) and each of its steps after the first at the chain's median step; None
+        where a pair is unknown. A reference that ran on a busier (or calmer) host than its chain moves
+        :attr:`goodput`, not this: the two side by side show how much of a goodput is the host."""
+        if self.startup_s is None or self.end_s is None or self.step_pace_s is None or self.allocation_s <= 0:
+            return None
+        (start, ref_start), (end, ref_end), (step, ref_step) = self.startup_s, self.end_s, self.step_pace_s
+        paced = self.uninterrupted_s + (start - ref_start) + (end - ref_end) + max(0, self.work_steps - 1) * (
+            step - ref_step)
+        share = 1.0 if self.finished else min(1.0, self.steps_done / max(1, self.work_steps))
+        return max(0.0, min(1.0, paced * share / self.allocation_s))
 
     @property
     def loss_s(self) -> float:
@@ -230,7 +245,8 @@ def analyse(chain: Chain, events: Sequence[dict[str, Any]], *, uninterrupted_s: 
         steps_computed=sum(len(r.steps) for r in runs), steps_redone=sum(e.redone_steps for e in ends),
         step_s=step_s, ends=ends, weights_equal=weights_equal, work_steps=work_steps,
         startup_s=_pair(runs[0].startup_s if runs else None, reference.startup_s if reference else None),
-        end_s=_pair(runs[-1].end_s if runs and chain.finished else None, reference.end_s if reference else None))
+        end_s=_pair(runs[-1].end_s if runs and chain.finished else None, reference.end_s if reference else None),
+        step_pace_s=_pair(step_s or None, (median_step_s([reference]) or None) if reference else None))
 
 
 def _pair(mine: float | None, ref: float | None) -> tuple[float, float] | None:
