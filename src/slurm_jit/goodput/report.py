@@ -113,7 +113,7 @@ class SystemReport:
     # (chain's, reference's) first run's start-up and last run's end, where both are known (see matched_loss_s)
     startup_s: tuple[float, float] | None = None
     end_s: tuple[float, float] | None = None
-    step_pace_s: tuple[float, float] | None = None  # (chain's, reference's) median step (see paced_goodput)
+    step_pace_s: tuple[float, float] | None = None  # (chain's, reference's) mean step gap (see paced_goodput)
 
     @property
     def goodput(self) -> float:
@@ -124,7 +124,7 @@ class SystemReport:
     @property
     def paced_goodput(self) -> float | None:
         """The goodput with the uninterrupted run put at the chain's own pace: its start-up and end swapped for the
-        chain's (as :attr:`matched_loss_s`) and each of its steps after the first at the chain's median step; None
+        chain's (as :attr:`matched_loss_s`) and each of its steps after the first at the chain's mean step gap; None
         where a pair is unknown. A reference that ran on a busier (or calmer) host than its chain moves
         :attr:`goodput`, not this: the two side by side show how much of a goodput is the host."""
         if self.startup_s is None or self.end_s is None or self.step_pace_s is None or self.allocation_s <= 0:
@@ -171,9 +171,19 @@ def run_facts(run: Run, events: Iterable[dict[str, Any]]) -> RunFacts:
     return RunFacts(run=run, milestones=milestones, resumed_at=resumed_at, steps=steps, faults=faults)
 
 
+def _step_gaps(runs: Sequence[RunFacts]) -> list[float]:
+    return [b[1] - a[1] for r in runs for a, b in pairwise(r.steps) if b[0] == a[0] + 1]
+
+
 def median_step_s(runs: Sequence[RunFacts]) -> float:
-    gaps = [b[1] - a[1] for r in runs for a, b in pairwise(r.steps) if b[0] == a[0] + 1]
+    gaps = _step_gaps(runs)
     return statistics.median(gaps) if gaps else 0.0
+
+
+def mean_step_s(runs: Sequence[RunFacts]) -> float:
+    """The pace: a step's mean gap, the saves' blocked time included (a busy host slows them too)."""
+    gaps = _step_gaps(runs)
+    return statistics.fmean(gaps) if gaps else 0.0
 
 
 def end_kind(facts: RunFacts, chain: Chain, limit_s: float, lead_s: float) -> str:
@@ -246,7 +256,7 @@ def analyse(chain: Chain, events: Sequence[dict[str, Any]], *, uninterrupted_s: 
         step_s=step_s, ends=ends, weights_equal=weights_equal, work_steps=work_steps,
         startup_s=_pair(runs[0].startup_s if runs else None, reference.startup_s if reference else None),
         end_s=_pair(runs[-1].end_s if runs and chain.finished else None, reference.end_s if reference else None),
-        step_pace_s=_pair(step_s or None, (median_step_s([reference]) or None) if reference else None))
+        step_pace_s=_pair(mean_step_s(runs) or None, (mean_step_s([reference]) or None) if reference else None))
 
 
 def _pair(mine: float | None, ref: float | None) -> tuple[float, float] | None:
