@@ -1,6 +1,8 @@
-"""The launcher's plan advises a ``save_steps`` from the output directory's timing log (issue #36 item 4): Young's
-interval sqrt(2 x blocked save x MTBF) at the job's GPUs (its ranks where it asks for none) and Llama 3's failure
-rate per GPU, in steps; no line without a timing log."""
+"""The launcher's plan advises a ``save_steps`` from the timing log (issue #36 item 4): Young's interval
+sqrt(2 x blocked save x MTBF) at the job's GPUs (its ranks where it asks for none) and Llama 3's failure rate per
+GPU, in steps; the log's step at the job's world size (else its newest run's, said so); --step-time, --save-time and
+--from as the grace calculator takes them; no line (and never a traceback, never a refused submission) where no
+advice can be given."""
 
 from __future__ import annotations
 
@@ -14,66 +16,113 @@ from slurm_jit.grace import goodput as gp
 
 ROOT = Path(__file__).resolve().parents[2]
 STEP_S, SAVE_S, EVERY = 1.0, 20.0, 10
+BIG_JOB = ("--nodes", "128", "--ntasks-per-node", "8", "--gpus-per-node", "a100:8")  # 1,024 GPUs and ranks
 
 
-def _log(out: Path, *, async_blocked_s: float | None = None) -> None:
-    for rank in (0, 1):  # a run of 2 ranks: steps of 1 s, a periodic save every 10 steps
-        log = timing.TimingLog(out, rank=rank, world_size=2, run_id="r1")
+def _log(out: Path, *, world_size: int = 1024, step_s: float = STEP_S, save_s: float = SAVE_S,
+         async_blocked_s: float | None = None, background_s: float = 1.0, run_id: str = "r1") -> None:
+    """Ranks 0 and 1 of a run of ``world_size``: 30 steps, a periodic save every 10."""
+    for rank in (0, 1):
+        log = timing.TimingLog(out, rank=rank, world_size=world_size, run_id=run_id)
         for step in range(1, 31):
-            log.step(step, STEP_S)
+            log.step(step, step_s)
             if step % EVERY == 0 and async_blocked_s is None:
-                log.save(step, "periodic", SAVE_S, 1000)
+                log.save(step, "periodic", save_s, 1000)
             elif step % EVERY == 0:
                 log.save_blocked(step, "periodic", async_blocked_s, 1000, {"stage": async_blocked_s})
-                log.save_background(step, "periodic", 1.0, 1000, {"write_s": 1.0, "staged_bytes": 1000})
+                log.save_background(step, "periodic", background_s, 1000, {"write_s": background_s,
+                                                                            "staged_bytes": 1000})
         log.close()
 
 
-def _plan(out: Path, *extra: str) -> str:
+def _plan(out: Path, *extra: str, time: str = "24:00:00") -> str:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "launch" / "submit.py"), "--dry-run", "--output-dir", str(out), "--python",
-         sys.executable, "--time", "24:00:00", "--signal-lead", "300", *extra, "--", "python", "train.py"],
+         sys.executable, "--time", time, "--signal-lead", "300", *extra, "--", "python", "train.py"],
         capture_output=True, text=True, check=False, timeout=60)
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     return proc.stderr
 
 
-def _young_steps(blocked_s: float, gpus: int) -> int:
+def _saves(plan: str) -> str:
+    lines = [line for line in plan.splitlines() if line.startswith("  saves:    ")]
+    assert len(lines) == 1, plan
+    return lines[0]
+
+
+def _young_steps(blocked_s: float, gpus: int, step_s: float = STEP_S) -> int:
     mtbf_s = gp.LLAMA3_MTBF_GPU_H * 3600 / gpus
-    return round(math.sqrt(2 * blocked_s * mtbf_s) / STEP_S)
+    return round(math.sqrt(2 * blocked_s * mtbf_s) / step_s)
 
 
 def test_the_plan_advises_young_s_save_steps_for_the_job_s_gpus(tmp_path: Path) -> None:
     out = tmp_path / "out"
     _log(out)
-    plan = _plan(out, "--nodes", "128", "--ntasks-per-node", "8", "--gpus-per-node", "a100:8")
-    expected = _young_steps(SAVE_S, 1024)  # ~2669 steps: sqrt(2 x 20 s x 49.5 h)
-    assert (f"  saves:    save_steps {expected} is Young's interval for 1,024 GPUs (one unwarned failure every "
-            "49.5 h at Llama 3's rate per GPU): the timing log's steps take 1 s and a periodic save blocks training "
-            f"20 s; the log's run saved every {EVERY} steps. HINT: grace-calc goodput --from {out} --gpus 1024 "
-            "--time-limit 86400 --restart R") in plan, plan
+    expected = _young_steps(SAVE_S, 1024)  # 2670 steps: sqrt(2 x 20 s x 49.5 h)
+    assert _saves(_plan(out, *BIG_JOB)) == (
+        f"  saves:    save_steps {expected} is Young's interval for 1,024 GPUs (one unwarned failure every 49.5 h at "
+        "Llama 3's rate per GPU): the timing log's steps take 1 s and a periodic save blocks training 20 s; the "
+        f"log's run saved every {EVERY} steps. HINT: grace-calc goodput --from {out} --gpus 1024 --time-limit 86400 "
+        "--restart R (a requeue's cost here) for your cluster's failure rates and each choice's goodput")
+
+
+def test_the_job_s_world_size_is_picked_from_a_log_of_several_and_another_is_said(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    _log(out, world_size=1024, step_s=0.5, run_id="r1")
+    _log(out, world_size=512, step_s=1.0, run_id="r2")  # the newest run: half the ranks, twice the step
+    assert f"save_steps {_young_steps(SAVE_S, 1024, 0.5)} is Young's" in _saves(_plan(out, *BIG_JOB))
+    line = _saves(_plan(out, "--nodes", "256", "--ntasks-per-node", "8", "--gpus-per-node", "8"))  # 2048: none
+    assert (f"save_steps {_young_steps(SAVE_S, 2048, 1.0)} is Young's interval for 2,048 GPUs" in line
+            and "the timing log's steps at world size 512 (not this job's 2048: a step's time changes with it; "
+            "--step-time to give this job's) take 1 s" in line), line
+
+
+def test_given_step_and_save_times_and_from_are_the_grace_calculator_s(tmp_path: Path) -> None:
+    out, other = tmp_path / "out", tmp_path / "other"
+    _log(out)
+    _log(other, step_s=5.0, save_s=200.0)
+    line = _saves(_plan(out, *BIG_JOB, "--step-time", "2", "--save-time", "50"))
+    assert (f"save_steps {_young_steps(50.0, 1024, 2.0)} is Young's" in line and "steps take 2 s (--step-time) and "
+            "a save blocks training 50 s (--save-time)" in line and "--step-time 2 --save-time 50" in line), line
+    line = _saves(_plan(tmp_path / "fresh", *BIG_JOB, "--from", str(other)))
+    assert f"save_steps {_young_steps(200.0, 1024, 5.0)} is Young's" in line and f"--from {other} " in line, line
 
 
 def test_without_gpus_the_ranks_are_counted_and_an_async_snapshot_s_block_is_used(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    _log(out, async_blocked_s=0.5)
-    plan = _plan(out, "--nodes", "2", "--ntasks-per-node", "4")
-    expected = _young_steps(0.5, 8)
-    assert f"  saves:    save_steps {expected} is Young's interval for 8 ranks (counted as GPUs) " in plan, plan
-    assert "an async snapshot blocks training 0.5 s (complete after 1.5 s)" in plan, plan
+    _log(out, world_size=8, async_blocked_s=0.5)
+    line = _saves(_plan(out, "--nodes", "2", "--ntasks-per-node", "4"))
+    assert f"save_steps {_young_steps(0.5, 8)} is Young's interval for 8 ranks (counted as GPUs) " in line, line
+    assert "an async snapshot blocks training 0.5 s (complete after 1.5 s)" in line, line
+    assert "--save-time S (a synchronous save's seconds: the log has none)" in line, line  # grace-calc needs one
 
 
-def test_no_saves_line_without_a_timing_log(tmp_path: Path) -> None:
-    assert "saves:" not in _plan(tmp_path / "fresh")
-
-
-def test_a_log_the_model_refuses_gives_no_line_and_the_plan_goes_on(tmp_path: Path) -> None:
-    """A save longer than the job's time limit (a log from another setup): no advice, no traceback."""
+def test_the_background_write_as_the_floor_and_an_interval_past_the_time_limit_are_said(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    log = timing.TimingLog(out, rank=0, world_size=1, run_id="r1")
-    for step in range(1, 5):
-        log.step(step, STEP_S)
-    log.save(4, "periodic", 1e9, 1000)
-    log.close()
-    plan = _plan(out)
-    assert "saves:" not in plan and "Traceback" not in plan, plan
+    _log(out, async_blocked_s=0.01, background_s=600.0)  # Young: sqrt(2 x 0.01 s x 49.5 h) = 59.7 s < 600 s
+    line = _saves(_plan(out, *BIG_JOB))
+    assert "save_steps 600 is the background write's 600 s (Young's interval, 59.7 s, is shorter: a save waits " \
+           "for the one before it) for 1,024 GPUs" in line, line
+    _log(tmp_path / "small", world_size=2)  # 2 ranks: Young's interval is days, the job 90 minutes
+    line = _saves(_plan(tmp_path / "small", "--nodes", "1", "--ntasks-per-node", "2", time="90"))
+    assert "that is longer than the job's --time: the JIT stop at each allocation's end saves anyway" in line, line
+
+
+def test_a_path_the_shell_would_split_is_quoted_in_the_hint(tmp_path: Path) -> None:
+    out = tmp_path / "my out;x"
+    _log(out)
+    assert f"--from '{out}' --gpus" in _saves(_plan(out, *BIG_JOB))
+
+
+def test_no_line_where_no_advice_can_be_given(tmp_path: Path) -> None:
+    assert "saves:" not in _plan(tmp_path / "fresh")  # no timing log
+    _log(tmp_path / "zero", save_s=0.0)  # a save of 0 s: nothing to trade against
+    assert "saves:" not in _plan(tmp_path / "zero", *BIG_JOB)
+    _log(tmp_path / "tiny", step_s=1e-310)  # Young's interval over this step overflows
+    assert "saves:" not in _plan(tmp_path / "tiny", *BIG_JOB)
+    _log(tmp_path / "long", world_size=1, save_s=1e9)  # a save longer than the job: the model refuses it
+    assert "saves:" not in _plan(tmp_path / "long")
+    _log(tmp_path / "fine")
+    huge = "a100:" + "9" * 400  # sbatch's syntax, past any cluster: sbatch refuses it, the plan gives no advice
+    assert "saves:" in _plan(tmp_path / "fine", *BIG_JOB)
+    assert "saves:" not in _plan(tmp_path / "fine", "--gpus-per-node", huge)

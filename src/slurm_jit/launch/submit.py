@@ -29,8 +29,9 @@ import tomllib
 from slurm_jit import slurm
 from slurm_jit.checkpoint import elastic_plan
 from slurm_jit.grace import cli as grace_cli
-from slurm_jit.grace import goodput_cli
+from slurm_jit.grace import save_advice
 from slurm_jit.grace.calc import GraceError, GraceResult
+from slurm_jit.grace.parsing import parse_duration
 from slurm_jit.grace.sbatch_script import ScriptError
 from slurm_jit.launch import entry, gate, node_range, ops, output_claim, policy, sbatch_options, submitit_hooks, task
 from slurm_jit.launch.command import Command
@@ -216,6 +217,7 @@ class Launch:
     training: dict[str, Any]  # {"argv": [...]} or {"function": ..., "args": [...]}, for the plan
     time: str
     python: str  # the job's interpreter, as given (the executor holds it quoted for the shell)
+    saves: str | None = None  # the save_steps Young's interval advises (grace/save_advice.py), for the plan
 
     @property
     def output_dir(self) -> str:
@@ -318,7 +320,21 @@ def build_job(args: argparse.Namespace) -> Launch:
     what: tuple[Any, ...] = ((Command(spec["argv"]),) if "argv" in spec
                              else (task.call_function, spec["function"], list(spec["args"])))
     return Launch(executor=executor, entry=what, grace=result, training=spec, time=str(args.time),
-                  python=args.python)
+                  python=args.python, saves=_save_advice(args, limit_s))
+
+
+def _save_advice(args: argparse.Namespace, limit_s: int) -> str | None:
+    """The plan's saves: line, from the timing log the grace calculator reads (--from's, else the output dir's) and
+    the given --step-time / --save-time, for the job at its largest."""
+    world_size = args.nodes.max_nodes * args.ntasks_per_node
+    try:  # read by the grace calculator before: a bad value was refused there
+        step_s = None if args.step_time is None else parse_duration(str(args.step_time), what="--step-time")
+        save_s = None if args.save_time is None else parse_duration(str(args.save_time), what="--save-time")
+    except GraceError:
+        return None
+    gpus, counted = _gpus(args.gpus_per_node, args.nodes.max_nodes, world_size)
+    return save_advice.note(args.from_dir or args.output_dir, world_size=world_size, gpus=gpus, gpus_counted=counted,
+                            time_limit_s=float(limit_s), step_s=step_s, save_s=save_s)
 
 
 def _parameters(args: argparse.Namespace) -> dict[str, Any]:
@@ -381,9 +397,6 @@ def plan_lines(launch: Launch, checked: gate.GateResult) -> list[str]:
     ranks = f"{sizes[0]}-{sizes[-1]}" if nodes.elastic else str(launch.world_size)
     elastic_nodes = node_range.plan_line(nodes, per_node)
     staging = grace_cli.staging_note(launch.output_dir, per_node)
-    saves = goodput_cli.save_steps_note(launch.output_dir, *_gpus(ex.parameters.get("gpus_per_node"),
-                                                                  nodes.max_nodes, sizes[-1]),
-                                        time_limit_s=sbatch_options.time_limit_s(launch.time))
     return [
         f"plan: {nodes.sbatch_value()} node(s) x {per_node} task(s) = {ranks} ranks, one srun task each; "
         f"--time={launch.time}",
@@ -393,7 +406,7 @@ def plan_lines(launch: Launch, checked: gate.GateResult) -> list[str]:
         f"  ops:      {ops.plan_line(ops.job_env(), gpus=bool(ex.parameters.get('gpus_per_node')))}",
         f"  grace:    {terms} = {result.needed_s:g} s",
         *([f"  staging:  {staging}"] if staging else []),
-        *([f"  saves:    {saves}"] if saves else []),
+        *([f"  saves:    {launch.saves}"] if launch.saves else []),
         f"  signal:   #SBATCH --signal=TERM@{result.lead_s} (no B:, so it reaches the ranks); "
         f"export SLURM_JIT_SIGNAL_LEAD_S={result.lead_s}",
         f"  requeue:  {requeue}",
@@ -404,10 +417,13 @@ def plan_lines(launch: Launch, checked: gate.GateResult) -> list[str]:
     ]
 
 
-def _gpus(gpus_per_node: object, max_nodes: int, max_ranks: int) -> tuple[int, str]:
+def _gpus(gpus_per_node: object, max_nodes: int, max_ranks: int) -> tuple[int | None, str]:
     """The job's GPUs at its largest (sbatch's ``[type:]count[,...]`` per node x nodes), or its ranks where it asks
-    for none (counted as GPUs by the failure model)."""
-    per_node = sum(int(part.rpartition(":")[2]) for part in str(gpus_per_node or "0").split(",") if part)
+    for none (counted as GPUs by the failure model); None where the count is past reading (sbatch refuses it)."""
+    counts = [part.rpartition(":")[2] for part in str(gpus_per_node or "0").split(",") if part]
+    if any(len(c) > 9 or not c.isdigit() for c in counts):
+        return None, "GPUs"
+    per_node = sum(int(c) for c in counts)
     if per_node:
         return per_node * max_nodes, "GPUs" if per_node * max_nodes > 1 else "GPU"
     return max_ranks, "ranks (counted as GPUs)" if max_ranks > 1 else "rank (counted as a GPU)"

@@ -1,0 +1,119 @@
+"""The launcher's ``saves:`` line: the ``save_steps`` Young's interval advises a JitTrainer job (issue #36 item 4).
+
+From the timing log (the output directory's, or ``--from``'s) and the job: a save's blocked time (an async
+snapshot's staging where the run saved in the background), the step at the job's world size (the log's records of
+that size where it has them, else its newest run's, said so), ``--step-time`` / ``--save-time`` where given, the
+job's GPUs and Llama 3's failure rate per GPU. Young's interval sqrt(2 x blocked save x MTBF) needs no restart cost
+(docs/goodput.md#the-save-interval-young). Advice only, never an error: ``None`` (no line) wherever it cannot be
+given (no log, no step or save, a figure the model refuses).
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+from typing import Any
+
+from slurm_jit import timing
+from slurm_jit.grace import goodput as gp
+from slurm_jit.grace.goodput_cli import log_costs
+from slurm_jit.grace.rules import GraceError
+
+MAX_GPUS = 10**8  # past any cluster: a count above it is a typo, and no advice is given
+
+
+def note(log_dir: str | None, *, world_size: int, gpus: int | None, gpus_counted: str, time_limit_s: float,
+         step_s: float | None = None, save_s: float | None = None) -> str | None:
+    """The line (without its ``saves:`` label), or None. ``gpus``: the job's at its largest (None: unknown);
+    ``step_s`` / ``save_s``: ``--step-time`` / ``--save-time`` (a synchronous save), which beat the log's."""
+    if gpus is None or not 1 <= gpus <= MAX_GPUS:
+        return None
+    records, measured_at = _records_for(log_dir, world_size) if log_dir else ([], None)
+    got, src = log_costs(records) if records else ({}, {})
+    step = step_s if step_s is not None else got.get("step")
+    staging = got.get("staging")  # an async snapshot's block: what a periodic save costs such a run
+    sync = save_s if save_s is not None else got.get("save")
+    blocked = staging if staging is not None else sync
+    if step is None or blocked is None or not (step > 0 and blocked > 0):
+        return None
+    try:  # figures the model refuses (a save longer than the job; a step of 1e-310 s): no advice, the plan goes on
+        costs = gp.system_costs(step_s=step, save_s=sync or blocked, restart_s=0.0, time_limit_s=time_limit_s,
+                                save_steps=1, async_blocked_s=staging,
+                                async_save_s=got.get("async_save") if staging is not None else None)
+        c = costs[gp.JIT_TRAINER.key]
+        failures = gp.Failures(gpus=gpus)
+        advised = gp.advised_save_steps(c, gp.JIT_TRAINER, failures)
+        young_s = math.sqrt(2 * c.save_blocked_s / failures.unwarned_per_s)
+    except (GraceError, ArithmeticError, ValueError):
+        return None
+    if advised is None:
+        return None
+    every_h = 1 / failures.unwarned_per_s / gp.HOUR_S
+    every = f"{every_h:,.0f}" if every_h >= 100 else f"{every_h:.3g}"
+    what = ("Young's interval" if young_s >= c.background_s else
+            f"the background write's {c.background_s:.3g} s (Young's interval, {young_s:.3g} s, is shorter: a save "
+            "waits for the one before it)")
+    return (f"save_steps {advised} is {what} for {gpus:,} {gpus_counted} (one unwarned failure every {every} h at "
+            f"Llama 3's rate per GPU): {_step_text(step, step_s, measured_at, world_size)} and "
+            f"{_blocked_text(c, staging, save_s, src)}{_seen(records)}"
+            f"{_longer(advised * step, time_limit_s)}. HINT: {_hint(log_dir, gpus, time_limit_s, step_s, save_s, got)}")
+
+
+def _records_for(log_dir: str, world_size: int) -> tuple[list[dict[str, Any]], int | None]:
+    """The log's records of the job's world size where it has some, else those of its newest run's; and that size."""
+    try:
+        records = timing.read_records(log_dir)
+    except timing.TimingLogError:
+        return [], None
+    sizes = [r["world_size"] for r in records if isinstance(r.get("world_size"), int)]
+    if not sizes:
+        return [], None
+    size = world_size if world_size in sizes else sizes[-1]
+    return [r for r in records if r.get("world_size") == size], size
+
+
+def _step_text(step: float, given: float | None, measured_at: int | None, world_size: int) -> str:
+    if given is not None:
+        return f"steps take {step:.3g} s (--step-time)"
+    where = "" if measured_at == world_size else (
+        f" at world size {measured_at} (not this job's {world_size}: a step's time changes with it; --step-time "
+        "to give this job's)")
+    return f"the timing log's steps{where} take {step:.3g} s"
+
+
+def _blocked_text(c: gp.Costs, staging: float | None, given: float | None, src: dict[str, str]) -> str:
+    if staging is not None:
+        return f"an async snapshot blocks training {c.save_blocked_s:.3g} s (complete after {c.save_s:.3g} s)"
+    if given is not None:
+        return f"a save blocks training {c.save_blocked_s:.3g} s (--save-time)"
+    kind = "a periodic save" if "periodic" in src.get("save", "") else "a save (the log has JIT or final ones only)"
+    return f"{kind} blocks training {c.save_blocked_s:.3g} s"
+
+
+def _seen(records: list[dict[str, Any]]) -> str:
+    """The interval the log's newest run saved at, when it saved at least twice at one interval."""
+    saves = [r for r in records if r.get("event") in ("save", "save_blocked") and r.get("kind") == "periodic"
+             and isinstance(r.get("step"), int)]
+    if not saves:
+        return ""
+    newest = saves[-1].get("run_id")
+    steps = sorted({r["step"] for r in saves if r.get("run_id") == newest})
+    gaps = {b - a for a, b in zip(steps, steps[1:], strict=False)}
+    return f"; the log's run saved every {gaps.pop()} steps" if len(gaps) == 1 else ""
+
+
+def _longer(interval_s: float, time_limit_s: float) -> str:
+    if interval_s <= time_limit_s:
+        return ""
+    return ("; that is longer than the job's --time: the JIT stop at each allocation's end saves anyway, so a "
+            "periodic save only ever covers an unwarned failure")
+
+
+def _hint(log_dir: str | None, gpus: int, time_limit_s: float, step_s: float | None, save_s: float | None,
+          got: dict[str, float]) -> str:
+    given = [*([f"--step-time {step_s:g}"] if step_s is not None else []),
+             *([f"--save-time {save_s:g}"] if save_s is not None else
+               [] if "save" in got else ["--save-time S (a synchronous save's seconds: the log has none)"])]
+    source = [f"--from {shlex.quote(log_dir)}"] if log_dir and got else []
+    return (f"grace-calc goodput {' '.join([*source, *given])} --gpus {gpus} --time-limit {time_limit_s:.0f} "
+            "--restart R (a requeue's cost here) for your cluster's failure rates and each choice's goodput")
