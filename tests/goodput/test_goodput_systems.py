@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,39 @@ def test_b_signals_the_ranks_and_requeues_when_srun_ends_before_the_training(tmp
     script = systems.batch_script("b", SCHEDULE, p, 3, python="/py")
     assert "#SBATCH --signal=TERM@30" in script and "trap" not in script
     assert "--trainer plain --upstream-jit" in script
-    assert f"if [ ! -f {p.out / 'final-state.json'} ]; then" in script and "scontrol requeue" in script
+    assert "if ! /py -c " in script and str(p.out / "final-state.json") in script and "scontrol requeue" in script
+
+
+@pytest.mark.parametrize(("state", "requeued"), [(None, True), ({"global_step": 1035}, True),
+                                                 ({"global_step": SCHEDULE.work_steps}, False), ("not json", True)])
+def test_b_requeues_unless_the_training_reached_its_last_step(tmp_path: Path, state: object, requeued: bool) -> None:
+    """Upstream's JIT stop returns from train(), so demo_train writes final-state.json then too (the full run's (b)
+    was taken as finished at step 1035): the script reads the step. srun and scontrol stand in as scripts here."""
+    p = paths(tmp_path)
+    p.out.mkdir(parents=True)
+    if state is not None:
+        (p.out / "final-state.json").write_text(state if isinstance(state, str) else json.dumps(state))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in (("srun", "exit 0"), ("scontrol", f'echo "$@" > {tmp_path / "scontrol.args"}')):
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    script = tmp_path / "job.sh"
+    script.write_text(systems.batch_script("b", SCHEDULE, p, 3, python=sys.executable))
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "77"}
+    assert subprocess.run(["bash", str(script)], env=env, capture_output=True, check=False).returncode == 0
+    called = (tmp_path / "scontrol.args").read_text().split() if (tmp_path / "scontrol.args").exists() else []
+    assert called == (["requeue", "77"] if requeued else []), called
+
+
+def test_finished_means_the_last_step_was_reached(tmp_path: Path) -> None:
+    p = paths(tmp_path)
+    assert not systems.finished(p, 1800)
+    p.out.mkdir(parents=True)
+    for state, done in (({"global_step": 1035}, False), ({"global_step": 1800}, True), ({"step": 1800}, False),
+                        ([1800], False)):
+        (p.out / "final-state.json").write_text(json.dumps(state))
+        assert systems.finished(p, 1800) is done, state
 
 
 @pytest.mark.parametrize("key", ["a", "b"])

@@ -60,7 +60,7 @@ class Chain:
     runs: list[Run] = field(default_factory=list)
     submits: list[tuple[float, str]] = field(default_factory=list)  # (wall time, job id)
     preempt: tuple[float, str] | None = None  # (wall time of the urgent job's submission, its job id)
-    finished: bool = False  # the training reached its end (final-state.json)
+    finished: bool = False  # the training reached its last step (final-state.json says so)
     outcome: str = ""  # one line: finished, budget spent, resubmission refused
 
     def to_json(self) -> dict[str, Any]:
@@ -157,7 +157,6 @@ def watch(key: str, schedule: Schedule, paths: systems.Paths, *, reference: bool
     chain = Chain(key=key, reference=reference, started=time.time())
     w = Watch(chain=chain, paths=paths, schedule=schedule, budget_s=budget_s,
               submit=submit or (lambda: systems.submit(key, schedule, paths, reference=reference)))
-    final = paths.out / "final-state.json"
     if not w.resubmit(chain.started):
         chain.ended = time.time()
         return chain
@@ -165,7 +164,7 @@ def watch(key: str, schedule: Schedule, paths: systems.Paths, *, reference: bool
         now = time.time()
         w.poll(now)
         settled = w.ended_since is not None and now - w.ended_since >= SETTLE_S
-        if settled and final.exists():
+        if settled and systems.finished(paths, schedule.work_steps):
             chain.finished, chain.outcome = True, "finished"
             break
         if now - chain.started > budget_s:

@@ -66,7 +66,7 @@ def _events(paths: systems.Paths, world_size: int) -> list[dict[str, Any]]:
 
 
 def _digest(paths: systems.Paths) -> str | None:
-    path = paths.out / "final-state.json"
+    path = paths.out / systems.FINAL_STATE
     return json.loads(path.read_text(encoding="utf-8")).get("weights_sha256") if path.is_file() else None
 
 

@@ -5,7 +5,7 @@
     ``scontrol requeue`` (the training itself saves nothing: it is killed by the requeue).
 (b) ``upstream``: the same with ``TrainingArguments(enable_jit_checkpoint=True)`` and ``--signal=TERM@N`` (no
     ``B:``: the ranks get it and save); the batch script requeues the job when srun returns before the training's
-    end (the JIT stop's exit 0).
+    end (upstream's JIT stop returns from ``train()`` and exits 0: the script checks the step it reached).
 (c) ``jit``: the JitTrainer through ``python launch/submit.py`` (``--signal=TERM@N``, its requeue policy with
     ``--retry-on-failure`` and ``--retry-on-hang``), async snapshots every K/10 steps, ``hang_timeout_s`` sized
     to the steps.
@@ -37,6 +37,7 @@ MAX_REQUEUES = 20  # (c): far more than a chain needs; the chain's budget ends a
 RETRIES = 5  # (c): --retry-on-failure and --retry-on-hang (a careful user's: a crash or a hang is not the code's)
 SAVE_TOTAL_LIMIT = 3  # every system keeps its 3 newest checkpoints (the snapshots would fill the disk)
 REFERENCE_TIME_MIN = 20  # the uninterrupted run: a limit it never meets
+FINAL_STATE = "final-state.json"  # demo_train's, after train() returned: the step, the weights' digest
 SUBMIT_TIMEOUT_S = 300.0  # python launch/submit.py: imports, ckpt-check, sbatch on a loaded host
 
 
@@ -111,10 +112,25 @@ def batch_script(key: str, schedule: Schedule, paths: Paths, time_limit_min: int
                           "trap 'echo \"goodput: USR1 $(date +%s.%N): requeue\"; scontrol requeue \"$SLURM_JOB_ID\"' "
                           "USR1",
                           f"{srun} &", "wait", ""])
-    final = shlex.quote(str(paths.out / "final-state.json"))  # demo_train writes it after train() returned
+    # demo_train writes final-state.json after train() returned, and upstream's JIT checkpoint returns from train()
+    # too: the careful user's check is the step train() reached, not that it returned
+    reached = shlex.join([python, "-c", "import json, sys; state = json.load(open(sys.argv[1])); "
+                          "sys.exit(0 if state['global_step'] >= int(sys.argv[2]) else 1)",
+                          str(paths.out / FINAL_STATE), str(schedule.work_steps)])
     return "\n".join([*header, srun,
-                      f'if [ ! -f {final} ]; then echo "goodput: srun ended before the training\'s end: requeue"; '
-                      'scontrol requeue "$SLURM_JOB_ID"; fi', ""])
+                      f'if ! {reached} 2>/dev/null; then echo "goodput: srun ended before the training\'s end: '
+                      'requeue"; scontrol requeue "$SLURM_JOB_ID"; fi', ""])
+
+
+def finished(paths: Paths, work_steps: int) -> bool:
+    """The training reached its last step: final-state.json (written by demo_train after train() returned) says so.
+    Its existence alone does not: upstream's JIT checkpoint (system (b)) returns from train() at the stop."""
+    try:
+        state = json.loads((paths.out / FINAL_STATE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    step = state.get("global_step") if isinstance(state, dict) else None
+    return isinstance(step, int) and step >= work_steps
 
 
 def submit_argv(schedule: Schedule, paths: Paths, time_limit_min: int, python: str = sys.executable) -> list[str]:
