@@ -49,10 +49,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _systems(text: str | None, quick: bool) -> list[str]:
-    keys = [k.strip() for k in (text or ("c" if quick else "a,b,c")).split(",") if k.strip()]
+    keys = [k.strip() for k in (text if text is not None else ("c" if quick else "a,b,c")).split(",") if k.strip()]
     bad = [k for k in keys if k not in systems.SYSTEMS]
     if bad or not keys:
         raise ScheduleError(f"--systems {text!r}: unknown {', '.join(bad) or 'none given'}. HINT: e.g. --systems a,c")
+    if len(set(keys)) < len(keys):  # a second run of one system would write into the first's folders
+        raise ScheduleError(f"--systems {text!r}: a system named twice. HINT: each once, e.g. --systems a,c")
     return keys
 
 
@@ -183,13 +185,16 @@ def main(argv: list[str] | None = None) -> int:
     except ScheduleError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
-    if not slurm.available():
-        print(f"{PROG}: no Slurm controller answers. HINT: tools/local-slurm up", file=sys.stderr)
-        return 2
     root = Path(args.out or f"goodput-results/run-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    if root.exists() and not root.is_dir():
+        print(f"{PROG}: --out {root} is a file. HINT: a folder (new or empty) for the results", file=sys.stderr)
+        return 2
     if root.exists() and any(root.iterdir()):
         print(f"{PROG}: --out {root} is not empty. HINT: another folder (each run needs fresh output "
               "directories)", file=sys.stderr)
+        return 2
+    if not slurm.available():
+        print(f"{PROG}: no Slurm controller answers. HINT: tools/local-slurm up", file=sys.stderr)
         return 2
     root.mkdir(parents=True, exist_ok=True)
     preemption = ("a job of the urgent partition (PreemptMode=REQUEUE, GraceTime 20 s)"
