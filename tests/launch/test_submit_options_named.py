@@ -4,12 +4,14 @@ arguments". Checked mechanically over the plan and refusals of several real dry 
 
 from __future__ import annotations
 
+import argparse
 import re
 from pathlib import Path
 
 import pytest
 
 from slurm_jit import timing
+from slurm_jit.grace import goodput_cli
 from slurm_jit.launch import sbatch_options, submit
 
 OPTION = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
@@ -17,10 +19,18 @@ CMD = ["--", "python", "train.py"]
 AFTER_DASHES = re.compile(r"(^|\s)-- \S.*$", re.MULTILINE)  # an example training command's own options
 
 
+GOODPUT_COMMAND = re.compile(r"grace-calc goodput [^.;\n]*(?:\.\d[^.;\n]*)*")  # the saves: line's HINT, to its end
+
+
 def _known() -> set[str]:
     parser = submit._parser()
     ours = {s for action in parser._actions for s in action.option_strings}
     return ours | {f"--{name}" for name in sbatch_options.LONG_OPTIONS}
+
+
+def _goodput_known() -> set[str]:
+    parser = goodput_cli.build_parser(argparse.ArgumentParser)
+    return {s for action in parser._actions for s in action.option_strings}
 
 
 def _run(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
@@ -62,5 +72,10 @@ def test_every_option_the_plan_and_its_refusals_name_exists(tmp_path: Path, caps
         text = _run(capsys, argv)
         assert text.strip(), argv
         text = AFTER_DASHES.sub("", text.replace(out, "OUT").replace(str(earlier), "EARLIER"))
+        for command in GOODPUT_COMMAND.findall(text):  # grace-calc goodput's own options, against its parser
+            named = set(OPTION.findall(command))
+            assert named <= _goodput_known(), (f"named but not an option of grace-calc goodput: "
+                                              f"{sorted(named - _goodput_known())}", argv, command)
+        text = GOODPUT_COMMAND.sub("", text)
         named = set(OPTION.findall(text))
         assert named <= known, (f"named but not an option of {submit.PROG}: {sorted(named - known)}", argv, text)
