@@ -37,7 +37,8 @@ def test_b_signals_the_ranks_and_requeues_when_srun_ends_before_the_training(tmp
 
 
 @pytest.mark.parametrize(("state", "requeued"), [(None, True), ({"global_step": 1035}, True),
-                                                 ({"global_step": SCHEDULE.work_steps}, False), ("not json", True)])
+                                                 ({"global_step": SCHEDULE.work_steps}, False), ("not json", True),
+                                                 ({"global_step": float(SCHEDULE.work_steps)}, True)])
 def test_b_requeues_unless_the_training_reached_its_last_step(tmp_path: Path, state: object, requeued: bool) -> None:
     """Upstream's JIT stop returns from train(), so demo_train writes final-state.json then too (the full run's (b)
     was taken as finished at step 1035): the script reads the step. srun and scontrol stand in as scripts here."""
@@ -63,9 +64,11 @@ def test_finished_means_the_last_step_was_reached(tmp_path: Path) -> None:
     assert not systems.finished(p, 1800)
     p.out.mkdir(parents=True)
     for state, done in (({"global_step": 1035}, False), ({"global_step": 1800}, True), ({"step": 1800}, False),
-                        ([1800], False)):
+                        ([1800], False), ({"global_step": 1800.0}, False), ({"global_step": True}, False)):
         (p.out / "final-state.json").write_text(json.dumps(state))
-        assert systems.finished(p, 1800) is done, state
+        assert systems.finished(p, 1800) is done, state  # as the (b) script's test (the parametrized one above)
+    (p.out / "final-state.json").write_text('{"global_step": 18')  # being written: not finished, no error
+    assert not systems.finished(p, 1800) and systems.final_state(p, 1800) is None
 
 
 @pytest.mark.parametrize("key", ["a", "b"])

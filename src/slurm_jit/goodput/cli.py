@@ -67,9 +67,11 @@ def _events(paths: systems.Paths, world_size: int) -> list[dict[str, Any]]:
     return records
 
 
-def _digest(paths: systems.Paths) -> str | None:
-    path = paths.out / systems.FINAL_STATE
-    return json.loads(path.read_text(encoding="utf-8")).get("weights_sha256") if path.is_file() else None
+def _digest(paths: systems.Paths, work_steps: int) -> str | None:
+    """The final weights' digest, only where the training reached its end (a chain cut after a JIT stop: none)."""
+    state = systems.final_state(paths, work_steps)
+    digest = state.get("weights_sha256") if state is not None else None
+    return digest if isinstance(digest, str) else None
 
 
 def _background_s(paths: systems.Paths) -> float:
@@ -127,7 +129,7 @@ def report_system(key: str, schedule: Schedule, root: Path, uninterrupted: float
     """The report of a system's chain from its records in ``root`` (also for records saved by an earlier run)."""
     ref_paths, paths = systems.Paths.under(root, key, True), systems.Paths.under(root, key, False)
     events = _events(paths, schedule.world_size)
-    digest, ref_digest = _digest(paths), _digest(ref_paths)
+    digest, ref_digest = _digest(paths, schedule.work_steps), _digest(ref_paths, schedule.work_steps)
     limit_s, lead_s = schedule.time_limit_min * 60.0, float(schedule.signal_lead_s)
     rep = report.analyse(chain, events, uninterrupted_s=uninterrupted, work_steps=schedule.work_steps,
                          limit_s=limit_s, lead_s=lead_s, weights_equal=None if digest is None else digest == ref_digest,
@@ -185,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     except ScheduleError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
+    if args.out is not None and not args.out.strip():
+        print(f"{PROG}: --out is empty. HINT: a folder (new or empty) for the results", file=sys.stderr)
+        return 2
     root = Path(args.out or f"goodput-results/run-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     if root.exists() and not root.is_dir():
         print(f"{PROG}: --out {root} is a file. HINT: a folder (new or empty) for the results", file=sys.stderr)
@@ -193,10 +198,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: --out {root} is not empty. HINT: another folder (each run needs fresh output "
               "directories)", file=sys.stderr)
         return 2
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"{PROG}: --out {root}: {exc.strerror or exc}. HINT: a folder that can be created", file=sys.stderr)
+        return 2
     if not slurm.available():
         print(f"{PROG}: no Slurm controller answers. HINT: tools/local-slurm up", file=sys.stderr)
         return 2
-    root.mkdir(parents=True, exist_ok=True)
     preemption = ("a job of the urgent partition (PreemptMode=REQUEUE, GraceTime 20 s)"
                   if systems.has_urgent_partition() else
                   "no urgent partition here: scontrol requeue of the job stands in")

@@ -125,15 +125,15 @@ class SystemReport:
     def paced_goodput(self) -> float | None:
         """The goodput with the uninterrupted run put at the chain's own pace: its start-up and end swapped for the
         chain's (as :attr:`matched_loss_s`) and each of its steps after the first at the chain's mean step gap; None
-        where a pair is unknown. A reference that ran on a busier (or calmer) host than its chain moves
-        :attr:`goodput`, not this: the two side by side show how much of a goodput is the host."""
+        where a pair is unknown (a chain that did not finish has no last end). A reference that ran on a busier (or
+        calmer) host than its chain moves :attr:`goodput`, not this: the two side by side show how much of a goodput
+        is the host. Not clamped: above 1 says the pace's noise outweighs the faults."""
         if self.startup_s is None or self.end_s is None or self.step_pace_s is None or self.allocation_s <= 0:
             return None
         (start, ref_start), (end, ref_end), (step, ref_step) = self.startup_s, self.end_s, self.step_pace_s
         paced = self.uninterrupted_s + (start - ref_start) + (end - ref_end) + max(0, self.work_steps - 1) * (
             step - ref_step)
-        share = 1.0 if self.finished else min(1.0, self.steps_done / max(1, self.work_steps))
-        return max(0.0, min(1.0, paced * share / self.allocation_s))
+        return paced / self.allocation_s
 
     @property
     def loss_s(self) -> float:

@@ -114,23 +114,36 @@ def batch_script(key: str, schedule: Schedule, paths: Paths, time_limit_min: int
                           f"{srun} &", "wait", ""])
     # demo_train writes final-state.json after train() returned, and upstream's JIT checkpoint returns from train()
     # too: the careful user's check is the step train() reached, not that it returned
-    reached = shlex.join([python, "-c", "import json, sys; state = json.load(open(sys.argv[1])); "
-                          "sys.exit(0 if state['global_step'] >= int(sys.argv[2]) else 1)",
-                          str(paths.out / FINAL_STATE), str(schedule.work_steps)])
+    reached = shlex.join([python, "-c", REACHED_CHECK, str(paths.out / FINAL_STATE), str(schedule.work_steps)])
     return "\n".join([*header, srun,
-                      f'if ! {reached} 2>/dev/null; then echo "goodput: srun ended before the training\'s end: '
+                      f'if ! {reached}; then echo "goodput: srun ended before the training\'s end: '
                       'requeue"; scontrol requeue "$SLURM_JOB_ID"; fi', ""])
 
 
-def finished(paths: Paths, work_steps: int) -> bool:
-    """The training reached its last step: final-state.json (written by demo_train after train() returned) says so.
-    Its existence alone does not: upstream's JIT checkpoint (system (b)) returns from train() at the stop."""
+def final_state(paths: Paths, work_steps: int) -> dict[str, object] | None:
+    """final-state.json (demo_train's, after train() returned) where it says the training reached its last step;
+    else None (no file, a partial one, or an earlier step: upstream's JIT stop, system (b), returns from train()).
+    (b)'s batch script runs the same test (:data:`REACHED_CHECK`)."""
     try:
         state = json.loads((paths.out / FINAL_STATE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return False
+        return None
     step = state.get("global_step") if isinstance(state, dict) else None
-    return isinstance(step, int) and step >= work_steps
+    return state if type(step) is int and step >= work_steps else None
+
+
+def finished(paths: Paths, work_steps: int) -> bool:
+    return final_state(paths, work_steps) is not None
+
+
+# (b)'s batch script: exit 0 where final-state.json (argv[1]) says step argv[2] was reached, as final_state() tests
+REACHED_CHECK = """import json, sys
+try:
+    state = json.load(open(sys.argv[1]))
+except (OSError, ValueError) as exc:
+    sys.exit(f"goodput: no end of training in {sys.argv[1]}: {exc}")
+step = state.get("global_step") if isinstance(state, dict) else None
+sys.exit(0 if type(step) is int and step >= int(sys.argv[2]) else f"goodput: the training stopped at step {step}")"""
 
 
 def submit_argv(schedule: Schedule, paths: Paths, time_limit_min: int, python: str = sys.executable) -> list[str]:
