@@ -138,8 +138,15 @@ def test_a_chain_that_did_not_finish_counts_the_share_of_the_work_it_did() -> No
     chain.finished = False
     r = report.analyse(chain, events, uninterrupted_s=130.0, work_steps=160, limit_s=180.0, lead_s=30.0,
                        weights_equal=None)
-    assert r.goodput == pytest.approx(130 * 80 / 160 / 165)
+    assert r.goodput == pytest.approx(130 * 80 / 160 / 165)  # the kept step unknown: the newest reached, 80
     assert len(r.ends) == 3 and r.ends[-1].kind == "time limit"  # its last run lasted past limit - lead - 60 s
+    kept = report.analyse(chain, events, uninterrupted_s=130.0, work_steps=160, limit_s=180.0, lead_s=30.0,
+                          weights_equal=None, kept_steps=70)  # its newest checkpoint: step 70 (80 reached)
+    assert kept.goodput == pytest.approx(130 * 70 / 160 / 165)
+    chain.finished = True  # a finished chain kept everything, whatever is passed
+    done = report.analyse(chain, events, uninterrupted_s=130.0, work_steps=80, limit_s=180.0, lead_s=30.0,
+                          weights_equal=None, kept_steps=10)
+    assert done.kept_steps is None and done.goodput == pytest.approx(130 / 165)
 
 
 def test_a_run_that_lasted_to_the_warning_ended_by_the_time_limit() -> None:

@@ -112,3 +112,15 @@ def test_the_reference_has_no_faults_file_and_the_chain_has_the_schedules(tmp_pa
     systems.prepare(chain, SCHEDULE, reference=False)
     assert not (ref.events / "faults.json").exists()
     assert (chain.events / "faults.json").read_text() == json.dumps(SCHEDULE.faults())
+
+
+def test_the_step_a_next_run_resumes_after(tmp_path: Path) -> None:
+    """(a), (b): the highest checkpoint-N, complete or not (get_last_checkpoint); (c): the newest ckpt-check calls
+    complete (none here: a bare directory is not one), so a fresh start."""
+    p = paths(tmp_path)
+    assert systems.resume_step("a", p) == 0  # no output directory yet
+    for name in ("checkpoint-100", "checkpoint-1200", "checkpoint-x", "other-5000"):
+        (p.out / name).mkdir(parents=True)
+    (p.out / "checkpoint-9999").write_text("a file, not a checkpoint")
+    assert systems.resume_step("a", p) == systems.resume_step("b", p) == 1200
+    assert systems.resume_step("c", p) == 0

@@ -133,7 +133,8 @@ def report_system(key: str, schedule: Schedule, root: Path, uninterrupted: float
     limit_s, lead_s = schedule.time_limit_min * 60.0, float(schedule.signal_lead_s)
     rep = report.analyse(chain, events, uninterrupted_s=uninterrupted, work_steps=schedule.work_steps,
                          limit_s=limit_s, lead_s=lead_s, weights_equal=None if digest is None else digest == ref_digest,
-                         reference=_reference_facts(ref_paths, schedule.world_size))
+                         reference=_reference_facts(ref_paths, schedule.world_size),
+                         kept_steps=None if chain.finished else systems.resume_step(key, paths))
     runs = [report.run_facts(r, events) for r in chain.runs if r.end is not None]
     save_steps = schedule.snapshot_steps if key == "c" else schedule.save_steps
     pred = predict.predict(rep, runs, save_steps=save_steps, limit_s=limit_s,

@@ -114,11 +114,14 @@ class SystemReport:
     startup_s: tuple[float, float] | None = None
     end_s: tuple[float, float] | None = None
     step_pace_s: tuple[float, float] | None = None  # (chain's, reference's) mean step gap (see paced_goodput)
+    kept_steps: int | None = None  # a chain that did not finish: the step its next run would resume after
 
     @property
     def goodput(self) -> float:
-        """Uninterrupted allocation over the chain's; a chain that did not finish counts its share of the work."""
-        share = 1.0 if self.finished else min(1.0, self.steps_done / max(1, self.work_steps))
+        """Uninterrupted allocation over the chain's; a chain that did not finish counts the share of the work it
+        kept (the step its next run would resume after; where unknown, the newest step it reached)."""
+        achieved = self.steps_done if self.kept_steps is None else self.kept_steps
+        share = 1.0 if self.finished else min(1.0, achieved / max(1, self.work_steps))
         return min(1.0, self.uninterrupted_s * share / self.allocation_s) if self.allocation_s > 0 else 0.0
 
     @property
@@ -237,8 +240,9 @@ def redone(facts: RunFacts, kept: int | None, event_t: float) -> tuple[int, floa
 
 def analyse(chain: Chain, events: Sequence[dict[str, Any]], *, uninterrupted_s: float, work_steps: int,
             limit_s: float, lead_s: float, weights_equal: bool | None,
-            reference: RunFacts | None = None) -> SystemReport:
-    """The report of one system's chain (``reference``: the uninterrupted run's facts, for the matched loss)."""
+            reference: RunFacts | None = None, kept_steps: int | None = None) -> SystemReport:
+    """The report of one system's chain (``reference``: the uninterrupted run's facts, for the matched loss;
+    ``kept_steps``: for a chain that did not finish, the step its checkpoints would resume it after)."""
     runs = [run_facts(r, events) for r in chain.runs if r.end is not None]
     step_s = median_step_s(runs)
     ends: list[EndCost] = []
@@ -256,7 +260,8 @@ def analyse(chain: Chain, events: Sequence[dict[str, Any]], *, uninterrupted_s: 
         step_s=step_s, ends=ends, weights_equal=weights_equal, work_steps=work_steps,
         startup_s=_pair(runs[0].startup_s if runs else None, reference.startup_s if reference else None),
         end_s=_pair(runs[-1].end_s if runs and chain.finished else None, reference.end_s if reference else None),
-        step_pace_s=_pair(mean_step_s(runs) or None, (mean_step_s([reference]) or None) if reference else None))
+        step_pace_s=_pair(mean_step_s(runs) or None, (mean_step_s([reference]) or None) if reference else None),
+        kept_steps=None if chain.finished else kept_steps)
 
 
 def _pair(mine: float | None, ref: float | None) -> tuple[float, float] | None:
