@@ -17,9 +17,38 @@ from typing import Any
 from slurm_jit import timing
 from slurm_jit.grace import goodput as gp
 from slurm_jit.grace.goodput_cli import log_costs
+from slurm_jit.grace.parsing import parse_duration
 from slurm_jit.grace.rules import GraceError
 
 MAX_GPUS = 10**8  # past any cluster: a count above it is a typo, and no advice is given
+
+
+def for_job(log_dir: str | None, *, gpus_per_node: object, nodes: int, ranks_per_node: int, time_limit_s: float,
+            step_time: object = None, save_time: object = None) -> str | None:
+    """The launcher's line for a job at its largest (``nodes`` x ``ranks_per_node`` ranks), from its options as
+    given (``--gpus-per-node``, ``--step-time``, ``--save-time``: read by the grace calculator before, so a bad
+    value was refused there)."""
+    world_size = nodes * ranks_per_node
+    try:
+        step_s = None if step_time is None else parse_duration(str(step_time), what="--step-time")
+        save_s = None if save_time is None else parse_duration(str(save_time), what="--save-time")
+    except GraceError:
+        return None
+    gpus, counted = job_gpus(gpus_per_node, nodes, world_size)
+    return note(log_dir, world_size=world_size, gpus=gpus, gpus_counted=counted, time_limit_s=time_limit_s,
+                step_s=step_s, save_s=save_s)
+
+
+def job_gpus(gpus_per_node: object, nodes: int, ranks: int) -> tuple[int | None, str]:
+    """The job's GPUs (sbatch's ``[type:]count[,...]`` per node x nodes), or its ranks where it asks for none
+    (counted as GPUs by the failure model); None where the count is past reading (sbatch refuses it)."""
+    counts = [part.rpartition(":")[2] for part in str(gpus_per_node or "0").split(",") if part]
+    if any(len(c) > 9 or not c.isdigit() for c in counts):
+        return None, "GPUs"
+    per_node = sum(int(c) for c in counts)
+    if per_node:
+        return per_node * nodes, "GPUs" if per_node * nodes > 1 else "GPU"
+    return ranks, "ranks (counted as GPUs)" if ranks > 1 else "rank (counted as a GPU)"
 
 
 def note(log_dir: str | None, *, world_size: int, gpus: int | None, gpus_counted: str, time_limit_s: float,

@@ -31,7 +31,6 @@ from slurm_jit.checkpoint import elastic_plan
 from slurm_jit.grace import cli as grace_cli
 from slurm_jit.grace import save_advice
 from slurm_jit.grace.calc import GraceError, GraceResult
-from slurm_jit.grace.parsing import parse_duration
 from slurm_jit.grace.sbatch_script import ScriptError
 from slurm_jit.launch import entry, gate, node_range, ops, output_claim, policy, sbatch_options, submitit_hooks, task
 from slurm_jit.launch.command import Command
@@ -320,21 +319,10 @@ def build_job(args: argparse.Namespace) -> Launch:
     what: tuple[Any, ...] = ((Command(spec["argv"]),) if "argv" in spec
                              else (task.call_function, spec["function"], list(spec["args"])))
     return Launch(executor=executor, entry=what, grace=result, training=spec, time=str(args.time),
-                  python=args.python, saves=_save_advice(args, limit_s))
-
-
-def _save_advice(args: argparse.Namespace, limit_s: int) -> str | None:
-    """The plan's saves: line, from the timing log the grace calculator reads (--from's, else the output dir's) and
-    the given --step-time / --save-time, for the job at its largest."""
-    world_size = args.nodes.max_nodes * args.ntasks_per_node
-    try:  # read by the grace calculator before: a bad value was refused there
-        step_s = None if args.step_time is None else parse_duration(str(args.step_time), what="--step-time")
-        save_s = None if args.save_time is None else parse_duration(str(args.save_time), what="--save-time")
-    except GraceError:
-        return None
-    gpus, counted = _gpus(args.gpus_per_node, args.nodes.max_nodes, world_size)
-    return save_advice.note(args.from_dir or args.output_dir, world_size=world_size, gpus=gpus, gpus_counted=counted,
-                            time_limit_s=float(limit_s), step_s=step_s, save_s=save_s)
+                  python=args.python, saves=save_advice.for_job(
+                      args.from_dir or args.output_dir, gpus_per_node=args.gpus_per_node, nodes=args.nodes.max_nodes,
+                      ranks_per_node=args.ntasks_per_node, time_limit_s=float(limit_s), step_time=args.step_time,
+                      save_time=args.save_time))
 
 
 def _parameters(args: argparse.Namespace) -> dict[str, Any]:
@@ -415,18 +403,6 @@ def plan_lines(launch: Launch, checked: gate.GateResult) -> list[str]:
         f"  resume:   {checked.message.removeprefix('ckpt-check gate: ')}",
         *([f"  elastic:  {_elastic_line(launch, checked)}"] if checked.elastic is not None else []),
     ]
-
-
-def _gpus(gpus_per_node: object, max_nodes: int, max_ranks: int) -> tuple[int | None, str]:
-    """The job's GPUs at its largest (sbatch's ``[type:]count[,...]`` per node x nodes), or its ranks where it asks
-    for none (counted as GPUs by the failure model); None where the count is past reading (sbatch refuses it)."""
-    counts = [part.rpartition(":")[2] for part in str(gpus_per_node or "0").split(",") if part]
-    if any(len(c) > 9 or not c.isdigit() for c in counts):
-        return None, "GPUs"
-    per_node = sum(int(c) for c in counts)
-    if per_node:
-        return per_node * max_nodes, "GPUs" if per_node * max_nodes > 1 else "GPU"
-    return max_ranks, "ranks (counted as GPUs)" if max_ranks > 1 else "rank (counted as a GPU)"
 
 
 def _elastic_line(launch: Launch, checked: gate.GateResult) -> str:
