@@ -132,28 +132,27 @@ def final_state(paths: Paths, work_steps: int) -> dict[str, object] | None:
     return state if type(step) is int and step >= work_steps else None
 
 
-def resume_step(key: str, paths: Paths) -> int:
-    """The step a next run of system ``key`` would resume after (0: a fresh start): (a) and (b) the highest
-    ``checkpoint-N`` (transformers' get_last_checkpoint, complete or not), (c) the JitTrainer's pick (the newest
-    checkpoint ckpt-check calls complete)."""
-    if key == "c":
-        from slurm_jit.checkpoint import protocol
+def finished(paths: Paths, work_steps: int) -> bool:
+    return final_state(paths, work_steps) is not None
 
+
+def resume_step(key: str, paths: Paths) -> int:
+    """The step a next run of system ``key`` would resume after (0: a fresh start): (a) and (b) what their training
+    resumes from (:func:`~slurm_jit.goodput.train.newest_checkpoint`: the highest ``checkpoint-N``, complete or
+    not), (c) the JitTrainer's pick (the newest checkpoint ckpt-check calls complete)."""
+    from slurm_jit.checkpoint import protocol
+
+    if key == "c":
         try:
             found = protocol.find_resumable(paths.out).checkpoint
         except OSError:
             return 0
         return found.step if found is not None else 0
-    try:
-        names = [p.name for p in paths.out.iterdir() if p.is_dir()]
-    except OSError:
-        return 0
-    steps = [int(m.group(1)) for m in map(re.compile(r"^checkpoint-(\d+)$").match, names) if m]
-    return max(steps, default=0)
+    from slurm_jit.goodput.train import newest_checkpoint
 
-
-def finished(paths: Paths, work_steps: int) -> bool:
-    return final_state(paths, work_steps) is not None
+    newest = newest_checkpoint(str(paths.out))
+    match = protocol.CHECKPOINT_RE.fullmatch(Path(newest).name) if newest else None
+    return int(match.group(1)) if match else 0
 
 
 # (b)'s batch script: exit 0 where final-state.json (argv[1]) says step argv[2] was reached, as final_state() tests

@@ -233,4 +233,3 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> str:
         return json.dumps({"failures": asdict(failures), "unwarned_per_h": failures.unwarned_per_s * gp.HOUR_S,
                            "systems": table, "sources": dict(sources)}, indent=2)
     return render_text(table, failures, sources)
-
