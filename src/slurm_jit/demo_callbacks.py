@@ -117,7 +117,8 @@ def _test_callbacks(opts: argparse.Namespace, rank: int) -> list[Any]:
                 time.sleep(opts.stall_s)  # this rank's side-group stop round comes late
             if opts.signal_self_at_step and state.global_step == opts.signal_self_at_step:
                 os.kill(os.getpid(), signal.SIGTERM)
-            if opts.fail_at_step and state.global_step == opts.fail_at_step and not TestHooks.failed:
+            if (opts.fail_at_step and state.global_step == opts.fail_at_step and not TestHooks.failed
+                    and opts.fail_rank in (-1, rank)):
                 TestHooks.failed = True
                 raise RuntimeError(f"demo_train: failure injected at step {state.global_step}")
 

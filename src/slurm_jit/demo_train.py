@@ -101,6 +101,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "a rank slow to end)")
     p.add_argument("--stall-rank", type=int, default=-1, help="the rank that stalls (-1: every rank)")
     p.add_argument("--fail-at-step", type=int, default=0, help="the first train() raises at this step")
+    p.add_argument("--fail-rank", type=int, default=-1, help="the rank that raises at --fail-at-step (-1: every rank)")
     p.add_argument("--train-again", action="store_true", help="after a failed train(), call train() again")
     p.add_argument("--ds-optimizer", choices=("AdamW",), default=None,
                    help='an "optimizer" section in the DeepSpeed config (default: none, the Trainer\'s AdamW)')

@@ -23,19 +23,23 @@ JOB_DEADLINE_S = 120  # the first run is seconds long; the requeue is at once
 POLL_S = 1.0
 # The last rank reports a hang on its node (SLURMD_NODENAME: on this cluster both nodes' hostname is the
 # machine's), any other as waiting in the collective, as a real hang's reports read; rank 0 writes the record.
+# The other ranks exit only once it is written: a real rank 0 outlives srun's --kill-on-bad-exit SIGTERM (its
+# handler only notes it) until its own watchdog fires, but a stand-in still starting would die of it (seen in CI).
 STAND_IN = """\
-import os, sys
+import os, sys, time
 from slurm_jit.train import stop_record
 out, rank, world = sys.argv[1], int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
 report = {"rank": rank, "node": os.environ["SLURMD_NODENAME"], "step": 4, "phase": "step", "since_s": 31.0,
           "frame": "distributed_c10d.py:2501 in all_reduce" if rank < world - 1 else "train.py:12 in on_step_begin"}
 stop_record.write_hang_report(out, rank, report)
 if rank == 0:
-    import time
     while len(stop_record.hang_reports(out)) < world:
         time.sleep(0.1)
     stop_record.write(out, "hung", step=4, ranks=stop_record.hang_reports(out), job_id=os.environ["SLURM_JOB_ID"],
                       restart_count=int(os.environ.get("SLURM_RESTART_COUNT") or 0))
+deadline = time.monotonic() + 60
+while stop_record.read(out) is None and time.monotonic() < deadline:
+    time.sleep(0.1)
 sys.exit(87)
 """
 

@@ -19,7 +19,8 @@ import torch
 import torch.utils.data
 
 from slurm_jit.signal_names import parse_signal
-from slurm_jit.train.signals import IgnoreSignalsInWorker, SignalLatch, StartWorkersMasked, worker_deaths_held
+from slurm_jit.train.signals import (IgnoreSignalsInWorker, SignalLatch, StartWorkersMasked, failure_line,
+                                     worker_deaths_held)
 
 
 def test_latch_records_first_signal_only_and_restores() -> None:
@@ -273,3 +274,32 @@ def test_a_real_dataloader_worker_killed_during_a_save_raises_right_after_it() -
                 time.sleep(0.05)  # the SIGCHLD has come, and only the hold saw it
     finally:
         batches._shutdown_workers()  # type: ignore[attr-defined]
+
+
+def _receive_error(exc: BaseException) -> BaseException:
+    """What a real DataLoader with a live worker raises when taking a batch from its queue fails with ``exc`` (the
+    worker's death half-way through the hand-over: the only thing not produced for real, since it is a race)."""
+    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2, num_workers=1)
+    it = iter(loader)
+    try:
+        def fail(*args: object, **kwargs: object) -> None:
+            raise exc
+        it._data_queue.get = fail  # type: ignore[attr-defined]
+        with pytest.raises(type(exc)) as raised:
+            next(it)
+        return raised.value
+    finally:
+        it._shutdown_workers()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("exc", [ConnectionRefusedError(111, "Connection refused"), EOFError()])
+def test_a_worker_gone_while_handing_over_a_batch_is_named_in_the_failure_line(exc: BaseException) -> None:
+    # seen in CI: Slurm's step signal ended rank 0's worker mid-hand-over; its record said only "Connection refused"
+    line = failure_line(_receive_error(exc))
+    assert line.startswith("DataLoader worker gone while handing over a batch (") and type(exc).__name__ in line
+
+
+def test_other_errors_keep_their_own_line() -> None:
+    assert failure_line(ConnectionRefusedError(111, "Connection refused")) == \
+        "ConnectionRefusedError: [Errno 111] Connection refused"  # not raised in the DataLoader's receive
+    assert failure_line(_receive_error(ValueError("bad batch"))) == "ValueError: bad batch"

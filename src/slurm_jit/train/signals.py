@@ -10,11 +10,13 @@ import contextlib
 import signal
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
 from typing import Any
 
 _Handler = Callable[[int, FrameType | None], Any] | int | None
+_DATALOADER_RECEIVE = ("dataloader.py", "_try_get_data")  # torch's DataLoader, taking a batch from its workers
 
 
 class SignalLatch:
@@ -138,3 +140,17 @@ def worker_deaths_held(replay: bool = False) -> Iterator[None]:
                 outer.seen = True  # a hold around this one decides (a stop record inside a save)
             elif seen and replay and callable(previous):
                 previous(signal.SIGCHLD, None)
+
+
+def failure_line(exc: BaseException) -> str:
+    """``Type: message`` of a failed train(), as the stop record says it. A DataLoader worker that Slurm's step
+    signal (or the OOM killer) ends while it hands a batch over leaves its rank an OSError or EOFError from inside
+    the DataLoader's receive (the batch's shared-memory handle is fetched from the dead worker: "Connection
+    refused"), raised before torch has seen the worker dead and so without the "DataLoader worker" words its own
+    check adds: the line says it."""
+    line = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, OSError | EOFError) and exc.__traceback__ is not None and any(
+            frame.filename.endswith(_DATALOADER_RECEIVE[0]) and frame.name == _DATALOADER_RECEIVE[1]
+            for frame in traceback.extract_tb(exc.__traceback__)):
+        line = f"DataLoader worker gone while handing over a batch ({line})"
+    return line

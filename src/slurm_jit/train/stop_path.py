@@ -302,9 +302,9 @@ def record_end(trainer: JitTrainer, run: Run) -> None:
 def record_failure(trainer: JitTrainer, run: Run, exc: BaseException) -> None:
     if _lost_peer(trainer, run, exc):
         return
-    error = f"{type(exc).__name__}: {exc}"[:2000]
-    if not trainer._is_rank0 and run.timing is not None and not run.hung:
-        _report_own_failure(trainer, error)  # rank 0 may see only this rank gone: it quotes the report
+    error = signals.failure_line(exc)[:2000]
+    if run.timing is not None and not run.hung:  # rank 0's too: a survivor that sees it gone rewrites its record
+        _report_own_failure(trainer, error)  # a survivor may see only this rank gone: it quotes the report
     if not trainer._is_rank0 or trainer.__dict__.get("_jit_output_lock") is None:
         return  # only the output_dir's lock holder writes its stop record (a refused launch is not it)
     if run.hung:
@@ -321,8 +321,10 @@ def record_failure(trainer: JitTrainer, run: Run, exc: BaseException) -> None:
 
 
 def _report_own_failure(trainer: JitTrainer, error: str) -> None:
-    """A rank but 0 whose train() raised its own error: its report, written before this process ends (and so
-    before its peers see it gone), for the survivor that names it lost (lost_peers.record)."""
+    """A rank whose train() raised its own error: its report, written before this process ends (and so before its
+    peers see it gone), for the survivor that names it lost (lost_peers.record). Rank 0's too: its own ``failed``
+    record is then rewritten by that survivor, which must still say why rank 0 ended (seen: a DataLoader worker's
+    death on rank 0 became a bare lost peer, which the launcher requeues as a hang instead of a crash)."""
     rank = int(trainer.args.process_index)
     try:
         stop_record.write_report(stop_record.failed_report_path(str(trainer.args.output_dir), rank), {

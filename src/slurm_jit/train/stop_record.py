@@ -46,7 +46,7 @@ EXIT_BY_STATE = {"finished": EXIT_FINISHED, "jit_stop": EXIT_REQUEUE, "running":
                  "failed": EXIT_CRASHED, "hung": EXIT_HUNG}
 HANG_REPORT_GLOB = "hang-rank*.json"  # one per rank whose watchdog fired, beside the stop record
 PEER_LOST_GLOB = "peer-lost-rank*.json"  # one per rank that saw a peer gone (train/lost_peers.py)
-FAILED_GLOB = "failed-rank*.json"  # one per rank but 0 whose train() raised its own error: the survivor quotes it
+FAILED_GLOB = "failed-rank*.json"  # one per rank whose train() raised its own error: a survivor quotes it
 REPORT_POLL_S = 0.1  # how often a rank waiting for the others' reports looks
 # Read bounds: a file others can write is never loaded beyond them. A report is a few short fields and at most an
 # error cut to 2000 characters (stop_path.py); a ``hung`` record holds one ~300-byte report per hung rank, so
