@@ -28,7 +28,9 @@ from slurm_jit.checkpoint import protocol
 # The tiny Llama: vocab 96, hidden 64, intermediate 128, 2 layers, 4 heads, 2 kv heads, lr 3e-3, batch 2.
 LLAMA = ["--model", "llama", "--vocab", "96", "--width", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2",
          "--lr", "3e-3", "--batch-size", "2"]
-RUN = ["--step-sleep", "0.03", "--kill-wait", "1"]
+# kill_wait changes no loss; 0.5 s: the offload row's steps of ~0.04 s put the stop ~12 steps after the signal
+# (with 1 s, ~23: step 35 of 40 was seen, a little later is the last step, where the run finishes instead)
+RUN = ["--step-sleep", "0.03", "--kill-wait", "0.5"]
 MAX_STEPS = 40
 CONFIGS = {
     # DeepSpeed's AdamW section (FusedAdam's CPU kernel), gradient accumulation, DataLoader workers, evaluations:

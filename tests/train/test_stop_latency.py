@@ -137,7 +137,9 @@ def test_short_steps_count_kill_wait_from_the_earliest_signal_on_any_rank(tmp_pa
     assert {r["mode"] for r in by_rank.values()} == {calc.AGREE_OVERLAPPED}
     save_start_s = [r["save_start_time"] - stopped.signal_time for r in by_rank.values()]
     assert all(2.9 <= s <= 4.5 for s in save_start_s), save_start_s  # not 5 s: from the first signal
-    assert 2.9 <= by_rank[1]["signal_to_save_s"] <= 4.5 and 0.9 <= by_rank[0]["signal_to_save_s"] <= 2.5
+    gap_s = by_rank[0]["signal_time"] - by_rank[1]["signal_time"]  # ~2 s; later on a loaded host (CI-proof)
+    assert gap_s >= 1.9 and 2.9 <= by_rank[1]["signal_to_save_s"] <= 4.5, (gap_s, by_rank)
+    assert 2.9 - gap_s <= by_rank[0]["signal_to_save_s"] <= 4.5 - gap_s, (gap_s, by_rank)  # rank 1's signal + 3 s
     assert stopped.exit_s >= 3.0  # StopResult.stop_s: nothing ends before kill_wait has passed
     predicted = _predicted_s(out)
     assert predicted["terms"][0]["source"].startswith("2 x ")

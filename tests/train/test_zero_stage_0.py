@@ -18,7 +18,7 @@ pytestmark = pytest.mark.deepspeed  # every test starts 2 DeepSpeed ranks (the t
 
 STAGE_0 = json.dumps({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
                       "gradient_clipping": "auto", "zero_optimization": {"stage": 0}})
-ARGS = ["--zero-stage", "2", "--targ", f"deepspeed={STAGE_0}", "--max-steps", "10", "--save-steps", "4",
+ARGS = ["--zero-stage", "2", "--targ", f"deepspeed={STAGE_0}", "--max-steps", "14", "--save-steps", "4",
         "--kill-wait", "1"]
 
 
