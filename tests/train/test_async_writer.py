@@ -213,3 +213,31 @@ def test_a_full_disk_under_a_safetensors_file_is_the_oserror_it_is(tmp_path) -> 
         with pytest.raises(OSError) as caught:
             files.write(mount / "model.safetensors", files.SafetensorsFile({"w": torch.ones(1024)}, None))
     assert caught.value.errno == errno.ENOSPC, caught.value
+
+
+def test_cancel_stops_the_save_before_its_next_file_and_keeps_no_error(tmp_path, writer) -> None:
+    """A JIT stop sets the save in flight aside (async_save/stop_wait.py): the file being written is finished, no
+    later file is begun, ``after`` (the done marker) never runs, the buffers are released, nothing is raised."""
+    from slurm_jit.train.async_save.files import Later  # noqa: PLC0415
+
+    in_second, go_on, released, after = threading.Event(), threading.Event(), threading.Event(), threading.Event()
+
+    def slow_state() -> dict[str, torch.Tensor]:
+        in_second.set()
+        assert go_on.wait(WAIT_S)
+        return {"w": torch.ones(4)}
+
+    ckpt = tmp_path / "checkpoint-3"
+    items = [(ckpt / "a.pt", {"w": torch.zeros(4)}), (ckpt / "b.pt", Later(slow_state)), (ckpt / "c.pt", {"w": 1})]
+    writer.submit(ckpt, items, wait_if_busy=False, after=after.set, release=released.set)
+    assert in_second.wait(WAIT_S)
+    writer.cancel()
+    go_on.set()
+    assert writer.wait(WAIT_S) is True  # nothing raised
+    assert (ckpt / "a.pt").exists() and (ckpt / "b.pt").exists() and not (ckpt / "c.pt").exists()
+    assert released.is_set() and not after.is_set()
+    # the next save is written whole: the cancel was for the one in flight only
+    again = tmp_path / "checkpoint-4"
+    writer.submit(again, [(again / "a.pt", {"w": 2}), (again / "b.pt", {"w": 3})], wait_if_busy=False,
+                  after=after.set)
+    assert writer.wait(WAIT_S) is True and (again / "b.pt").exists() and after.is_set()

@@ -28,7 +28,8 @@ a second periodic save due while one is in flight waits too (logged): never a qu
 fails on any rank leaves that rank's failed marker (rank 0's commit stops at once) and the checkpoint incomplete;
 the wait before the next save (or at the end of training) then raises ``CheckpointWriteError`` on every rank
 (:func:`_raise_on_every_rank`): training stops as after a failed synchronous save, no rank goes on alone. A JIT
-stop at the step of an async save waits for it and writes no second checkpoint. Where host memory cannot hold the
+stop at the step of an async save waits for it and writes no second checkpoint; at a later step its wait is
+bounded by the signal lead, past which the save in flight is set aside, never claimed (:mod:`.stop_wait`). Where host memory cannot hold the
 staging buffers (:class:`~.memory_guard.HostMemoryError`, one line) every rank saves this and later checkpoints
 synchronously.
 The timing log records the seconds training was blocked (``save_blocked``: the save's own and the optimizer
@@ -54,7 +55,7 @@ import safetensors.torch
 
 from slurm_jit.checkpoint import protocol
 from slurm_jit.train import save_errors
-from slurm_jit.train.async_save import collect, fault_points, files, staging
+from slurm_jit.train.async_save import collect, fault_points, files, staging, stop_wait
 from slurm_jit.train.async_save import commit as commit_mod
 from slurm_jit.train.async_save import writer as writer_mod  # the module: writer imports save_path, which imports us
 from slurm_jit.train.async_save.collect import CollectingEngine
@@ -130,6 +131,8 @@ class AsyncSaves:
     disabled: bool = False  # a HostMemoryError: synchronous saves from then on
     in_flight: _InFlight | None = None
     waited_s: float = 0.0  # the last wait for a save in flight (the next save's blocked time includes it)
+    longest_write_s: float = 0.0  # of this run's background writes, commit included: what a JIT save may need
+    set_aside: Path | None = None  # a save in flight a JIT stop did not wait for (stop_wait.py): never claimed
     closed: bool = False
     abort: threading.Event = field(default_factory=threading.Event)  # rank 0's commit gives up (a peer lost)
 
@@ -351,7 +354,8 @@ def _seal(trainer: JitTrainer, job: _InFlight, kind: str, fields: dict[str, Any]
 
 
 def before_save(trainer: JitTrainer) -> None:
-    """Before any save: the async save in flight durable and committed (a wait, logged), and taken as saved."""
+    """Before any save: the async save in flight durable and committed (a wait, logged), and taken as saved; at a
+    JIT stop, the wait bounded by the signal lead (:mod:`.stop_wait`), past which the save is set aside."""
     saves = _saves(trainer, create=False)
     if saves is None or saves.in_flight is None:
         return
@@ -366,14 +370,50 @@ def before_save(trainer: JitTrainer) -> None:
     saves.in_flight = None
     if job.gate is not None:
         job.gate.open()  # no optimizer step came between (a stop, the end): the copies are waited for here
-    error = None
+    run = trainer._jit_run
+    jit_stop = run is not None and run.save_kind == "jit"
+    bound = _stop_bound(trainer, saves, job) if jit_stop else None
+    error, written = None, True
     try:
-        saves.writer.wait()  # the background write's error (one line), the sentinel kept
+        written = saves.writer.wait(bound)  # the background write's error (one line), the sentinel kept
     except save_errors.CheckpointWriteError as exc:
         error = exc
+    if jit_stop and not trainer._agreement.all_true(written):  # the same decision on every rank
+        _set_aside(trainer, saves, job, bound, error)
+        return
     _raise_on_every_rank(trainer, job, error)
     saves.waited_s = time.monotonic() - t0
     _taken_as_saved(trainer, job, saves.writer)
+
+
+def _stop_bound(trainer: JitTrainer, saves: AsyncSaves, job: _InFlight) -> float | None:
+    """Rank 0's bound on the JIT stop's wait (:func:`.stop_wait.bound_s`), the same on every rank; None (no bound)
+    at the step of the save in flight: that save is the stop's checkpoint, whose directory it is writing."""
+    bound = None
+    run = trainer._jit_run
+    if trainer._is_rank0 and run is not None and run.kill_wait_until > 0 and job.step != trainer.state.global_step:
+        earliest = run.kill_wait_until - trainer.jit_config.kill_wait_s  # the first signal on any rank
+        bound = stop_wait.bound_s(lead_s=stop_wait.signal_lead_s(), earliest_signal=earliest, now=time.monotonic(),
+                                  submitted_at=job.submitted_at, longest_write_s=saves.longest_write_s)
+    bound = trainer._agreement.broadcast(bound)
+    return None if bound is None else float(bound)
+
+
+def _set_aside(trainer: JitTrainer, saves: AsyncSaves, job: _InFlight, bound: float | None,
+               error: save_errors.CheckpointWriteError | None) -> None:
+    """Some rank's share of the save in flight is not written within the stop's bound: every rank's writer stops
+    before its next file and rank 0's commit gives up (no manifest: the sentinel stays), the JIT save goes on."""
+    saves.writer.cancel()
+    saves.abort.set()
+    saves.set_aside, saves.disabled = job.ckpt, True  # any later save (none after a JIT stop) is synchronous
+    if error is not None:  # this rank's share failed, another's is late: the JIT save's own outcome decides
+        logger.warning("%s", error)
+    if trainer._is_rank0:
+        logger.warning("slurm_jit: the async save of %s is still being written %.1f s after the stop's wait began; "
+                       "set aside (it stays incomplete, never claimed): the signal lead leaves the time to the JIT "
+                       "save of step %d. HINT: a longer --signal lead keeps both (grace-calc --from %s sizes it "
+                       "with the async save in flight)", job.ckpt, bound or 0.0, trainer.state.global_step,
+                       trainer.args.output_dir)
 
 
 def _raise_on_every_rank(trainer: JitTrainer, job: _InFlight, error: save_errors.CheckpointWriteError | None,
@@ -400,6 +440,8 @@ def _taken_as_saved(trainer: JitTrainer, job: _InFlight, writer: writer_mod.Back
         return
     run.saved_step, run.saved_contents, run.checkpoint = job.step, job.contents, str(job.ckpt)
     stats = writer.last_stats
+    if stats is not None and stats.ckpt_dir == job.ckpt and run.async_saves is not None:
+        run.async_saves.longest_write_s = max(run.async_saves.longest_write_s, stats.total_s + job.after_s)
     if run.timing is not None and stats is not None and stats.ckpt_dir == job.ckpt:
         run.timing.save_background(job.step, ASYNC_KIND, stats.total_s + job.after_s, stats.nbytes, {
             "write_s": round(stats.write_s, 6), "fsync_s": round(stats.fsync_s, 6),
@@ -414,7 +456,15 @@ def finish(trainer: JitTrainer) -> None:
         return
     before_save(trainer)
     saves.closed = True
-    saves.writer.close()
+    if saves.set_aside is None:
+        saves.writer.close()
+    else:  # its writer stops at its next file; an error of its commit (aborted) is not this train()'s
+        try:
+            if not saves.writer.close(stop_wait.SET_ASIDE_CLOSE_WAIT_S):
+                logger.warning("slurm_jit: the set-aside save %s is still finishing a file; it stays incomplete",
+                               saves.set_aside)
+        except save_errors.CheckpointWriteError as exc:
+            logger.info("slurm_jit: the set-aside save %s: %s", saves.set_aside, exc)
     saves.stager.free()
 
 

@@ -21,6 +21,9 @@ A caller may rely on:
   training's): telling the other ranks that this rank's share is durable is ``after``'s file, not a message.
 - ``on_error`` (given to :meth:`~BackgroundWriter.submit`) runs in the thread when the write fails, before the
   error is kept for the caller: e.g. a "failed" marker that tells rank 0 at once (its own failure only logged).
+- :meth:`cancel` stops the save in flight before its next file (or its fsyncs, or ``after``): nothing more is
+  written for it, no error is kept, ``release`` still runs; a JIT stop sets a save aside this way when the signal
+  lead leaves no time to wait for it (:mod:`.stop_wait`). The file being written when it is called is finished.
 - ``zip_crc32`` is torch's process-wide setting; the thread sets it around its ``torch.save`` calls, so the caller
   saves nothing itself while a write is in flight (the synchronous save waits for the writer first).
 """
@@ -45,6 +48,10 @@ from slurm_jit.train.async_save import fault_points, files
 logger = logging.getLogger(__name__)
 
 THREAD_NAME = "slurm-jit-async-save"
+
+
+class _Cancelled(Exception):  # noqa: N818 - not an error: the caller asked for it
+    """The save in flight was cancelled (:meth:`BackgroundWriter.cancel`)."""
 
 
 class Submitted(enum.Enum):
@@ -86,6 +93,7 @@ class BackgroundWriter:
         self._job: _Job | None = None
         self._error: BaseException | None = None
         self._closed = False
+        self._cancel = threading.Event()
         self.last_stats: WriteStats | None = None
         self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
         self._thread.start()
@@ -119,6 +127,7 @@ class BackgroundWriter:
                 self._raise_if_failed()
             if self._job is not None:
                 return Submitted.REFUSED_BUSY
+            self._cancel.clear()
             self._job = _Job(ckpt_dir, tuple((Path(p), s) for p, s in items), after, release, on_error, prepare)
             self._cond.notify_all()
             return Submitted.STARTED_AFTER_WAIT if waited else Submitted.STARTED
@@ -129,6 +138,11 @@ class BackgroundWriter:
             done = self._cond.wait_for(lambda: self._job is None, timeout=timeout_s)
             self._raise_if_failed()
             return done
+
+    def cancel(self) -> None:
+        """Stop the save in flight before its next file; :meth:`wait` and :meth:`close` then return as after a
+        write that ended (nothing to raise for it)."""
+        self._cancel.set()
 
     def close(self, timeout_s: float | None = None) -> bool:
         """Wait for the save in flight, end the thread; False when it still runs at the timeout. Raises its error."""
@@ -165,12 +179,17 @@ class BackgroundWriter:
                 if job.prepare is not None:
                     job.prepare()
                 with save_errors.disk_full_is_one_line(job.ckpt_dir):
-                    self.last_stats = _write_durably(job, self._zip_crc32)
+                    self.last_stats = _write_durably(job, self._zip_crc32, self._cancel)
+                    _check(self._cancel)
                     if job.after is not None:
                         job.after()
             finally:
                 if job.release is not None:
                     job.release()
+        except _Cancelled:
+            logger.info("slurm_jit: the background write of %s stopped: set aside (it stays incomplete)",
+                        job.ckpt_dir)
+            return None
         except save_errors.CheckpointWriteError as exc:
             logger.debug("slurm_jit: background write of %s failed", job.ckpt_dir, exc_info=True)
             return _report(job, exc)
@@ -195,18 +214,26 @@ def _report(job: _Job, error: save_errors.CheckpointWriteError) -> save_errors.C
     return error
 
 
-def _write_durably(job: _Job, zip_crc32: bool) -> WriteStats:
-    """torch.save of each item, then fsync of each file and each directory up to the checkpoint directory."""
+def _check(cancel: threading.Event) -> None:
+    if cancel.is_set():
+        raise _Cancelled
+
+
+def _write_durably(job: _Job, zip_crc32: bool, cancel: threading.Event) -> WriteStats:
+    """torch.save of each item, then fsync of each file and each directory up to the checkpoint directory; stops
+    before the next file once ``cancel`` is set."""
     t0 = time.monotonic()
     directories: set[Path] = set()
     with _save_path.zip_crc32(zip_crc32):
         for i, (path, state) in enumerate(job.items):
+            _check(cancel)
             path.parent.mkdir(parents=True, exist_ok=True)
             files.write(path, state)
             directories.update(_dirs_up_to(path.parent, job.ckpt_dir))
             if i == 0:
                 fault_points.hit("write", job.ckpt_dir)  # fault injection: the first file written, not the rest
     t_write = time.monotonic()
+    _check(cancel)
     nbytes = 0
     for path, _ in job.items:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
