@@ -11,6 +11,7 @@ import re
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,7 +21,7 @@ from disk_helpers import fill, tmpfs
 from safetensors.torch import save_file
 
 from slurm_jit.checkpoint import manifest, protocol
-from slurm_jit.train.async_save import commit
+from slurm_jit.train.async_save import commit, periodic
 from slurm_jit.train.async_save.periodic import CollectingEngine
 from slurm_jit.train.jit_config import JitConfig
 from slurm_jit.train.refusals import JitRefusal
@@ -227,3 +228,19 @@ def test_the_commit_gives_up_at_once_when_aborted(tmp_path: Path) -> None:
     with pytest.raises(commit.CommitError, match="peer lost") as caught:
         commit.wait_for_markers(ckpt, 2, timeout_s=60.0, abort=abort)
     assert time.monotonic() - t0 < 5.0 and "HINT:" in str(caught.value) and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("strategy", ["every_save", "checkpoint", "all_checkpoints"])
+def test_the_flag_with_push_to_hub_is_refused_in_one_line(strategy: str) -> None:
+    """Upstream's _save_checkpoint pushes the checkpoint's files (_push_from_checkpoint) as it returns: under an
+    async save they are not written yet. A stand-in trainer: a real push_to_hub Trainer needs the Hub at __init__
+    (create_repo), which this machine cannot reach."""
+    from transformers.trainer_utils import HubStrategy  # noqa: PLC0415
+
+    trainer = SimpleNamespace(jit_config=JitConfig(async_periodic_saves=True),
+                              args=SimpleNamespace(push_to_hub=True, hub_strategy=HubStrategy(strategy)))
+    why = periodic.refusal(trainer)  # type: ignore[arg-type]
+    assert why is not None and "push_to_hub" in why and "HINT:" in why and "\n" not in why, why
+    trainer.args.hub_strategy = HubStrategy.END  # pushes only at the end of training, after finish() waited
+    trainer.is_deepspeed_enabled = False
+    assert "needs DeepSpeed" in periodic.refusal(trainer)  # type: ignore[arg-type,operator]

@@ -142,6 +142,11 @@ def refusal(trainer: JitTrainer) -> str | None:
     if not trainer.jit_config.async_periodic_saves:
         return None
     hint = "HINT: set JitConfig(async_periodic_saves=False) (synchronous periodic saves)"
+    strategy = getattr(trainer.args, "hub_strategy", None)
+    if getattr(trainer.args, "push_to_hub", False) and getattr(strategy, "value", strategy) != "end":
+        return ("JitConfig(async_periodic_saves=True) with push_to_hub: upstream uploads each checkpoint's files as "
+                "its save returns, before the background write has written them (a stale or missing model on the "
+                f"Hub). {hint}, or TrainingArguments(hub_strategy='end')")
     if not trainer.is_deepspeed_enabled:
         return f"JitConfig(async_periodic_saves=True) needs DeepSpeed (its checkpoint engine is what is staged). {hint}"
     ds_config = trainer.accelerator.state.deepspeed_plugin.deepspeed_config
