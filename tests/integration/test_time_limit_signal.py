@@ -1,6 +1,6 @@
 """Issue 7 items 1-4 under the real local Slurm: a real time-limit signal (``--signal=TERM@N`` without ``B:``,
-delivered to the srun tasks), one job for all the checks (the cluster has 2 CPUs and is shared). About 2 minutes; the limit is moved once the
-ranks train, so that a slow start-up never meets the warning first.
+delivered to the srun tasks), one job for all the checks (the cluster has 2 CPUs and is shared). About 2 minutes;
+the limit is moved once the ranks train, so that a slow start-up never meets the warning first.
 
 The job trains with eval_steps = save_steps = 2, metric_for_best_model="loss", save_total_limit=1,
 save_only_model and an on_save callback until the time-limit signal; after the stop an on_train_end callback

@@ -19,8 +19,13 @@ import torch
 import torch.utils.data
 
 from slurm_jit.signal_names import parse_signal
-from slurm_jit.train.signals import (IgnoreSignalsInWorker, SignalLatch, StartWorkersMasked, failure_line,
-                                     worker_deaths_held)
+from slurm_jit.train.signals import (
+    IgnoreSignalsInWorker,
+    SignalLatch,
+    StartWorkersMasked,
+    failure_line,
+    worker_deaths_held,
+)
 
 
 def test_latch_records_first_signal_only_and_restores() -> None:
