@@ -248,6 +248,7 @@ class AsyncSaveStats:
     background_max_s: float | None  # the longest write + fsync + commit in the background; None: none seen ended
     background_median_s: float | None
     staged_max_bytes: int  # the largest staging buffer one rank filled (its host memory's extra copy)
+    set_aside_max_s: float | None = None  # the longest a write had taken when a JIT stop set it aside (at least)
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:
@@ -378,25 +379,27 @@ def async_save_stats(records: Iterable[dict[str, Any]]) -> AsyncSaveStats | None
     """The async periodic saves of a timing log, per save its slowest rank; None when it has none."""
     blocked: dict[tuple[str, Any], float] = {}
     background: dict[tuple[str, Any], float] = {}
+    set_aside: dict[tuple[str, Any], float] = {}  # never ended: their time so far, apart from the writes seen ended
     staged = 0
     for record in records:
         event = record["event"]
         if event in ("save_blocked", "save_background"):
-            into = blocked if event == "save_blocked" else background
+            into = blocked if event == "save_blocked" else set_aside if record.get("set_aside") else background
             key = _sample_key(record)
             into[key] = max(into.get(key, 0.0), float(record["dur_s"]))
             staged = max(staged, _recorded_bytes(record.get("staged_bytes")))
-    if not blocked and not background:
+    if not blocked and not background and not set_aside:
         return None
     waits, writes = sorted(blocked.values()), sorted(background.values())
     return AsyncSaveStats(
-        count=len(blocked.keys() | background.keys()),
+        count=len(blocked.keys() | background.keys() | set_aside.keys()),
         blocked_max_s=waits[-1] if waits else 0.0,
         blocked_median_s=_percentile(waits, 50) if waits else 0.0,
         n_background=len(writes),
         background_max_s=writes[-1] if writes else None,
         background_median_s=_percentile(writes, 50) if writes else None,
         staged_max_bytes=staged,
+        set_aside_max_s=max(set_aside.values()) if set_aside else None,
     )
 
 

@@ -110,7 +110,7 @@ def test_grace_calc_shows_both_figures_and_the_term(tmp_path: Path) -> None:
     assert {t["name"]: t["seconds"] for t in doc["terms"]}["async_save"] == pytest.approx(6.4)
     assert doc["samples"]["async_saves"] == {
         "count": 2, "blocked_max_s": 0.4, "blocked_median_s": 0.3, "n_background": 2, "background_max_s": 6.0,
-        "background_median_s": 5.0, "staged_max_bytes": 4 * MIB}
+        "background_median_s": 5.0, "staged_max_bytes": 4 * MIB, "set_aside_max_s": None}
     text = grace_calc("--from", str(out), "--no-slurm", "--margin", "0")
     assert text.returncode == 0, text.stderr
     assert "async_save       6.40  longest training block 0.4 s + longest background" in text.stdout
@@ -127,3 +127,33 @@ def test_the_runtime_check_counts_the_wait_for_an_async_save() -> None:
                                     latency_steps=1, async_save_s=6.4)
     assert len(warnings) == 1 and "signal lead 10 s < needed 12 s" in warnings[0]
     assert "async save in flight 6.4 s" in warnings[0]
+
+
+def _with_a_set_aside_save(rank: int) -> list[dict[str, Any]]:
+    """The run above, and at step 25 an async save a JIT stop set aside 30 s after its submission (still being
+    written: async_save/stop_wait.py records its time so far)."""
+    base = {"v": 1, "rank": rank, "world_size": 2, "run_id": "r1"}
+    return [*_records(rank), {**base, "event": "save_background", "step": 25, "dur_s": 30.0 - rank, "kind": "periodic",
+                              "bytes": 0, "set_aside": True, "staged_bytes": 3 * MIB}]
+
+
+def test_a_set_aside_write_counts_as_at_least_its_time_so_far_and_says_so(tmp_path: Path) -> None:
+    stats = timing.load_summary(_write(tmp_path, _with_a_set_aside_save)).async_saves
+    assert stats is not None and stats.set_aside_max_s == 30.0 and stats.count == 3
+    assert stats.n_background == 2 and stats.background_max_s == 6.0  # the writes seen to their end, apart
+    measured = grace.measured_terms(timing.load_summary(tmp_path))
+    assert measured.async_save_s == 0.4 + 30.0, measured
+    assert "set aside after 30 s, at least" in measured.async_save_source
+    assert any("set aside an async save still being written after 30 s" in w for w in measured.warnings), measured
+
+
+def test_a_run_whose_only_async_save_was_set_aside_is_sized_with_it(tmp_path: Path) -> None:
+    def only_set_aside(rank: int) -> list[dict[str, Any]]:
+        base = {"v": 1, "rank": rank, "world_size": 2, "run_id": "r1"}
+        kept = [r for r in _with_a_set_aside_save(rank) if r["event"] != "save_background" or r.get("set_aside")]
+        return [r for r in kept if r["event"] != "save_blocked" or r["step"] == 10] + [
+            {**base, "event": "save_blocked", "step": 25, "dur_s": 0.1, "kind": "periodic", "staged_bytes": MIB,
+             "phases": {}}]
+    measured = grace.measured_terms(timing.load_summary(_write(tmp_path, only_set_aside)))
+    assert measured.async_save_s == pytest.approx(0.3 + 30.0), measured  # not the block alone, unwarned
+    assert any("set aside" in w for w in measured.warnings), measured

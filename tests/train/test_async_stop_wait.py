@@ -6,8 +6,10 @@ bitwise."""
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from jit_helpers import ckpt_check, losses, run_logged, start_ranks, wait_for
@@ -15,7 +17,7 @@ from jit_helpers import ckpt_check, losses, run_logged, start_ranks, wait_for
 from slurm_jit.checkpoint import protocol
 from slurm_jit.grace.formula import Margin
 from slurm_jit.grace.rules import LEAD_ENV_VAR
-from slurm_jit.train import stop_record
+from slurm_jit.train import save_errors, stop_record
 from slurm_jit.train.async_save import fault_points, stop_wait
 
 
@@ -89,3 +91,127 @@ def test_a_jit_stop_sets_aside_an_async_save_the_lead_cannot_wait_for_and_resume
     expected = dict(losses(reference))
     assert {s for s, _ in losses(out)} == set(expected)
     assert all(loss == expected[s] for s, loss in losses(out)), (losses(out), expected)  # bitwise
+
+
+def test_the_commit_gate_lets_one_side_win_for_good() -> None:
+    sealing_first = stop_wait.CommitGate()
+    assert sealing_first.enter_seal() and not sealing_first.close()  # the manifest had begun: the save is kept
+    closed_first = stop_wait.CommitGate()
+    assert closed_first.close() and not closed_first.enter_seal() and closed_first.close()  # never a manifest
+
+
+def test_a_lead_slurm_cannot_give_is_no_lead(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(LEAD_ENV_VAR, "1e11")  # was a bound past threading's TIMEOUT_MAX: OverflowError at the stop
+    assert stop_wait.signal_lead_s() is None
+    bound = stop_wait.bound_s(lead_s=65535.0, earliest_signal=0.0, now=1.0, submitted_at=0.0, longest_write_s=0.0)
+    assert bound is not None and bound <= 65535.0
+
+
+def _stop_during_a_stall(out: Path, args: list[str], fault: str, lead_s: int, stalled_ranks: tuple[int, ...]):  # type: ignore[no-untyped-def]
+    point, step = fault.split(":")[:2]
+    ranks = start_ranks(out, args, env={fault_points.FAULT_ASYNC_ENV: fault, LEAD_ENV_VAR: str(lead_s)})
+    wait_for(ranks, f"{fault} stalled", lambda: all(
+        fault_points.STALLED % (point, int(step), r) in ranks.log(r) for r in stalled_ranks))
+    ranks.signal(0, signal.SIGTERM)
+    ranks.signal(1, signal.SIGTERM)
+    return ranks, ranks.wait(STALL_S + 60)
+
+
+@pytest.mark.deepspeed
+def test_a_commit_stalled_before_its_manifest_is_never_sealed_after_the_set_aside(tmp_path: Path) -> None:
+    """Rank 0's thread has read every marker and stalls before the manifest when the stop sets the save aside; once
+    the stall ends (the ranks still alive: a slow end of training) it writes no manifest and rotates nothing
+    (the first review: it sealed checkpoint-4 after the JIT save, and save_total_limit=1 deleted the JIT one)."""
+    out = tmp_path / "out"
+    args = [*ARGS, *STEP_SLEEP, "--save-total-limit", "1", "--after-train-sleep", "25"]
+    ranks, codes = _stop_during_a_stall(out, args, "manifest:4:12:0", 10, (0,))
+    log = ranks.log(0)
+    assert codes == [0, 0], log[-3000:]
+    assert "set aside (it stays incomplete, never claimed)" in log, log[-3000:]
+    assert "deleting" not in log, log[-3000:]  # its commit gave up: no rotation (the ranks outlived the stall)
+    record = stop_record.read(out)
+    assert record is not None and record["state"] == "jit_stop" and Path(record["checkpoint"]).is_dir(), record
+    assert not (out / "checkpoint-4" / protocol.MANIFEST_NAME).exists()
+    check = ckpt_check(out)
+    assert check.returncode == 0 and check.stdout.splitlines()[-1] == record["checkpoint"], check.stdout
+
+
+@pytest.mark.deepspeed
+def test_a_set_aside_best_checkpoint_is_not_loaded_at_the_end_of_the_resumed_run(tmp_path: Path) -> None:
+    """load_best_model_at_end: upstream names checkpoint-<best step> whenever the directory exists, and the set-aside
+    one does; the resumed run's end says why it keeps the final weights (the first review: an AssertionError in
+    _load_best_model, at the end of every requeue)."""
+    out = tmp_path / "out"
+    args = [*ARGS, "--eval-steps", "4", "--eval-samples", "4", "--metric-for-best", "loss",
+            "--targ", "load_best_model_at_end=true", "--targ", "greater_is_better=true"]
+    ranks, codes = _stop_during_a_stall(out, [*args, *STEP_SLEEP], f"write:4:{STALL_S}", LEAD_S, (0, 1))
+    assert codes == [0, 0], ranks.log(0)[-3000:]
+    resumed = run_logged(out, [*args, "--resume"])
+    assert resumed.codes == [0, 0], resumed.log[-3000:]
+    assert "not loading the best model:" in resumed.log and "checkpoint-4 is incomplete" in resumed.log, \
+        resumed.log[-3000:]
+
+
+class _TwoRanksInThreads:
+    """The side group's collectives between two threads (rank "0" and rank "1"): the ranks' order of calls is what
+    is under test; a stand-in because a failure after rank 0's commit has begun its manifest cannot be injected."""
+
+    def __init__(self) -> None:
+        self._barrier, self._values = threading.Barrier(2), {}  # type: ignore[var-annotated]
+
+    def all_true(self, flag: bool) -> bool:
+        self._values[threading.current_thread().name] = flag
+        self._barrier.wait(10)
+        result = all(v for k, v in self._values.items() if k != "broadcast")
+        self._barrier.wait(10)
+        return result
+
+    def broadcast(self, obj: object) -> object:
+        if threading.current_thread().name == "0":
+            self._values["broadcast"] = obj
+        self._barrier.wait(10)
+        result = self._values["broadcast"]
+        self._barrier.wait(10)
+        self._values.pop("broadcast", None) if threading.current_thread().name == "0" else None
+        return result
+
+
+class _Writer:
+    def __init__(self, fails_once: bool) -> None:
+        self.fails_once, self.last_stats = fails_once, None
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        if self.fails_once:
+            self.fails_once = False
+            raise save_errors.CheckpointWriteError("slurm_jit: the manifest of checkpoint-8 not written (ENOSPC)")
+        return True
+
+    def cancel(self) -> None:
+        pass
+
+
+def test_a_kept_save_whose_manifest_failed_on_rank0_is_taken_as_saved_by_no_rank() -> None:
+    """The second review: rank 0's commit had begun its manifest (kept), then failed; rank 1 took the save as saved,
+    rank 0 did not: at a stop of that step rank 1 skipped the JIT save and rank 0 waited in its barrier."""
+    from slurm_jit.train.async_save.periodic import InFlight  # noqa: PLC0415
+
+    agreement = _TwoRanksInThreads()
+    job = InFlight(8, Path("/nonexistent/checkpoint-8"), "full", "periodic", 0.0, 1)
+    assert job.commit_gate.enter_seal()  # rank 0's thread: the markers read, the manifest begun
+    saved: dict[int, int] = {}
+
+    def rank(r: int) -> None:
+        run = SimpleNamespace(saved_step=-1, saved_contents=None, checkpoint=None, async_saves=None, timing=None,
+                              kill_wait_until=0.0, latch=SimpleNamespace(first_at=None))
+        trainer = SimpleNamespace(_agreement=agreement, _is_rank0=r == 0, _jit_run=run,
+                                  state=SimpleNamespace(global_step=8), jit_config=SimpleNamespace(kill_wait_s=3.0))
+        saves = SimpleNamespace(writer=_Writer(fails_once=r == 0), waited_s=0.0, longest_write_s=0.0)
+        stop_wait.settle(trainer, saves, job, 0.0)  # type: ignore[arg-type]
+        saved[r] = run.saved_step
+
+    threads = [threading.Thread(target=rank, args=(r,), name=str(r)) for r in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert saved == {0: -1, 1: -1}, saved  # the same on both: the JIT save of step 8 is written by both ranks

@@ -141,6 +141,13 @@ def async_save_term(stats: timing.AsyncSaveStats | None) -> tuple[float, str, st
     if stats is None:
         return 0.0, "no async periodic saves in the timing log", None
     n = f"{stats.count} async periodic save{'s' if stats.count != 1 else ''} in the timing log"
+    aside = stats.set_aside_max_s
+    if aside is not None and aside > (stats.background_max_s or 0.0):  # a write slower than any seen to end
+        warning = (f"a JIT stop set aside an async save still being written after {aside:.3g} s (its whole write "
+                   "took longer: counted as at least that). HINT: give --save-time with room for the disk's slowest "
+                   "write, or save synchronously before a short lead")
+        return (stats.blocked_max_s + aside, f"longest training block {stats.blocked_max_s:.3g} s + a background "
+                f"write set aside after {aside:.3g} s, at least (of {n})", warning)
     if stats.background_max_s is None:
         warning = (f"none of the {n} was seen written to its end (a killed run): the wait for one in flight is "
                    "not counted. HINT: size again from a run that saved in the background and went on, or give "
@@ -158,6 +165,8 @@ def async_note(figures: dict[str, Any]) -> str:
     background = ("none seen to end" if figures["background_max_s"] is None else
                   f"median {figures['background_median_s']:.3g} s, longest {figures['background_max_s']:.3g} s "
                   f"(of {figures['n_background']})")
+    if figures.get("set_aside_max_s") is not None:
+        background += f", and one set aside by a JIT stop after {figures['set_aside_max_s']:.3g} s (at least)"
     return (f"async periodic saves: {figures['count']} in the timing log; training blocked per save median "
             f"{figures['blocked_median_s']:.3g} s, longest {figures['blocked_max_s']:.3g} s; background write and "
             f"commit {background}; staging buffer up to {format_bytes(figures['staged_max_bytes'])} per rank (host "

@@ -236,12 +236,30 @@ def load_best_model(trainer: JitTrainer, upstream: Callable[[], None]) -> None:
         elastic.uninstall_universal_load()
 
 
+def _not_whole(best: str) -> str | None:
+    """Why the best checkpoint cannot be loaded whole (incomplete: an async save a JIT stop set aside, or a save
+    killed; corrupt), or None. Upstream names ``checkpoint-<best step>`` whenever the directory exists."""
+    found = protocol.CHECKPOINT_RE.fullmatch(Path(best).name)
+    if found is None:
+        return None  # not a checkpoint-<step> name: upstream's own load decides
+    try:
+        info = protocol.inspect(best, int(found.group(1)))
+    except OSError as exc:
+        return f"{best}: {exc}"
+    if info.status in protocol.WHOLE_STATUSES:
+        return None
+    return f"{best} is {info.status.value} ({info.reason}); the final weights stay"
+
+
 def _best_model_elastic(trainer: JitTrainer, best: str) -> tuple[str | None, str | None]:
     """Rank 0 (None, None elsewhere): the best checkpoint's universal copy when it was written by another
     number of ranks (DeepSpeed refuses its shards here: the run would end in a traceback after its last save,
     and so would every requeue of it), or why it cannot be loaded."""
     if not trainer._is_rank0:
         return None, None
+    whole = _not_whole(best)
+    if whole is not None:
+        return None, whole
     decided = elastic.plan(best, int(trainer.args.world_size))
     if decided.action in (elastic.SAME, elastic.DIRECT) or not decided.resumable:
         return None, None if decided.resumable else decided.reason

@@ -73,16 +73,18 @@ FAILED_CLOSE_WAIT_S = 60.0  # after a failed train(): how long the save in fligh
 
 
 @dataclass
-class _InFlight:
+class InFlight:
     """One async save from its submission until the training thread has seen it committed."""
 
     step: int
     ckpt: Path
     contents: str
+    kind: str
     submitted_at: float
     nbytes: int
     after_s: float = 0.0  # the background thread's marker, and on rank 0 the wait for the others and the commit
     gate: _StepGate | None = None  # DeepSpeed's next optimizer step held until the deferred copies are done
+    commit_gate: stop_wait.CommitGate = field(default_factory=stop_wait.CommitGate)  # rank 0's manifest vs a set-aside
 
 
 class _StepGate:
@@ -129,7 +131,7 @@ class AsyncSaves:
     stager: HostStager
     writer: writer_mod.BackgroundWriter
     disabled: bool = False  # a HostMemoryError: synchronous saves from then on
-    in_flight: _InFlight | None = None
+    in_flight: InFlight | None = None
     waited_s: float = 0.0  # the last wait for a save in flight (the next save's blocked time includes it)
     longest_write_s: float = 0.0  # of this run's background writes, commit included: what a JIT save may need
     set_aside: Path | None = None  # a save in flight a JIT stop did not wait for (stop_wait.py): never claimed
@@ -275,7 +277,7 @@ def submit(trainer: JitTrainer, collector: CollectingEngine | None, ckpt: Path, 
     rank, world = int(trainer.args.process_index), int(trainer.args.world_size)
     items = [(path, state if isinstance(state, files.TrainerStateFile) else _later(staged, collector.key(path)))
              for path, state in collector.collected]
-    job = _InFlight(step, ckpt, fields["contents"], time.monotonic(), staged.nbytes)
+    job = InFlight(step, ckpt, fields["contents"], kind, time.monotonic(), staged.nbytes)
     after = _after(trainer, job, rank, world, kind, fields, [str(p.relative_to(ckpt)) for p, _ in items])
     if saves.writer.submit(ckpt, items, wait_if_busy=False, after=after, release=staged.release,
                            on_error=lambda why: commit_mod.write_failed_marker(ckpt, rank, why, [p for p, _ in items]),
@@ -311,7 +313,7 @@ def _copy(ckpt: Path, staged: StagedSave) -> None:
         staged.copy_pending()
 
 
-def _record_blocked(trainer: JitTrainer, job: _InFlight, kind: str, blocked_s: float, waited_s: float,
+def _record_blocked(trainer: JitTrainer, job: InFlight, kind: str, blocked_s: float, waited_s: float,
                     phases: Any, copy_wait_s: float) -> None:
     """The timing log's ``save_blocked``: the save's own seconds and the optimizer step's wait for the copies."""
     run = trainer._jit_run
@@ -321,7 +323,7 @@ def _record_blocked(trainer: JitTrainer, job: _InFlight, kind: str, blocked_s: f
                                  "copy_wait": round(copy_wait_s, 6)})
 
 
-def _after(trainer: JitTrainer, job: _InFlight, rank: int, world: int, kind: str, fields: dict[str, Any],
+def _after(trainer: JitTrainer, job: InFlight, rank: int, world: int, kind: str, fields: dict[str, Any],
            rels: list[str]) -> Callable[[], None]:
     """What the background thread does once this rank's files are durable: the rest of its share durable, its
     marker; rank 0: the commit and the rotation."""
@@ -342,7 +344,8 @@ def _after(trainer: JitTrainer, job: _InFlight, rank: int, world: int, kind: str
             timeout_s = max(commit_mod.COMMIT_WAIT_MIN_S, commit_mod.COMMIT_WAIT_FACTOR * own_s)
             nbytes = commit_mod.commit(job.ckpt, world, timeout_s,
                                        lambda files: _seal(trainer, job, kind, fields, files), abort=abort)
-            save_path.rotate_checkpoints_safely(trainer, run_dir, just_written=job.ckpt, best_before=best_before)
+            if not job.commit_gate.stop_asked:  # else the stop's wait is for the manifest only: the JIT save rotates
+                save_path.rotate_checkpoints_safely(trainer, run_dir, just_written=job.ckpt, best_before=best_before)
             logger.info("slurm_jit: %s checkpoint %s complete in the background, %.2f s after its submission "
                         "(%d bytes)", kind, job.ckpt, time.monotonic() - job.submitted_at, nbytes)
         job.after_s = time.monotonic() - t_after
@@ -350,11 +353,15 @@ def _after(trainer: JitTrainer, job: _InFlight, rank: int, world: int, kind: str
     return after
 
 
-def _seal(trainer: JitTrainer, job: _InFlight, kind: str, fields: dict[str, Any],
+def _seal(trainer: JitTrainer, job: InFlight, kind: str, fields: dict[str, Any],
           files: dict[str, dict[str, Any]]) -> int:
     from slurm_jit.train import save_path  # noqa: PLC0415 (save_path imports this module)
 
     fault_points.hit("manifest", job.ckpt)  # fault injection: the markers removed, the manifest not yet written
+    if not job.commit_gate.enter_seal():
+        raise commit_mod.CommitError(f"slurm_jit: {job.ckpt} not committed: a JIT stop set it aside; it stays "
+                                     f"incomplete ({protocol.SENTINEL_NAME} kept). HINT: the JIT checkpoint is the "
+                                     "resume point")
     return save_path.seal(trainer, job.ckpt, job.step, kind, fields, files)
 
 
@@ -376,52 +383,20 @@ def before_save(trainer: JitTrainer) -> None:
     if job.gate is not None:
         job.gate.open()  # no optimizer step came between (a stop, the end): the copies are waited for here
     run = trainer._jit_run
-    jit_stop = run is not None and run.save_kind == "jit"
-    bound = _stop_bound(trainer, saves, job) if jit_stop else None
-    error, written = None, True
+    if run is not None and run.save_kind == "jit":
+        stop_wait.settle(trainer, saves, job, t0)
+        return
+    error = None
     try:
-        written = saves.writer.wait(bound)  # the background write's error (one line), the sentinel kept
+        saves.writer.wait()  # the background write's error (one line), the sentinel kept
     except save_errors.CheckpointWriteError as exc:
         error = exc
-    if jit_stop and not trainer._agreement.all_true(written):  # the same decision on every rank
-        _set_aside(trainer, saves, job, bound, error)
-        return
     _raise_on_every_rank(trainer, job, error)
     saves.waited_s = time.monotonic() - t0
-    _taken_as_saved(trainer, job, saves.writer)
+    taken_as_saved(trainer, job, saves.writer)
 
 
-def _stop_bound(trainer: JitTrainer, saves: AsyncSaves, job: _InFlight) -> float | None:
-    """Rank 0's bound on the JIT stop's wait (:func:`.stop_wait.bound_s`), the same on every rank; None (no bound)
-    at the step of the save in flight: that save is the stop's checkpoint, whose directory it is writing."""
-    bound = None
-    run = trainer._jit_run
-    if trainer._is_rank0 and run is not None and run.kill_wait_until > 0 and job.step != trainer.state.global_step:
-        earliest = run.kill_wait_until - trainer.jit_config.kill_wait_s  # the first signal on any rank
-        bound = stop_wait.bound_s(lead_s=stop_wait.signal_lead_s(), earliest_signal=earliest, now=time.monotonic(),
-                                  submitted_at=job.submitted_at, longest_write_s=saves.longest_write_s)
-    bound = trainer._agreement.broadcast(bound)
-    return None if bound is None else float(bound)
-
-
-def _set_aside(trainer: JitTrainer, saves: AsyncSaves, job: _InFlight, bound: float | None,
-               error: save_errors.CheckpointWriteError | None) -> None:
-    """Some rank's share of the save in flight is not written within the stop's bound: every rank's writer stops
-    before its next file and rank 0's commit gives up (no manifest: the sentinel stays), the JIT save goes on."""
-    saves.writer.cancel()
-    saves.abort.set()
-    saves.set_aside, saves.disabled = job.ckpt, True  # any later save (none after a JIT stop) is synchronous
-    if error is not None:  # this rank's share failed, another's is late: the JIT save's own outcome decides
-        logger.warning("%s", error)
-    if trainer._is_rank0:
-        logger.warning("slurm_jit: the async save of %s is still being written %.1f s after the stop's wait began; "
-                       "set aside (it stays incomplete, never claimed): the signal lead leaves the time to the JIT "
-                       "save of step %d. HINT: a longer --signal lead keeps both (grace-calc --from %s sizes it "
-                       "with the async save in flight)", job.ckpt, bound or 0.0, trainer.state.global_step,
-                       trainer.args.output_dir)
-
-
-def _raise_on_every_rank(trainer: JitTrainer, job: _InFlight, error: save_errors.CheckpointWriteError | None,
+def _raise_on_every_rank(trainer: JitTrainer, job: InFlight, error: save_errors.CheckpointWriteError | None,
                          ) -> None:
     """The ranks agree on the save's fate: where any rank's background write failed, every rank raises (its own
     error, or the first failed rank's line), so that no rank goes on into the next save's collectives alone."""
@@ -438,7 +413,7 @@ def _raise_on_every_rank(trainer: JitTrainer, job: _InFlight, error: save_errors
             f"slurm_jit: the async save of {job.ckpt} failed on rank {first[0]}: {first[1]}")
 
 
-def _taken_as_saved(trainer: JitTrainer, job: _InFlight, writer: writer_mod.BackgroundWriter) -> None:
+def taken_as_saved(trainer: JitTrainer, job: InFlight, writer: writer_mod.BackgroundWriter) -> None:
     """The training thread sees the save committed (rank 0; other ranks: their share durable)."""
     run = trainer._jit_run
     if run is None:

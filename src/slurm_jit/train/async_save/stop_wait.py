@@ -7,7 +7,9 @@ aside: its writer stops before its next file, rank 0 writes no manifest for it (
 calls it ``incomplete``, never complete), and the JIT save begins. The JIT save is then the resume point; if it
 too is cut off, the newest complete checkpoint before both is.
 
-The deadline is the earliest stop signal on any rank plus the signal lead, ``SLURM_JIT_SIGNAL_LEAD_S`` (the N of
+The deadline is the earliest stop signal rank 0 knows of (its own; else the one the stop round carried from
+another rank, which reads late where the stop came more than kill_wait after it) plus the signal lead,
+``SLURM_JIT_SIGNAL_LEAD_S`` (the N of
 ``--signal=TERM@N``, exported by this project's launchers and sbatch scripts; Slurm's warning may come up to 60 s
 earlier than N before the limit, which only leaves more time). The JIT save is taken to need as long as the
 longest background write of this run or as long as the save in flight has taken so far, whichever is longer (it
@@ -18,18 +20,57 @@ lead known (no launcher exported it, a bare ``scancel --signal``), or the stop a
 synchronous save in flight would make it.
 
 Rank 0 computes the bound and broadcasts it, every rank waits that long for its own writer, and the ranks agree
-(one all-reduce) whether every rank's share was written: the same decision on every rank.
+(one all-reduce) whether every rank's share was written. Where one was not (late, or its write failed), rank 0's
+:class:`CommitGate` decides: a commit that has already begun its manifest is finished and kept (every rank's files
+were durable), else the commit is closed for good and the save set aside. Rank 0 broadcasts which: the same
+decision on every rank, and never a manifest for a save set aside, nor its rotation, after the JIT save's.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
+import time
+from typing import TYPE_CHECKING
 
 from slurm_jit.grace.formula import Margin
 from slurm_jit.grace.rules import LEAD_ENV_VAR
+from slurm_jit.train import save_errors
+
+if TYPE_CHECKING:
+    from slurm_jit.train.async_save.periodic import AsyncSaves, InFlight
+    from slurm_jit.train.trainer import JitTrainer
+
+logger = logging.getLogger(__name__)
 
 SET_ASIDE_CLOSE_WAIT_S = 5.0  # at the end of train(): how long a set-aside write may take to stop (its current file)
+MAX_LEAD_S = 65535  # Slurm's --signal=<sig>@<N> takes N up to 65535 s: a larger "lead" is no lead Slurm gives
 _BISECT_ROUNDS = 60  # the bound to far below a millisecond for any lead
+
+
+class CommitGate:
+    """Rank 0's commit of one async save against a JIT stop's set-aside: whichever comes first wins, for good."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sealing = False
+        self._closed = False
+        self.stop_asked = False  # a JIT stop came for it: the commit, if kept, leaves the rotation to the JIT save
+
+    def enter_seal(self) -> bool:
+        """The writer's thread, before the manifest: False once the save was set aside (no manifest then)."""
+        with self._lock:
+            self._sealing = not self._closed
+            return self._sealing
+
+    def close(self) -> bool:
+        """The training thread, setting the save aside: True when no manifest will be written for it; False when
+        the commit has already begun it (every rank's files are durable: the save is kept)."""
+        with self._lock:
+            self.stop_asked = True
+            self._closed = not self._sealing
+            return self._closed
 
 
 def signal_lead_s() -> float | None:
@@ -39,7 +80,7 @@ def signal_lead_s() -> float | None:
         lead = float(raw) if raw else None
     except ValueError:
         return None
-    return lead if lead is not None and lead > 0 and lead != float("inf") else None
+    return lead if lead is not None and 0 < lead <= MAX_LEAD_S else None
 
 
 def bound_s(*, lead_s: float | None, earliest_signal: float, now: float, submitted_at: float,
@@ -65,4 +106,70 @@ def bound_s(*, lead_s: float | None, earliest_signal: float, now: float, submitt
     for _ in range(_BISECT_ROUNDS):
         mid = (low + high) / 2
         low, high = (mid, high) if fits(mid) else (low, mid)
-    return low - now
+    return min(low - now, lead_s)
+
+
+def settle(trainer: JitTrainer, saves: AsyncSaves, job: InFlight, t0: float) -> None:
+    """A JIT stop: the save in flight written within the bound on every rank (taken as saved), or set aside; a
+    background write that failed is logged, never raised: the JIT save is the stop's to write (a full disk fails
+    it with its own line)."""
+    from slurm_jit.train.async_save.periodic import taken_as_saved  # noqa: PLC0415 (periodic imports this module)
+
+    bound = _stop_bound(trainer, saves, job)
+    error, written = None, True
+    try:
+        written = saves.writer.wait(bound)
+    except save_errors.CheckpointWriteError as exc:
+        error = exc
+    agreement = trainer._agreement
+    if agreement.all_true(written and error is None):  # the same decision on every rank
+        saves.waited_s = time.monotonic() - t0
+        taken_as_saved(trainer, job, saves.writer)
+        return
+    kept = agreement.broadcast(not job.commit_gate.close() if trainer._is_rank0 else None)
+    if not kept:
+        _set_aside(trainer, saves, job, bound, error, time.monotonic() - job.submitted_at)
+        return
+    try:  # rank 0's manifest had begun: every rank's files are durable, the commit ends in a moment
+        saves.writer.wait()
+    except save_errors.CheckpointWriteError as exc:
+        error = error or exc
+    if error is not None:  # rank 0's manifest failed (a full disk): not saved; the JIT save decides
+        logger.warning("%s", error)
+    if agreement.all_true(error is None):  # every rank takes it as saved, or none: the same save path after
+        taken_as_saved(trainer, job, saves.writer)
+
+
+def _stop_bound(trainer: JitTrainer, saves: AsyncSaves, job: InFlight) -> float | None:
+    """Rank 0's bound on the JIT stop's wait (:func:`bound_s`), the same on every rank; None (no bound)
+    at the step of the save in flight: that save is the stop's checkpoint, whose directory it is writing."""
+    bound = None
+    run = trainer._jit_run
+    if trainer._is_rank0 and run is not None and run.kill_wait_until > 0 and job.step != trainer.state.global_step:
+        carried = run.kill_wait_until - trainer.jit_config.kill_wait_s  # late where the stop came after kill_wait
+        earliest = min(carried, run.latch.first_at) if run.latch.first_at is not None else carried
+        bound = bound_s(lead_s=signal_lead_s(), earliest_signal=earliest, now=time.monotonic(),
+                        submitted_at=job.submitted_at, longest_write_s=saves.longest_write_s)
+    bound = trainer._agreement.broadcast(bound)
+    return None if bound is None else float(bound)
+
+
+def _set_aside(trainer: JitTrainer, saves: AsyncSaves, job: InFlight, bound: float | None,
+               error: save_errors.CheckpointWriteError | None, elapsed_s: float) -> None:
+    """Some rank's share of the save in flight is late or failed at the stop: every rank's writer stops before its
+    next file, rank 0's commit is closed (no manifest: the sentinel stays), the JIT save goes on. The timing log
+    gets the write's time so far (a lower bound), so that grace-calc sizes the next lead with it."""
+    saves.writer.cancel()
+    saves.abort.set()
+    saves.set_aside, saves.disabled = job.ckpt, True  # any later save (none after a JIT stop) is synchronous
+    run = trainer._jit_run
+    if run is not None and run.timing is not None:
+        run.timing.save_background(job.step, job.kind, elapsed_s, 0, {"set_aside": True, "staged_bytes": job.nbytes})
+    if error is not None:  # this rank's share failed: the JIT save's own outcome decides
+        logger.warning("%s", error)
+    if trainer._is_rank0:
+        why = "still being written" if error is None else "not written on every rank"
+        logger.warning("slurm_jit: the async save of %s is %s %.1f s after its submission (the stop waited %.1f s); "
+                       "set aside (it stays incomplete, never claimed) for the JIT save of step %d. HINT: a longer "
+                       "--signal lead keeps both (grace-calc --from %s sizes it with the async save in flight)",
+                       job.ckpt, why, elapsed_s, bound or 0.0, trainer.state.global_step, trainer.args.output_dir)

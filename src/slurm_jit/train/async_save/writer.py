@@ -24,8 +24,9 @@ A caller may rely on:
 - :meth:`cancel` stops the save in flight before its next file (or its fsyncs, or ``after``): nothing more is
   written for it, no error is kept, ``release`` still runs; a JIT stop sets a save aside this way when the signal
   lead leaves no time to wait for it (:mod:`.stop_wait`). The file being written when it is called is finished.
-- ``zip_crc32`` is torch's process-wide setting; the thread sets it around its ``torch.save`` calls, so the caller
-  saves nothing itself while a write is in flight (the synchronous save waits for the writer first).
+- ``zip_crc32``: the thread sets torch's ``compute_crc32`` around its ``torch.save`` calls; torch keeps its config
+  values per thread (a ContextVar, torch 2.13), so a JIT save on the training thread while a set-aside write
+  finishes its file keeps its own setting.
 """
 
 from __future__ import annotations
