@@ -107,9 +107,9 @@ def test_a_frozen_rank_is_the_one_named_not_the_rank_waiting_for_it(tmp_path: Pa
     rank 0's watchdog ends it in the step's collective; the record lists rank 1 as unreported and names it (it
     named rank 0, the one waiting, and --exclude-hung-node would have excluded rank 0's healthy node)."""
     out = tmp_path / "out"
-    ranks = jit_helpers.start_ranks(out, ["--max-steps", "400", "--save-steps", "2", "--step-sleep", "1",
+    ranks = jit_helpers.start_ranks(out, ["--max-steps", "400", "--save-steps", "10", "--step-sleep", "1",
                                           "--hang-timeout", str(HANG_TIMEOUT_S)])
-    jit_helpers.wait_for_steps(ranks, out, 5)  # in step 6 now: no save until it ends
+    jit_helpers.wait_for_steps(ranks, out, 5)  # in step 6 now: no save before step 10 (a save has a longer bound)
     time.sleep(0.3)
     ranks.signal(1, signal.SIGSTOP)
     deadline = time.monotonic() + EXIT_WITHIN_S + 30

@@ -150,7 +150,9 @@ def test_sigkill_mid_save_falls_back_and_rotation_keeps_last_complete(tmp_path: 
 def test_sigkill_mid_save_resumes_from_previous_complete(tmp_path: Path, reference_losses: Reference) -> None:
     out = tmp_path / "out"
     reference = reference_losses(BASE)
-    ranks = start_ranks(out, SAVES, env={FAULT_SAVE_SLEEP_ENV: "0"})
+    # steps of 0.2 s (no loss changes): the 10 steps to checkpoint-20, whose rotation would delete checkpoint-10,
+    # outlast a loaded host's delay between seeing the manifest and the kill
+    ranks = start_ranks(out, [*SAVES, "--step-sleep", "0.2"], env={FAULT_SAVE_SLEEP_ENV: "0"})
     wait_for(ranks, "completed checkpoint-10", (out / "checkpoint-10" / protocol.MANIFEST_NAME).exists)
     ranks.wait(0.1)  # SIGKILL both ranks (wait() kills what still runs at its deadline)
     assert (out / "checkpoint-10").is_dir()

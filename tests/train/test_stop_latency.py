@@ -28,11 +28,13 @@ from slurm_jit.train.trainer import FAULT_SAVE_SLEEP_ENV
 pytestmark = pytest.mark.deepspeed
 
 ROOT = Path(__file__).resolve().parents[2]
-STEP_SLEEP_S = 1.5  # long steps: read blocking (>= calc.BLOCKING_MIN_STEP_S)
+STEP_SLEEP_S = 3.0  # long steps: read blocking (>= calc.BLOCKING_MIN_STEP_S)
 LONG = ["--zero-stage", "2", "--max-steps", "12", "--step-sleep", str(STEP_SLEEP_S), "--kill-wait", "0.5"]
 SHORT = ["--zero-stage", "2", "--max-steps", "200", "--step-sleep", "0.03", "--kill-wait", "3"]
 SIGNAL_AFTER_STEP = timing.WARMUP_STEPS + 2  # the agreement mode is fixed at the first timed step
-LATE_IN_STEP_S = 0.3  # a "late" signal comes this long before the step's sleep alone would end
+# A "late" signal comes this long before the step's sleep alone would end: in its last quarter, with 0.8 s for the
+# test to see the loss line late on a loaded host (0.3 s of 1.5 s steps was not always enough).
+LATE_IN_STEP_S = 0.8
 
 
 @dataclass
