@@ -215,3 +215,28 @@ def test_a_kept_save_whose_manifest_failed_on_rank0_is_taken_as_saved_by_no_rank
     for thread in threads:
         thread.join(30)
     assert saved == {0: -1, 1: -1}, saved  # the same on both: the JIT save of step 8 is written by both ranks
+
+
+@pytest.mark.deepspeed
+def test_a_stop_at_the_step_of_a_save_whose_write_failed_writes_that_step_again(tmp_path: Path) -> None:
+    """SIGTERM while the async save of step 2 is staged (the stop is taken at step 2: that save is the stop's
+    checkpoint, waited for without a bound), and rank 1's background write of it fails: the stop sets it aside
+    (never claimed) and writes the JIT checkpoint of step 2 itself, instead of ending train() on the write's
+    error with no checkpoint of the stop at all."""
+    out = tmp_path / "out"
+    ranks = start_ranks(out, ["--max-steps", "8", "--save-steps", "2", "--async-periodic-saves", "--kill-wait", "0"],
+                        env={fault_points.FAULT_ASYNC_ENV: "stage:2:5,write:2:raise:1"})
+    wait_for(ranks, "stalled in the staging of step 2",
+             lambda: all(fault_points.STALLED % ("stage", 2, r) in ranks.log(r) for r in (0, 1)))
+    ranks.signal(0, signal.SIGTERM)
+    ranks.signal(1, signal.SIGTERM)
+    codes = ranks.wait(STALL_S)
+    log = ranks.log(0)
+    assert codes == [0, 0], (codes, log[-3000:], ranks.log(1)[-2000:])
+    assert "not written on every rank" in log and "set aside" in log, log[-3000:]
+    record = stop_record.read(out)
+    assert record is not None and record["state"] == "jit_stop" and record["step"] == 2, record
+    assert protocol.inspect(out / "checkpoint-2", 2).kind == "jit"
+    assert list(out.glob(f"checkpoint-2{protocol.QUARANTINE_SUFFIX}*")), sorted(p.name for p in out.iterdir())
+    check = ckpt_check(out, "--deep")
+    assert check.returncode == 0 and check.stdout.splitlines()[-1] == str(out / "checkpoint-2"), check.stdout

@@ -175,7 +175,8 @@ def _begin(trainer: JitTrainer, ckpt: Path, step: int, kind: str) -> None:
         if os.path.lexists(ckpt):
             with save_errors.set_aside_is_one_line(ckpt):  # a rename: the save's first write here
                 aside = protocol.set_aside_replaced(ckpt)  # .superseded-<seq> if whole, else .incomplete
-            logger.warning("slurm_jit: %s exists from an earlier run: moved to %s", ckpt, aside)
+            logger.warning("slurm_jit: %s exists from an earlier run or save attempt (a set-aside async save of "
+                           "this step): moved to %s", ckpt, aside)
         with save_errors.disk_full_is_one_line(ckpt):  # the sentinel is the save's first write
             protocol.write_sentinel(ckpt, step, kind)
     trainer._agreement.barrier()

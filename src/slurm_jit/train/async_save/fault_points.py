@@ -2,8 +2,9 @@
 
 ``SLURM_JIT_FAULT_ASYNC=<point>:<step>:<action>[:<rank>]`` makes the async save of checkpoint-``<step>`` stall
 (``<action>``: seconds) or fail (``raise``: an OSError, the writer thread dying on this rank alone) at one named
-instant, on every rank or on global rank ``<rank>`` only. Before a stall it logs :data:`STALLED` (a harness waits
-for that line, then kills): an instant hit deterministically, not by timing. The points, in the order they pass:
+instant, on every rank or on global rank ``<rank>`` only; several such specs, comma-separated, each act. Before a
+stall it logs :data:`STALLED` (a harness waits for that line, then kills): an instant hit deterministically, not by
+timing. The points, in the order they pass:
 
 ``stage``     the training thread, the states staged in host memory (their copies deferred), before the ranks
               agree that all staged
@@ -23,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-FAULT_ASYNC_ENV = "SLURM_JIT_FAULT_ASYNC"  # fault injection: "<point>:<step>:<seconds|raise>[:<rank>]"
+FAULT_ASYNC_ENV = "SLURM_JIT_FAULT_ASYNC"  # fault injection: "<point>:<step>:<seconds|raise>[:<rank>]",...
 POINTS = ("stage", "copy", "write", "marker", "manifest")
 RAISE = "raise"
 STALLED = "slurm_jit: fault injection: async save stalled at %s of checkpoint-%d on rank %d"  # the harness's cue
@@ -43,15 +44,16 @@ class _Spec:
     rank: int | None
 
 
-def _spec() -> _Spec | None:
+def _specs() -> list[_Spec]:
     raw = os.environ.get(FAULT_ASYNC_ENV, "")
-    if not raw:
-        return None
-    parts = raw.split(":")
-    if len(parts) not in (3, 4) or parts[0] not in POINTS:
-        raise ValueError(f"slurm_jit: {FAULT_ASYNC_ENV}={raw!r} is not <point>:<step>:<seconds|raise>[:<rank>] "
-                         f"with a point in {POINTS}. HINT: unset it (fault injection only)")
-    return _Spec(parts[0], int(parts[1]), parts[2], int(parts[3]) if len(parts) == 4 else None)
+    specs = []
+    for one in (raw.split(",") if raw else []):
+        parts = one.split(":")
+        if len(parts) not in (3, 4) or parts[0] not in POINTS:
+            raise ValueError(f"slurm_jit: {FAULT_ASYNC_ENV}={raw!r} is not <point>:<step>:<seconds|raise>[:<rank>] "
+                             f"(comma-separated) with a point in {POINTS}. HINT: unset it (fault injection only)")
+        specs.append(_Spec(parts[0], int(parts[1]), parts[2], int(parts[3]) if len(parts) == 4 else None))
+    return specs
 
 
 def _step_of(ckpt: Path) -> int:
@@ -60,14 +62,12 @@ def _step_of(ckpt: Path) -> int:
 
 
 def hit(point: str, ckpt: Path) -> None:
-    """The fault asked for at ``point`` of the save of ``ckpt`` on this rank, if any: a stall or an OSError."""
-    spec = _spec()
-    if spec is None or spec.point != point or spec.step != _step_of(ckpt):
-        return
+    """The faults asked for at ``point`` of the save of ``ckpt`` on this rank, if any: stalls, then an OSError."""
     rank = int(os.environ.get("RANK", "0") or 0)
-    if spec.rank is not None and spec.rank != rank:
-        return
-    if spec.action == RAISE:
-        raise InjectedFault(f"fault injection: the async save failed at {point} on rank {rank}")
-    logger.warning(STALLED, point, spec.step, rank)
-    time.sleep(float(spec.action))
+    for spec in _specs():
+        if spec.point != point or spec.step != _step_of(ckpt) or spec.rank not in (None, rank):
+            continue
+        if spec.action == RAISE:
+            raise InjectedFault(f"fault injection: the async save failed at {point} on rank {rank}")
+        logger.warning(STALLED, point, spec.step, rank)
+        time.sleep(float(spec.action))

@@ -28,8 +28,10 @@ a second periodic save due while one is in flight waits too (logged): never a qu
 fails on any rank leaves that rank's failed marker (rank 0's commit stops at once) and the checkpoint incomplete;
 the wait before the next save (or at the end of training) then raises ``CheckpointWriteError`` on every rank
 (:func:`_raise_on_every_rank`): training stops as after a failed synchronous save, no rank goes on alone. A JIT
-stop at the step of an async save waits for it and writes no second checkpoint; at a later step its wait is
-bounded by the signal lead, past which the save in flight is set aside, never claimed (:mod:`.stop_wait`).
+stop never raises it: at the step of an async save it waits for it and writes no second checkpoint (unless that
+write failed: the JIT save then writes the step again); at a later step its wait is bounded by the signal lead,
+past which (or where a rank's write failed) the save in flight is set aside, never claimed, and the JIT save
+written (:mod:`.stop_wait`).
 Where host memory cannot hold the staging buffers (:class:`~.memory_guard.HostMemoryError`, one line) every rank
 saves this and later checkpoints synchronously.
 The timing log records the seconds training was blocked (``save_blocked``: the save's own and the optimizer
