@@ -31,6 +31,16 @@ def submit_training(out: Path, jobs: list[str], program: Sequence[str], *options
     return job_id
 
 
+def limit_from_now(job_id: str, seconds: int) -> None:
+    """Move the job's time limit to ``seconds`` from now (``scontrol update``): Slurm's own ``--signal`` warning then
+    comes on its time-limit pass (every 30 s, up to 60 s early) at a time set once the ranks train, however long
+    their start-up took on loaded cores (a fixed ``--time`` put it 60-120 s after the start, which a slow start-up
+    could reach before the first step)."""
+    limit_s = slurm.seconds(slurm.show_job(job_id)["RunTime"]) + seconds  # type: ignore[operator]
+    slurm.run(["scontrol", "update", f"JobId={job_id}",
+               f"TimeLimit={limit_s // 3600}:{limit_s % 3600 // 60:02d}:{limit_s % 60:02d}"])
+
+
 def job_log(out: Path, job_id: str) -> str:
     """Task 0's log (``OUT/slurm-<id>.out``), all runs of the job; empty before it exists."""
     path = out / f"slurm-{job_id}.out"

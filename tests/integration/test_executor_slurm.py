@@ -18,6 +18,7 @@ from pathlib import Path
 import executor_helpers
 import pytest
 from jit_helpers import losses
+from submit_jobs import limit_from_now
 
 from slurm_jit import slurm
 from slurm_jit.launch import Command, CommandOutcome, JitExecutor
@@ -68,9 +69,7 @@ def test_a_function_is_cut_off_by_its_time_limit_requeued_and_its_result_is_the_
     job = _executor(tmp_path, monkeypatch).submit(executor_helpers.train_demo, str(out), *TRAIN)
     jobs.append(job.job_id)
     _until("training steps", lambda: len(losses(out)) >= 3, job)
-    limit_s = slurm.seconds(slurm.show_job(job.job_id)["RunTime"]) + LIMIT_FROM_NOW_S  # type: ignore[operator]
-    slurm.run(["scontrol", "update", f"JobId={job.job_id}",
-               f"TimeLimit={limit_s // 3600}:{limit_s % 3600 // 60:02d}:{limit_s % 60:02d}"])
+    limit_from_now(job.job_id, LIMIT_FROM_NOW_S)
     _until("the requeue", lambda: slurm.show_job(job.job_id).get("Restarts", "0") != "0", job)
     assert not job.done(force_check=True)  # a JIT stop that is requeued is not a result
     assert not list(job.paths.folder.glob("*_result.pkl"))

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from jit_helpers import ckpt_check, losses, run_to_end
-from submit_jobs import ended, tasks_log, until_job
+from submit_jobs import ended, limit_from_now, tasks_log, until_job
 
 from slurm_jit import slurm
 from slurm_jit.train import stop_record
@@ -28,8 +28,9 @@ pytestmark = [pytest.mark.slurm, pytest.mark.deepspeed]
 
 ROOT = Path(__file__).resolve().parents[2]
 SUBMIT = ROOT / "launch" / "submit.py"
-SIGNAL_LEAD_S = 60  # --time=3: the warning comes 60-120 s in (sbatch(1): up to 60 s early), after the start
-MAX_STEPS = 400  # at >= 0.4 s a step the first run cannot finish before the latest warning (120 s) plus margin
+SIGNAL_LEAD_S = 60
+LIMIT_FROM_NOW_S = 120  # moved once the ranks train: the warning 0-60 s later (sbatch(1): up to 60 s early)
+MAX_STEPS = 400  # at >= 0.4 s a step the first run cannot finish before the latest warning (60 s) plus margin
 STEP_SLEEP_S = 0.4
 RESUMED_TIME_LIMIT_MIN = 8  # the requeued run gets time to finish: the loop is under test, not a second warning
 JOB_DEADLINE_S = 420  # a hang detector for each phase
@@ -46,7 +47,7 @@ def test_two_nodes_through_submit_time_limit_jit_requeue_resume_finish(
     out = tmp_path / "out dir"  # a space: the path reaches sbatch, the gate and the ranks as data
     train = ["--model", "gpt2", "--zero-stage", "2", "--max-steps", str(MAX_STEPS), "--save-steps", "150"]
     argv = [sys.executable, str(SUBMIT), "--nodes", "2", "--ntasks-per-node", "1", "--cpus-per-task", "1",
-            "--time", "3", "--signal-lead", str(SIGNAL_LEAD_S), "--max-requeues", "2", "--output-dir", str(out),
+            "--time", "10", "--signal-lead", str(SIGNAL_LEAD_S), "--max-requeues", "2", "--output-dir", str(out),
             "--", "bash", "-c", SAY_RANK, "bash", sys.executable, "-m", "slurm_jit.demo_train",
             "--output-dir", str(out), "--resume", "--step-sleep", str(STEP_SLEEP_S),
             "--step-sleep-requeued", "0", *train]  # the requeued run only has to finish: no sleep
@@ -55,11 +56,12 @@ def test_two_nodes_through_submit_time_limit_jit_requeue_resume_finish(
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job_id = proc.stdout.split("submitted job ")[1].split(";")[0]
     two_node_jobs.append(job_id)
-    reference = tmp_path / "reference"  # meanwhile: the same training, uninterrupted, 2 local ranks
-    assert run_to_end(reference, train, env=ONE_THREAD) == [0, 0]
-
+    until_job("training steps", lambda: len(losses(out)) >= 3, out, job_id, JOB_DEADLINE_S)
+    limit_from_now(job_id, LIMIT_FROM_NOW_S)
     until_job("the requeue", lambda: slurm.show_job(job_id).get("Restarts", "0") != "0", out, job_id, JOB_DEADLINE_S)
     slurm.run(["scontrol", "update", f"JobId={job_id}", f"TimeLimit={RESUMED_TIME_LIMIT_MIN}"])
+    reference = tmp_path / "reference"  # meanwhile: the same training, uninterrupted, 2 local ranks
+    assert run_to_end(reference, train, env=ONE_THREAD) == [0, 0]
     job = until_job("the end", lambda: ended(job_id), out, job_id, JOB_DEADLINE_S)
 
     log = tasks_log(out, job_id)

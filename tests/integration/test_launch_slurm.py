@@ -3,7 +3,8 @@ the urgent partition, a user's scancel, SIGKILL during a save, the maximum reque
 
 The cluster has 2 CPUs and each job takes both, so jobs run one after another: every job here is shared by
 several assertions, and the time limits are as short as a reliable warning allows (--time=3 with TERM@60: the
-warning comes 60-120 s in; at --time=1 it can beat the batch shell).
+warning comes 60-120 s in; at --time=1 it can beat the batch shell). The time-limit test moves its limit once the
+ranks train (submit_jobs.limit_from_now), so that a slow start-up never meets the warning first.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from jit_helpers import ckpt_check, final_losses, losses, run_to_end
-from submit_jobs import SUBMIT, job_log, submit_training
+from submit_jobs import SUBMIT, job_log, limit_from_now, submit_training
 
 from slurm_jit import slurm
 from slurm_jit.launch import progress
@@ -29,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 JOB_DEADLINE_S = 600  # a hang detector: queued behind other jobs on 2 CPUs, a 3-minute job ends well within
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL"}
 DEMO = ["-m", "slurm_jit.demo_train"]
+LIMIT_FROM_NOW_S = 120  # --signal-lead 60: the warning 0-60 s after the limit is moved (submit_jobs.limit_from_now)
 
 
 def _submit(out: Path, jobs: list[str], *options: str, train: tuple[str, ...] = (),
@@ -36,7 +38,8 @@ def _submit(out: Path, jobs: list[str], *options: str, train: tuple[str, ...] = 
     return submit_training(out, jobs, DEMO, *options, train=train, env=env)
 
 
-def _until(what: str, check, out: Path, job_id: str, timeout_s: float = JOB_DEADLINE_S):  # type: ignore[no-untyped-def]
+def _until(what: str, check, out: Path, job_id: str, timeout_s: float = JOB_DEADLINE_S,  # type: ignore[no-untyped-def]
+           poll_s: float = 1.0):
     """Poll ``check`` until it is truthy; a job that ended first fails at once, with its log (a record is purged
     MinJobAge after the end, so waiting on would only hide why)."""
     deadline = time.monotonic() + timeout_s
@@ -47,7 +50,7 @@ def _until(what: str, check, out: Path, job_id: str, timeout_s: float = JOB_DEAD
         state = _state(job_id)
         ended = state in ENDED or state.startswith("PURGED")
         assert not ended, f"job {job_id} ended {state} before {what}\n{job_log(out, job_id)[-3000:]}"
-        time.sleep(1)
+        time.sleep(poll_s)
     raise AssertionError(f"job {job_id}: {what} not within {timeout_s} s; "
                          f"{_state(job_id)}\n{job_log(out, job_id)[-3000:]}")
 
@@ -99,16 +102,19 @@ def _reference(tmp: Path, args: list[str]) -> list[tuple[int, float]]:
 
 def test_time_limit_signal_jit_requeue_resume_finish_through_submit(tmp_path: Path, jobs: list[str]) -> None:
     out = tmp_path / "out"
-    # 400 steps of >= 0.4 s: the first run cannot finish before the latest warning, 120 s in (at 0.2 s a step it
-    # did on an idle CI machine: finished at 90 s, no requeue, and the record was purged while the test waited).
-    # The requeued run (SLURM_RESTART_COUNT 1) steps without the sleep: it only has to finish.
+    # 400 steps of >= 0.4 s: the first run cannot finish before the latest warning, 60 s after the limit is moved
+    # (at 0.2 s a step it did on an idle CI machine: finished, no requeue, and the record was purged while the test
+    # waited). The requeued run (SLURM_RESTART_COUNT 1) steps without the sleep: it only has to finish.
     train = ("--max-steps", "400", "--save-steps", "150", "--step-sleep", "0.4", "--step-sleep-requeued", "0")
-    job_id = _submit(out, jobs, "--max-requeues", "3", "--job-name", "time limit; $(x)", train=train)
+    job_id = _submit(out, jobs, "--max-requeues", "3", "--job-name", "time limit; $(x)", "--time", "10",
+                     train=train)
     assert slurm.run(["squeue", "-h", "-j", job_id, "-o", "%j"]).strip() == "time limit; $(x)"  # as argv
-    reference = _reference(tmp_path, ["--max-steps", "400", "--save-steps", "150"])
+    _until("training steps", lambda: _steps_at_least(out, 3), out, job_id)
+    limit_from_now(job_id, LIMIT_FROM_NOW_S)
     _until("the requeue", lambda: _requeued(job_id), out, job_id)
     # The requeued run gets the time to finish (the loop itself is what is under test, not a second warning).
     slurm.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=8"])
+    reference = _reference(tmp_path, ["--max-steps", "400", "--save-steps", "150"])  # while the resumed run trains
     job = _until("the end", lambda: _ended(job_id), out, job_id)
     log = job_log(out, job_id)
     assert job["JobState"] == "COMPLETED" and job["Restarts"] == "1", log[-3000:]
@@ -174,7 +180,8 @@ def test_no_progress_since_the_last_restart_stops_the_loop(tmp_path: Path, jobs:
         record = stop_record.read(out) or {}
         return record.get("state") == "running" and record.get("restart_count") == "1"
 
-    _until("restart 1 in train()", run1_in_train, out, job_id)
+    # the window until its first step is DeepSpeed's start and the load (~3 s idle): looked at every 50 ms
+    _until("restart 1 in train()", run1_in_train, out, job_id, poll_s=0.05)
     slurm.cancel(job_id, signal_name="TERM")  # before its first step: DeepSpeed is still initialising
     job = _until("the end", lambda: _ended(job_id), out, job_id, timeout_s=180)
     log = job_log(out, job_id)

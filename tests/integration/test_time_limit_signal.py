@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from jit_helpers import ckpt_check, losses
+from submit_jobs import limit_from_now
 
 from slurm_jit import slurm
 from slurm_jit.checkpoint import protocol
@@ -70,9 +71,7 @@ def _move_the_limit_once_training(job_id: str, out: Path, log: Path) -> None:
         state = slurm.show_job(job_id).get("JobState")
         assert state not in TERMINAL, log.read_text(errors="replace")[-4000:] if log.exists() else state
         time.sleep(0.5)
-    limit_s = slurm.seconds(slurm.show_job(job_id)["RunTime"]) + LIMIT_FROM_NOW_S  # type: ignore[operator]
-    slurm.run(["scontrol", "update", f"JobId={job_id}",
-               f"TimeLimit={limit_s // 3600}:{limit_s % 3600 // 60:02d}:{limit_s % 60:02d}"])
+    limit_from_now(job_id, LIMIT_FROM_NOW_S)
 
 
 def _wait_for_jit_stop(job_id: str, out: Path, log: Path) -> dict:
