@@ -3,21 +3,20 @@ the grace allows").
 
 The stop's own checkpoint is the newest state; the save in flight is the newest but one, worth waiting for only
 while the wait still leaves the JIT save its time before Slurm's SIGKILL. Past that, the save in flight is set
-aside: its writer stops before its next file, rank 0 writes no manifest for it (its sentinel stays: ``ckpt-check``
+aside: its writer begins no next file, rank 0 writes no manifest for it (its sentinel stays: ``ckpt-check``
 calls it ``incomplete``, never complete), and the JIT save begins. The JIT save is then the resume point; if it
 too is cut off, the newest complete checkpoint before both is.
 
-The deadline is the earliest stop signal rank 0 knows of (its own; else the one the stop round carried from
-another rank, which reads late where the stop came more than kill_wait after it) plus the signal lead,
-``SLURM_JIT_SIGNAL_LEAD_S`` (the N of
-``--signal=TERM@N``, exported by this project's launchers and sbatch scripts; Slurm's warning may come up to 60 s
-earlier than N before the limit, which only leaves more time). The JIT save is taken to need as long as the
-longest background write of this run or as long as the save in flight has taken so far, whichever is longer (it
-writes the same states; a disk that slowed down slows both), plus grace-calc's margin (20 %, at least 10 s) and the
-end of train()'s wait for the set-aside writer to finish its current file (:data:`SET_ASIDE_CLOSE_WAIT_S`). No
-lead known (no launcher exported it, a bare ``scancel --signal``), or the stop at the step of the save in flight
-(that save is the JIT checkpoint: never two writers on one directory): the stop waits without a bound, as a
-synchronous save in flight would make it.
+The deadline is the earliest stop signal rank 0 knows of (its own; else the one the stop round carried from another
+rank, which reads late where the stop came more than kill_wait after it) plus the signal lead,
+``SLURM_JIT_SIGNAL_LEAD_S`` (the N of ``--signal=TERM@N``, exported by this project's launchers and sbatch scripts;
+Slurm's warning may come up to 60 s earlier than N before the limit, which only leaves more time). The JIT save is
+taken to need as long as the longest background write of this run or as long as the save in flight has taken so far,
+whichever is longer (it writes the same states; a disk that slowed down slows both), plus grace-calc's margin (20 %,
+at least 10 s) and the end of train()'s wait for the set-aside writer to finish its current file
+(:data:`SET_ASIDE_CLOSE_WAIT_S`). No lead known (no launcher exported it, a bare ``scancel --signal``), or the stop
+at the step of the save in flight (that save is the JIT checkpoint: never two writers on one directory): the stop
+waits without a bound, as a synchronous save in flight would make it.
 
 Rank 0 computes the bound and broadcasts it, every rank waits that long for its own writer, and the ranks agree
 (one all-reduce) whether every rank's share was written. Where one was not (late, or its write failed), rank 0's
