@@ -208,6 +208,24 @@ def test_a_storage_held_by_two_files_is_staged_once_and_shared(model_and_states)
     assert _saved(second.states["model.safetensors"]) == _saved(weights) != before  # reused buffers, new values
 
 
+def test_files_that_shared_a_storage_and_no_longer_do_get_a_buffer_each(monkeypatch) -> None:
+    """Issue #42 item 4: one buffer served two files that held one storage; in the next save (the same sizes) they
+    hold two storages: each gets its own buffer and its own bytes, and the memory guard is asked for the new one."""
+    shared = torch.arange(256, dtype=torch.float32)
+    stager = HostStager(pin=False)
+    stager.stage({"a.pt": {"w": shared}, "b.safetensors": {"w": shared}}).release()
+    asked: list[int] = []
+    check = memory_guard.check_host_memory
+    monkeypatch.setattr(memory_guard, "check_host_memory", lambda nbytes, **kw: (asked.append(nbytes),
+                                                                                  check(nbytes, **kw)))
+    a, b = torch.full((256,), 1.0), torch.full((256,), 2.0)  # apart now (a tied weight untied), as large
+    second = stager.stage({"a.pt": {"w": a}, "b.safetensors": {"w": b}})
+    got_a, got_b = second.states["a.pt"]["w"], second.states["b.safetensors"]["w"]
+    assert torch.equal(got_a, a) and torch.equal(got_b, b)
+    assert got_a.untyped_storage().data_ptr() != got_b.untyped_storage().data_ptr()
+    assert asked == [b.nbytes] and stager.nbytes == second.nbytes == a.nbytes + b.nbytes
+
+
 def test_a_placeholder_is_staged_with_the_values_of_its_source_at_the_copy() -> None:
     """sources: a placeholder's buffer gets its source tensor's values (a non-contiguous view too), taken when the
     deferred copy runs: the clone of a tied weight that save_pretrained must see as its own storage, made by the

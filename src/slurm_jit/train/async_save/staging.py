@@ -249,23 +249,31 @@ class HostStager:
     def _ensure_buffers(self, wanted: dict[str, list[torch.UntypedStorage]],
                         firsts: dict[int, tuple[str, int]]) -> None:
         """Per key, a buffer of each storage's size (and device tag), one per distinct storage (``firsts``: where each
-        is first held); only missing or resized ones are allocated, after the memory guard says the new ones fit."""
+        is first held); only missing or resized ones are allocated, after the memory guard says the new ones fit.
+        An old buffer is reused by one storage at most: one that two files shared last time (one storage then) and
+        that they hold apart now goes to the first, the second gets a new one."""
         keep: dict[str, list[torch.UntypedStorage | None]] = {}
+        claimed: set[int] = set()  # id() of the old buffers reused so far
         new_bytes = 0
         for key, storages in wanted.items():
             old = self._slots.get(key, [])
-            keep[key] = [old[i] if i < len(old) and old[i].nbytes() == s.nbytes() else None
-                         for i, s in enumerate(storages)]
-            new_bytes += sum(self.footprint(s.nbytes()) for i, (s, slot) in enumerate(zip(storages, keep[key],
-                                                                                           strict=True))
-                             if slot is None and firsts[s._cdata] == (key, i))
+            keep[key] = []
+            for i, s in enumerate(storages):
+                reused = old[i] if i < len(old) and old[i].nbytes() == s.nbytes() else None
+                if firsts[s._cdata] != (key, i):
+                    reused = None  # a later holder: its first holder's buffer, whatever this slot held
+                elif reused is None or id(reused) in claimed:
+                    reused = None
+                    new_bytes += self.footprint(s.nbytes())
+                else:
+                    claimed.add(id(reused))
+                keep[key].append(reused)
         if new_bytes:
             memory_guard.check_host_memory(new_bytes, sharing_ranks=self.sharing_ranks)
             logger.info("slurm_jit: async save staging: %d bytes of %s host memory allocated (%d held before)",
                         new_bytes, "pinned" if self.pin else "plain", self.host_bytes)
-        kept = {id(s) for slots in keep.values() for s in slots if s is not None}
         for slot in self._buffers():  # what is not kept is freed (and untagged) before allocating
-            if id(slot) not in kept:
+            if id(slot) not in claimed:
                 locations.forget(slot)
         self._slots, self._current = {}, None  # the dropped buffers go now (unless a caller still holds a snapshot)
         slots: dict[str, list[torch.UntypedStorage]] = {}
