@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from slurm_jit.bench import gpu, gpu_check
+from slurm_jit.bench import gpu, gpu_check, staging_check
 from slurm_jit.bench.rows import NO_TARGET, failed, measured, skipped
 
 GPU_CHECK = Path(__file__).resolve().parents[2] / "tools" / "gpu-check"
@@ -47,10 +47,25 @@ def test_gpu_check_on_cpu_ranks_passes_and_writes_every_row(tmp_path: Path) -> N
         assert rows[name]["details"]["bytes"] > 0
     assert rows[gpu.COPY_PINNED]["note"].startswith("skipped: pinned host memory needs CUDA")
     assert rows[gpu.COPY_PAGEABLE]["value"] > 0
+    staged = rows[gpu.ASYNC_STAGING]
+    assert staged["met"] is True and [c["device"] for c in staged["details"]["cases"]] == ["cpu"], staged
     assert doc["meta"]["leftover_ranks"] == []
     assert not list(work.iterdir()), "the runs' directories are removed after the run"
     tmpfs_runs = doc["meta"]["bitwise_runs_in"].split(" ")[0]
     assert tmpfs_runs.startswith(str(work)) or not Path(tmpfs_runs).exists(), "the tmpfs runs are removed too"
+
+
+def test_the_staging_cases_need_a_second_gpu_for_cuda_1() -> None:
+    assert staging_check.cases("cpu", 0) == [("cpu", None)]
+    assert staging_check.cases("cuda", 1) == [("cuda:0", "cuda:0")]
+    assert staging_check.cases("cuda", 4) == [("cuda:0", "cuda:0"), ("cuda:1", "cuda:1"), ("cuda:1", "cuda:0")]
+
+
+def test_a_staging_case_on_cpu_compares_buffers_and_file_with_the_source(tmp_path: Path) -> None:
+    """The row's own code, in this process (the suite's --cpu run takes it through a child process)."""
+    found = staging_check.check_case("cpu", None, tmp_path)
+    assert found["equal"] and found["at_once_equal"] and found["deferred_equal"] and found["written_equal"], found
+    assert (tmp_path / "checkpoint-1" / "x.pt").is_file()
 
 
 def test_the_exit_status_is_1_for_a_missed_target_or_a_row_not_measured() -> None:

@@ -9,6 +9,7 @@ import io
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 from typing import Any
 
 import psutil
@@ -188,6 +189,37 @@ def test_a_deferred_copy_made_in_another_thread_lets_this_one_run() -> None:
     assert staged.wait_copied(60)
     thread.join(60)
     assert torch.equal(staged.states["a.pt"]["big"], states["a.pt"]["big"])
+
+
+def test_deferred_device_copies_are_awaited_on_their_own_devices_by_the_thread_that_made_them(monkeypatch) -> None:
+    """Issue #42 item 1: the writer's thread makes the deferred copies of a rank on cuda:1 and cuda:3 (its current
+    device is cuda:0: a thread's own, never set there); the wait must be for those devices' copies, never for the
+    thread's current device (``torch.cuda.synchronize()``: a snapshot sealed before its copies land). The CUDA
+    calls are stand-ins here (no GPU); tools/gpu-check runs the real copies (bench/staging_check.py)."""
+    waits: list[tuple[str, str]] = []  # (what was waited for, the thread that waited)
+    made: list[str] = []  # the thread that made the copies
+
+    class _Stream:
+        def __init__(self, device: torch.device) -> None:
+            self.device = torch.device(device)
+
+        def synchronize(self) -> None:
+            waits.append((str(self.device), threading.current_thread().name))
+
+    def synchronize(device: Any = None) -> None:
+        waits.append((str(torch.device(device)) if device is not None else "current device",
+                      threading.current_thread().name))
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream(device))
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    monkeypatch.setattr(staging, "_copy_pairs", lambda pairs, pool=None: made.append(threading.current_thread().name))
+    sources = [SimpleNamespace(device=torch.device("cuda", index)) for index in (3, 1, 3)]
+    staged = staging.StagedSave(dict, 0, 0.0, 0.0, pending=[(torch.UntypedStorage(4), s) for s in sources])
+    writer = threading.Thread(target=staged.copy_pending, name="slurm-jit-async-save")
+    writer.start()
+    writer.join(30)
+    assert staged.copied and made == ["slurm-jit-async-save"]
+    assert sorted(waits) == [("cuda:1", "slurm-jit-async-save"), ("cuda:3", "slurm-jit-async-save")], waits
 
 
 def test_a_storage_held_by_two_files_is_staged_once_and_shared(model_and_states) -> None:

@@ -28,7 +28,9 @@ NO_GPU = "no GPU was lent"  # why the rows are skipped where torch sees none
 BITWISE, SHARED = "gpu_resume_bitwise", "gpu_shared_agreed_step"
 FLOOR_DISK, FLOOR_TMPFS = "gpu_save_over_write_floor_disk", "gpu_save_over_write_floor_tmpfs"
 COPY_PINNED, COPY_PAGEABLE = "gpu_d2h_copy_pinned", "gpu_d2h_copy_pageable"
-GPU_ROWS = (BITWISE, FLOOR_TMPFS, FLOOR_DISK, COPY_PINNED, COPY_PAGEABLE, SHARED)  # in the order measured
+ASYNC_STAGING = "gpu_async_staging_devices"
+# in the order measured
+GPU_ROWS = (BITWISE, FLOOR_TMPFS, FLOOR_DISK, COPY_PINNED, COPY_PAGEABLE, ASYNC_STAGING, SHARED)
 _FLOOR = ("the JIT save's time (its timing record, every phase) over the raw write floor: its files (the manifest's, "
           "the same sizes) written from memory by one thread per rank (bench/floors.py: os.write in 8 MiB chunks, "
           "fsync each file) in the same filesystem")
@@ -42,6 +44,9 @@ ROW_SPECS: dict[str, tuple[str, str, str]] = {  # name -> (unit, target, what it
                   "once (best of 5)"),
     COPY_PAGEABLE: ("GB/s", NO_TARGET, "device-to-host copy of one large tensor into a pageable host buffer "
                     "allocated once (best of 5)"),
+    ASYNC_STAGING: ("equal", ">= 1.0", "an async save's staging of a tensor on each device behind a ~1 s kernel "
+                    "(cuda:0; with 2 GPUs cuda:1, from a thread on cuda:1 and on cuda:0), at once and deferred to the "
+                    "background writer: the buffers and the file written equal the tensor (1: every case)"),
     SHARED: ("agreed", ">= 1.0", "2 ranks sharing the one GPU, the model's collectives over gloo (NCCL refuses two "
              "ranks on one GPU), SIGTERM 0.5 s apart: both ranks' stop records name one step, the checkpoint of "
              "that step complete, clean exits (1: yes)"),

@@ -13,6 +13,8 @@ Rows, each printed as one line once measured and written to ``OUT/<row>.json``, 
   (``--work-dir``; the fastest of 5, their spread in the details).
 - ``gpu_d2h_copy_pinned`` / ``_pageable``: GB/s of one device-to-host copy of a large tensor into a host buffer
   allocated (and touched) once, best of 5, in a process of its own.
+- ``gpu_async_staging_devices``: an async save's staging on each device, its deferred copies awaited by the
+  background writer on the tensors' device (:mod:`slurm_jit.bench.staging_check`).
 - ``gpu_shared_agreed_step``: 2 ranks sharing the one GPU, the model's collectives over gloo (NCCL refuses two
   ranks on one GPU), SIGTERM to rank 0 and 0.5 s later to rank 1: each rank's stop record (its timing log's
   ``stop``) names the same step, the stop record and a complete checkpoint of that step, clean exits.
@@ -40,8 +42,9 @@ from pathlib import Path
 from typing import Any
 
 from slurm_jit import local_ranks, timing
-from slurm_jit.bench import floors, runs
+from slurm_jit.bench import floors, runs, staging_check
 from slurm_jit.bench.gpu import (
+    ASYNC_STAGING,
     BITWISE,
     COPY_PAGEABLE,
     COPY_PINNED,
@@ -342,6 +345,7 @@ def measure(profile: Profile, work: Path, say: Callable[[Row], None] = lambda ro
             return got
 
         _section(rows, [COPY_PINNED, COPY_PAGEABLE], copies, say)
+        _section(rows, [ASYNC_STAGING], lambda: [staging_check.row(profile.device)], say)
         _section(rows, [SHARED], lambda: [shared_row(profile, work)], say)
     finally:
         if fast != work:

@@ -16,7 +16,7 @@ available), and every other object is rebuilt. A caller may rely on:
   does not replay) may come back with the same items in another order: equal ``torch.load`` results, not equal
   bytes.
 - Changing the originals after ``stage`` returns (training continues) changes nothing staged: the copies are done
-  (CUDA: synchronized) when ``stage`` returns.
+  (CUDA: each source's device waited for, from the thread that made the copies) when ``stage`` returns.
 - Buffers are per storage, keyed by (file key, the storage's order in that file's pickle): a storage of the same
   size next time reuses its buffer (same ``data_ptr``); one that changed size gets a new buffer. Before any new
   buffer is allocated, :mod:`.memory_guard` checks that host memory can hold it (a one-line
@@ -149,8 +149,7 @@ class StagedSave:
         t0 = time.monotonic()
         try:
             _copy_pairs(self.pending)
-            if any(original.device.type == "cuda" for _, original in self.pending):
-                torch.cuda.synchronize()
+            _await_device_copies(self.pending)
             self.copy_s = time.monotonic() - t0
         finally:
             self.pending = []
@@ -228,8 +227,7 @@ class HostStager:
         later = [pair for pair in pairs if defer and _storage_of(pair[1])._cdata not in copy_now]
         t_copy = time.monotonic()
         _copy_pairs(now, self._pool)
-        if self.pin and torch.cuda.is_available():
-            torch.cuda.synchronize()  # the non-blocking copies are done before training changes the originals
+        _await_device_copies(now)  # the non-blocking copies are done before training changes the originals
         copy_s = time.monotonic() - t_copy
         slots = {key: self._slots[key] for key in found}  # this snapshot's (the next stage makes new lists)
         # the pickled structures and their atoms only: the originals' storages are not held past the copies
@@ -356,6 +354,16 @@ def _copy_pairs(pairs: list[tuple[torch.UntypedStorage, _Source]], pool: ThreadP
             exception = future.exception()  # waits
             if exception is not None:
                 raise exception
+
+
+def _await_device_copies(pairs: list[tuple[torch.UntypedStorage, _Source]]) -> None:
+    """Wait for the non-blocking device-to-host copies of ``pairs`` that this thread made: on each source's device,
+    the stream they went on (a copy runs on its CUDA side's current stream, current streams being per thread and per
+    device). Never ``torch.cuda.synchronize()``: it waits for this thread's current device only, cuda:0 in a thread
+    that never set one (the background writer's), while a rank's tensors live on cuda:3."""
+    devices = {source.device for _, source in pairs if source.device.type == "cuda"}
+    for device in sorted(devices, key=str):
+        torch.cuda.current_stream(device).synchronize()
 
 
 def _views(slot: torch.UntypedStorage, source: _Source) -> tuple[torch.Tensor, torch.Tensor]:
