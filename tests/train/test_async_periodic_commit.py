@@ -146,6 +146,32 @@ def test_a_rank_fsyncing_its_tree_survives_another_ranks_marker_being_renamed_in
         other.join(SHORT_WAIT_S * 10)
 
 
+def test_a_share_is_removed_on_failure_only_before_its_marker_is_published(tmp_path: Path) -> None:
+    """Issue #42 item 2: before rank 1's done marker, a failure removes its file and leaves a failed marker; after
+    it (the marker's directory fsync, rank 0's commit or rotation failing), nothing is removed and the error says
+    the files are kept: the checkpoint rank 0 commits stays complete."""
+    ckpt = _checkpoint(tmp_path)
+    own = ckpt / "global_step5" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    before = commit.Share(ckpt, 1, [own])
+    before.failed("slurm_jit: the background write failed: OSError: EIO. HINT: h")
+    assert not own.exists() and commit.failed_marker_path(ckpt, 1).exists()
+
+    ckpt = _checkpoint(tmp_path / "again")
+    rel = "global_step5/zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    share = commit.Share(ckpt, 1, [ckpt / rel])
+    with pytest.raises(commit.CheckpointWriteError) as caught, share.reported_once_published():
+        share.publish(protocol.file_entries(ckpt, [rel]))
+        raise OSError(5, "Input/output error")  # as the marker's directory fsync would
+    share.failed(str(caught.value))
+    assert "files are kept" in str(caught.value) and "\n" not in str(caught.value)
+    assert (ckpt / rel).exists() and not commit.failed_marker_path(ckpt, 1).exists()
+    _mark(ckpt, 0)
+    commit.commit(ckpt, 2, LONG_WAIT_S, functools.partial(_seal, ckpt), poll_s=0.01)
+    written, why = manifest.read(ckpt)
+    assert written is not None and not (ckpt / protocol.SENTINEL_NAME).exists(), why
+    assert written["files"][rel] == protocol.file_entries(ckpt, [rel])[rel]
+
+
 def test_a_marker_naming_a_file_not_on_disk_is_not_committed(tmp_path: Path) -> None:
     ckpt = _checkpoint(tmp_path)
     _mark(ckpt, 0)

@@ -10,7 +10,10 @@ hashed, the markers removed, and the manifest written by the caller's ``seal`` (
 
 A rank whose background write fails writes a failed marker instead (:func:`write_failed_marker`, best effort:
 its one-line error), and rank 0 gives up at once (:class:`CommitError` naming the rank) rather than at the
-deadline, which is left for a rank that died or could not write even that small file.
+deadline, which is left for a rank that died or could not write even that small file. That is before its done
+marker only (:class:`Share`): once the marker is renamed into place, rank 0 may commit (or have committed) the
+rank's files, which are then never removed; a later failure (the marker's directory fsync, rank 0's commit or
+rotation) is reported in a line that says so, and the checkpoint is as complete as the protocol says.
 
 Until then the sentinel stays: a directory with markers and no manifest is ``incomplete`` by the protocol
 (:mod:`slurm_jit.checkpoint.protocol`), never ``corrupt``. The markers' names start with ``.`` + the manifest's
@@ -22,15 +25,19 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from slurm_jit.checkpoint import formats, protocol
+from slurm_jit.train.async_save import fault_points
 from slurm_jit.train.save_errors import CheckpointWriteError
+
+logger = logging.getLogger(__name__)
 
 MARKER_PREFIX = f".{protocol.MANIFEST_NAME}.done-rank"  # + the global rank
 FAILED_PREFIX = f".{protocol.MANIFEST_NAME}.failed-rank"  # + the global rank: its background write failed
@@ -49,8 +56,10 @@ def marker_path(ckpt: Path, rank: int) -> Path:
     return ckpt / f"{MARKER_PREFIX}{rank}"
 
 
-def write_marker(ckpt: Path, rank: int, entries: dict[str, dict[str, Any]]) -> None:
-    """This rank's share of ``ckpt`` is durable: its files' entries, in a marker that is whole or absent."""
+def write_marker(ckpt: Path, rank: int, entries: dict[str, dict[str, Any]],
+                 published: Callable[[], None] | None = None) -> None:
+    """This rank's share of ``ckpt`` is durable: its files' entries, in a marker that is whole or absent.
+    ``published`` runs once the marker is in place (rank 0 may read it from then on), before its directory fsync."""
     target = marker_path(ckpt, rank)
     tmp = target.with_name(f"{target.name}.tmp")
     with open(tmp, "w", encoding="utf-8") as handle:
@@ -58,6 +67,9 @@ def write_marker(ckpt: Path, rank: int, entries: dict[str, dict[str, Any]]) -> N
         handle.flush()
         os.fsync(handle.fileno())
     os.rename(tmp, target)
+    if published is not None:
+        published()
+    fault_points.hit("published", ckpt)  # fault injection: the marker in place, the directory not yet fsynced
     protocol.fsync_dir(ckpt)
 
 
@@ -82,6 +94,58 @@ def write_failed_marker(ckpt: Path, rank: int, why: str, partial: Sequence[Path]
         os.close(fd)
     with contextlib.suppress(OSError):
         protocol.fsync_dir(ckpt)
+
+
+class Share:
+    """One rank's share of an async save (its background files) and whether it is published: its done marker in
+    place. Before, a failure removes the files and leaves a failed marker (rank 0's commit stops at once); from
+    then on rank 0 may commit (or have committed) them: they are never removed, and a failure is reported in a line
+    that says whether the checkpoint is complete. Used in the background writer's thread only."""
+
+    def __init__(self, ckpt: Path, rank: int, files: Sequence[Path]) -> None:
+        self.ckpt, self.rank, self.files = ckpt, rank, tuple(files)
+        self.published = False  # this rank's done marker is in place
+        self.committed = False  # rank 0: the manifest is written (the checkpoint complete)
+
+    def publish(self, entries: dict[str, dict[str, Any]]) -> None:
+        """This rank's done marker (:func:`write_marker`)."""
+        write_marker(self.ckpt, self.rank, entries, published=self._mark_published)
+
+    def _mark_published(self) -> None:
+        self.published = True
+
+    def failed(self, why: str) -> None:
+        """The background write failed (its ``on_error``): a failed marker, this rank's files removed first, unless
+        the share is published (then nothing is removed: the error itself is raised to training as usual)."""
+        if self.published:
+            logger.info("slurm_jit: rank %d's files of %s are kept (its done marker was published before: %s)",
+                        self.rank, self.ckpt, (why.splitlines() or [""])[0][:200])
+            return
+        write_failed_marker(self.ckpt, self.rank, why, self.files)
+
+    @contextlib.contextmanager
+    def reported_once_published(self) -> Iterator[None]:
+        """A failure once the share is published raised as a :class:`CheckpointWriteError` whose line says that the
+        files are kept (a CheckpointWriteError of its own, e.g. a commit that did not happen, passes unchanged)."""
+        try:
+            yield
+        except CheckpointWriteError:
+            raise
+        except Exception as exc:
+            if not self.published:
+                raise
+            logger.debug("slurm_jit: after the done marker of rank %d in %s", self.rank, self.ckpt, exc_info=True)
+            first = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
+            check = f"ckpt-check {self.ckpt.parent}"
+            if self.committed:
+                line = (f"slurm_jit: {self.ckpt} is complete (its manifest written), but rank 0's rotation of older "
+                        f"checkpoints (save_total_limit) then failed: {first}. The checkpoint and its files are kept; "
+                        f"it is the resume point. HINT: {check} lists what the rotation left")
+            else:
+                line = (f"slurm_jit: rank {self.rank}'s files of {self.ckpt} are durable and were reported so (its "
+                        f"done marker), then: {first}. Its files are kept (rank 0 commits the checkpoint once every "
+                        f"rank reported). HINT: {check} says whether it is complete and names the resume point")
+            raise CheckpointWriteError(f"{line}; the traceback is logged at DEBUG (logger {__name__})") from None
 
 
 def _raise_if_a_rank_failed(ckpt: Path, world_size: int) -> None:

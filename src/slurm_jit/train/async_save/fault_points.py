@@ -13,7 +13,11 @@ timing. The points, in the order they pass:
 ``write``     the background thread, the first file written, the others not (nothing fsynced yet)
 ``marker``    the background thread, this rank's files durable, its done marker not yet written (stall one rank:
               the instant between the ranks' markers)
+``published`` the background thread, this rank's done marker renamed into place, the directory not yet fsynced
+              (from here rank 0 may commit this rank's files)
 ``manifest``  rank 0's thread, every marker read and removed, the manifest not yet written (the sentinel is there)
+``rotated``   rank 0's thread, the manifest written (the checkpoint complete) and the older checkpoints rotated (a
+              rotation that fails in its last step)
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 FAULT_ASYNC_ENV = "SLURM_JIT_FAULT_ASYNC"  # fault injection: "<point>:<step>:<seconds|raise>[:<rank>]",...
-POINTS = ("stage", "copy", "write", "marker", "manifest")
+POINTS = ("stage", "copy", "write", "marker", "published", "manifest", "rotated")
 RAISE = "raise"
 STALLED = "slurm_jit: fault injection: async save stalled at %s of checkpoint-%d on rank %d"  # the harness's cue
 

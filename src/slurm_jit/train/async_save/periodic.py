@@ -280,9 +280,10 @@ def submit(trainer: JitTrainer, collector: CollectingEngine | None, ckpt: Path, 
     items = [(path, state if isinstance(state, files.TrainerStateFile) else _later(staged, collector.key(path)))
              for path, state in collector.collected]
     job = InFlight(step, ckpt, fields["contents"], kind, time.monotonic(), staged.nbytes)
-    after = _after(trainer, job, rank, world, kind, fields, [str(p.relative_to(ckpt)) for p, _ in items])
+    share = commit_mod.Share(ckpt, rank, [p for p, _ in items])  # its files never removed once its marker is out
+    after = _after(trainer, job, share, world, kind, fields, [str(p.relative_to(ckpt)) for p, _ in items])
     if saves.writer.submit(ckpt, items, wait_if_busy=False, after=after, release=staged.release,
-                           on_error=lambda why: commit_mod.write_failed_marker(ckpt, rank, why, [p for p, _ in items]),
+                           on_error=share.failed,
                            prepare=lambda: _copy(ckpt, staged)) is writer_mod.Submitted.REFUSED_BUSY:
         staged.release()  # cannot be: before_save waited; never two writes on one thread
         raise RuntimeError("slurm_jit: the background writer is still busy. HINT: a bug: report it")
@@ -325,10 +326,10 @@ def _record_blocked(trainer: JitTrainer, job: InFlight, kind: str, blocked_s: fl
                                  "copy_wait": round(copy_wait_s, 6)})
 
 
-def _after(trainer: JitTrainer, job: InFlight, rank: int, world: int, kind: str, fields: dict[str, Any],
-           rels: list[str]) -> Callable[[], None]:
+def _after(trainer: JitTrainer, job: InFlight, share: commit_mod.Share, world: int, kind: str,
+           fields: dict[str, Any], rels: list[str]) -> Callable[[], None]:
     """What the background thread does once this rank's files are durable: the rest of its share durable, its
-    marker; rank 0: the commit and the rotation."""
+    marker; rank 0: the commit and the rotation. A failure after the marker keeps the files (commit.Share)."""
     from slurm_jit.train import save_path  # noqa: PLC0415 (save_path imports this module)
 
     run_dir = job.ckpt.parent
@@ -340,16 +341,20 @@ def _after(trainer: JitTrainer, job: InFlight, rank: int, world: int, kind: str,
         save_path.fault_sleep()  # fault injection: a slow disk under the background write
         protocol.fsync_tree(job.ckpt)  # this rank's synchronous files, written before the submit
         fault_points.hit("marker", job.ckpt)  # fault injection: this rank's share durable, its marker not written
-        commit_mod.write_marker(job.ckpt, rank, protocol.file_entries(job.ckpt, rels))
-        if rank == 0:
-            own_s = time.monotonic() - job.submitted_at
-            timeout_s = max(commit_mod.COMMIT_WAIT_MIN_S, commit_mod.COMMIT_WAIT_FACTOR * own_s)
-            nbytes = commit_mod.commit(job.ckpt, world, timeout_s,
-                                       lambda files: _seal(trainer, job, kind, fields, files), abort=abort)
-            if not job.commit_gate.stop_asked:  # else the stop's wait is for the manifest only: the JIT save rotates
-                save_path.rotate_checkpoints_safely(trainer, run_dir, just_written=job.ckpt, best_before=best_before)
-            logger.info("slurm_jit: %s checkpoint %s complete in the background, %.2f s after its submission "
-                        "(%d bytes)", kind, job.ckpt, time.monotonic() - job.submitted_at, nbytes)
+        with share.reported_once_published():
+            share.publish(protocol.file_entries(job.ckpt, rels))
+            if share.rank == 0:
+                own_s = time.monotonic() - job.submitted_at
+                timeout_s = max(commit_mod.COMMIT_WAIT_MIN_S, commit_mod.COMMIT_WAIT_FACTOR * own_s)
+                nbytes = commit_mod.commit(job.ckpt, world, timeout_s,
+                                           lambda files: _seal(trainer, job, kind, fields, files), abort=abort)
+                share.committed = True
+                if not job.commit_gate.stop_asked:  # else the stop waits for the manifest only: the JIT save rotates
+                    save_path.rotate_checkpoints_safely(trainer, run_dir, just_written=job.ckpt,
+                                                        best_before=best_before)
+                    fault_points.hit("rotated", job.ckpt)  # fault injection: a rotation failing in its last step
+                logger.info("slurm_jit: %s checkpoint %s complete in the background, %.2f s after its submission "
+                            "(%d bytes)", kind, job.ckpt, time.monotonic() - job.submitted_at, nbytes)
         job.after_s = time.monotonic() - t_after
 
     return after
