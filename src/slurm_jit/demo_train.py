@@ -73,6 +73,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="install a SIGTERM handler before train() that appends to OUT/own-handler-rank<R>.txt")
     p.add_argument("--after-train-sleep", type=float, default=0.0,
                    help="seconds to stay alive after train() returned (it logs 'train() returned' first)")
+    p.add_argument("--return-after-stop", action="store_true",
+                   help="JitConfig(exit_after_jit_stop=False): train() returns after a JIT stop (final-state.json "
+                        "and --after-train-sleep then follow it)")
     p.add_argument("--dropout", type=float, default=0.0,
                    help="Llama's attention_dropout (GPT-2 always has 0.1): makes an exact resume depend on the RNG")
     p.add_argument("--resume-from", default=None, help="train(resume_from_checkpoint=PATH)")
@@ -444,6 +447,7 @@ def _train(args: argparse.Namespace, common: dict[str, Any], trainer_cls: Any = 
                                slim_jit_save=not args.full_jit_save, hang_timeout_s=_hang_timeout(args.hang_timeout),
                                keep_global_batch=not args.refuse_batch_change,
                                async_periodic_saves=args.async_periodic_saves,
+                               exit_after_jit_stop=not args.return_after_stop,
                                **({"side_group_timeout_s": args.side_group_timeout}
                                   if args.side_group_timeout is not None else {}))
         except ValueError as exc:  # one line with its HINT, as every refusal

@@ -123,7 +123,7 @@ def test_a_commit_stalled_before_its_manifest_is_never_sealed_after_the_set_asid
     the stall ends (the ranks still alive: a slow end of training) it writes no manifest and rotates nothing
     (the first review: it sealed checkpoint-4 after the JIT save, and save_total_limit=1 deleted the JIT one)."""
     out = tmp_path / "out"
-    args = [*ARGS, *STEP_SLEEP, "--save-total-limit", "1", "--after-train-sleep", "25"]
+    args = [*ARGS, *STEP_SLEEP, "--save-total-limit", "1", "--return-after-stop", "--after-train-sleep", "25"]
     ranks, codes = _stop_during_a_stall(out, args, "manifest:4:12:0", 10, (0,))
     log = ranks.log(0)
     assert codes == [0, 0], log[-3000:]

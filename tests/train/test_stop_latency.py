@@ -187,7 +187,7 @@ def _wait_for_line(ranks: local_ranks.Ranks, text: str, count: int = 2) -> None:
 def test_usr1_stops_and_later_signals_are_ignored_during_the_save_and_after_train(tmp_path: Path) -> None:
     out = tmp_path / "out"
     args = ["--zero-stage", "2", "--max-steps", "200", "--step-sleep", "0.03", "--kill-wait", "0.5",
-            "--signals", "TERM,USR1", "--own-handler", "--after-train-sleep", "3"]
+            "--signals", "TERM,USR1", "--own-handler", "--return-after-stop", "--after-train-sleep", "3"]
     ranks = _start(out, args, env={FAULT_SAVE_SLEEP_ENV: "2"})
     wait_for_steps(ranks, out, 3)
     for rank in (0, 1):

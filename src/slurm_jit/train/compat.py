@@ -56,6 +56,7 @@ TRAINER_HOOKS: dict[str, tuple[str, ...]] = {
     "_finish_current_push": (),
     "_save_checkpoint": ("model", "trial"),
     "_get_output_dir": ("trial",),
+    "log": ("logs",),
 }
 
 

@@ -59,6 +59,10 @@ class JitConfig:
     # (train/async_save/periodic.py, issue #23): DeepSpeed ZeRO-0/1/2 only; JIT and final saves stay synchronous.
     # Off until proven by issue #23's kill tests: False is the synchronous save of every checkpoint
     async_periodic_saves: bool = False
+    # After a JIT stop, end the process (status 0) once the checkpoint is durable and the stop record written, so
+    # that nothing a script does after train() (its final save_model, metrics, evaluation, Hub push) runs in the
+    # grace period; atexit handlers still run. False: train() returns and the script checks trainer.jit_stopped
+    exit_after_jit_stop: bool = True
 
     def __post_init__(self) -> None:
         for name in ("kill_wait_s", "side_group_timeout_s", "convert_timeout_s"):
@@ -71,6 +75,9 @@ class JitConfig:
         if not isinstance(self.async_periodic_saves, bool):
             raise ValueError(f"async_periodic_saves={self.async_periodic_saves!r}. HINT: True (periodic saves "
                              "written in the background) or False (the default: synchronous saves)")
+        if not isinstance(self.exit_after_jit_stop, bool):
+            raise ValueError(f"exit_after_jit_stop={self.exit_after_jit_stop!r}. HINT: True (the default: the process "
+                             "ends after a JIT stop) or False (train() returns; check trainer.jit_stopped)")
         if not isinstance(self.keep_global_batch, bool):
             raise ValueError(f"keep_global_batch={self.keep_global_batch!r}. HINT: True (the default: change the "
                              "gradient accumulation on another world size) or False (refuse such a resume)")

@@ -77,3 +77,4 @@ class Run:
     watchdog: Watchdog | None = None  # this rank's hang watchdog, from the first step until train() ends
     async_saves: Any = None  # JitConfig(async_periodic_saves=True): train/async_save/periodic.py's AsyncSaves
     hung: bool = False  # the watchdog fired: the process is writing its hang record and exiting
+    chain_first_step: int | None = None  # the first step of this requeue chain's training (logging_window.py)

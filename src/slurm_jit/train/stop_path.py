@@ -282,6 +282,22 @@ def announce_stop(trainer: JitTrainer, run: Run) -> None:
                    save, since)
 
 
+# The launcher decides from the stop record, not from the exit status; 0 keeps srun's --kill-on-bad-exit from killing
+# the ranks still on their way out, and a submitit function's outcome a success (launch/runner.py)
+EXIT_STATUS_AFTER_JIT_STOP = 0
+
+
+def exit_after_stop(is_rank0: bool) -> None:
+    """End the process after a JIT stop (``JitConfig.exit_after_jit_stop``): train() has closed everything and the
+    stop record is written; what a script does after train() would run in the grace period and be cut by the
+    SIGKILL (a half-written final model). ``SystemExit``: atexit handlers and the trackers' finish still run."""
+    if is_rank0:
+        logger.warning("slurm_jit: JIT stop: the process exits now (status %d), so nothing after train() runs in the "
+                       "grace period. HINT: JitConfig(exit_after_jit_stop=False) returns from train() instead "
+                       "(check trainer.jit_stopped)", EXIT_STATUS_AFTER_JIT_STOP)
+    raise SystemExit(EXIT_STATUS_AFTER_JIT_STOP)
+
+
 @signals.worker_deaths_held()  # a DataLoader worker's death must not cut the record short
 def record_end(trainer: JitTrainer, run: Run) -> None:
     """``train()`` returned: the trackers and (rank 0) the stop record say ``jit_stop`` or ``finished``."""

@@ -2,8 +2,9 @@
 
 On a stop signal (SIGTERM by default) every rank agrees on one optimizer step
 (:mod:`slurm_jit.train.agreement`), a checkpoint of exactly that step is written through the crash-safe protocol
-(:mod:`slurm_jit.checkpoint.protocol`), ``train()`` returns normally and the stop record
-(:mod:`slurm_jit.train.stop_record`) says ``jit_stop`` so that the job can be requeued.
+(:mod:`slurm_jit.checkpoint.protocol`), the stop record (:mod:`slurm_jit.train.stop_record`) says ``jit_stop`` so
+that the job can be requeued, and the process exits with status 0 (``JitConfig(exit_after_jit_stop=False)``:
+``train()`` returns and ``trainer.jit_stopped`` is True).
 ``train(resume_from_checkpoint=True)`` resumes from the newest checkpoint that ``ckpt-check`` calls resumable, or
 starts fresh when there is none.
 
@@ -45,6 +46,8 @@ checks the private ones at construction):
                                     (save_total_limit=1) is turned off
 ``_load_best_model``                skipped after a JIT stop; across world sizes by the universal copy
 ``_finish_current_push``            a JIT stop does not wait for a Hub push in progress
+``log``                             ``train_loss`` over the whole requeue chain, as the uninterrupted run
+                                    reports it (logging_window: every checkpoint keeps the logging window)
 ==================================  ============================================================================
 
 The callbacks' ``on_save`` is called inside ``_save_checkpoint`` (before the manifest), not after it.
@@ -71,6 +74,7 @@ from slurm_jit.train import (
     exit_watch,
     frozen_weights,
     keep_batch,
+    logging_window,
     output_lock,
     resume_path,
     save_path,
@@ -97,6 +101,7 @@ class _JitCallback(transformers.TrainerCallback):
         self.trainer = trainer
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.trainer._jit_restore_logging_window()  # before the first step adds to it
         stop_path.on_train_begin(self.trainer)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -196,6 +201,13 @@ class JitTrainer(transformers.Trainer):
         trial: Any = None,
         ignore_keys_for_eval: list[str] | None = None,
     ) -> TrainOutput:
+        output = self._jit_train(resume_from_checkpoint, trial, ignore_keys_for_eval)
+        if self.jit_stopped and self.jit_config.exit_after_jit_stop:
+            stop_path.exit_after_stop(self._is_rank0)  # nothing after train() runs in the grace period
+        return output
+
+    def _jit_train(self, resume_from_checkpoint: str | bool | None, trial: Any,
+                   ignore_keys_for_eval: list[str] | None) -> TrainOutput:
         run = Run(latch=SignalLatch(self._jit_signums), trial=trial, ignore_keys_for_eval=ignore_keys_for_eval)
         self._jit_run = run
         self.jit_stopped = False
@@ -211,6 +223,7 @@ class JitTrainer(transformers.Trainer):
             except StopBeforeFirstStep:
                 output = TrainOutput(self.state.global_step, 0.0, {})
             self.jit_stopped = run.stopped
+            output = self._jit_chain_output(run, output)
             stop_path.record_end(self, run)
             clean = True
             return output
@@ -219,6 +232,31 @@ class JitTrainer(transformers.Trainer):
             raise
         finally:
             self._jit_end(run, clean)
+
+    def _jit_restore_logging_window(self) -> None:
+        """The resumed checkpoint's logging window (logging_window.py), once upstream has reset its own."""
+        run = self._jit_run
+        if run is None:
+            return
+        window = (logging_window.read(run.resumed_from, int(self.args.process_index), int(self.args.world_size))
+                  if run.resumed_from else None)
+        restored = window is not None and logging_window.restore(self, window)
+        run.chain_first_step = (int(window["chain_first_step"]) if restored and window is not None
+                                else int(getattr(self, "_initial_global_step", self.state.global_step)))
+
+    def _jit_chain_output(self, run: Run, output: TrainOutput) -> TrainOutput:
+        """train_loss over the whole requeue chain, as the uninterrupted run reports it (logging_window.py)."""
+        if run.chain_first_step is None or "train_loss" not in (output.metrics or {}):
+            return output
+        loss = logging_window.chain_train_loss(self._total_loss_scalar, self.state.global_step, run.chain_first_step)
+        return TrainOutput(output.global_step, loss, {**output.metrics, "train_loss": loss})
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        run = self._jit_run
+        if run is not None and run.chain_first_step is not None and "train_loss" in logs:  # _finalize_training's
+            logs = {**logs, "train_loss": logging_window.chain_train_loss(
+                self._total_loss_scalar, self.state.global_step, run.chain_first_step)}
+        super().log(logs, *args, **kwargs)
 
     def _jit_start(self, run: Run, resume_from_checkpoint: str | bool | None) -> str | None:
         """Before upstream's train(): the checkpoint to resume (resume_path), the timing log, ``running``."""

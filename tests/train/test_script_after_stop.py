@@ -1,0 +1,80 @@
+"""A script in the shape of transformers' examples (tests/helpers/hf_script.py: HfArgumentParser, the work after
+``train()``, ``logging_steps`` > 1), stopped by a real SIGTERM and resumed: after the JIT stop nothing of the
+script's end runs (the process exits once the checkpoint and the stop record are written), and every value the
+resumed run logs (each window's loss, the final ``train_loss``) equals the uninterrupted run's, bit for bit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from slurm_jit.checkpoint import protocol
+from slurm_jit.train import stop_record
+
+SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "hf_script.py"
+RUN_TIMEOUT_S = 300
+MAX_STEPS = 12
+
+
+def _run(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, str(SCRIPT), "--output_dir", str(out), "--max_steps", str(MAX_STEPS),
+            "--per_device_train_batch_size", "4", "--save_strategy", "no", "--use_cpu", "true",
+            "--report_to", "none", "--disable_tqdm", "true", "--seed", "3", *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False)
+
+
+def _logged(out: Path) -> list[dict[str, float]]:
+    """Every value the run logged, but the timings (train_runtime, *_per_second) and the token throughput."""
+    history = json.loads((out / "log-history.json").read_text())
+    return [{k: v for k, v in entry.items() if "runtime" not in k and "per_second" not in k} for entry in history]
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[dict[str, float]]]:
+    """Uninterrupted runs, one per logging_steps."""
+    logged = {}
+    for logging_steps in (1, 7, 10):
+        out = tmp_path_factory.mktemp(f"reference-{logging_steps}")
+        done = _run(out, "--logging_steps", str(logging_steps))
+        assert done.returncode == 0, done.stderr[-3000:]
+        logged[logging_steps] = _logged(out)
+    return logged
+
+
+@pytest.mark.slow
+# A stop lands after the signal's step, or one step later where the ranks read their stop rounds overlapped (steps
+# under 0.5 s, these: ~20 ms): signalled at step 6 with logging_steps 7 it stops at the window's last step
+@pytest.mark.parametrize(("logging_steps", "signal_at"), [(1, 4), (7, 4), (7, 6), (10, 3)],
+                         ids=["log-1", "log-7-inside", "log-7-at-window-end", "log-10"])
+def test_a_jit_stop_ends_the_script_and_the_resume_logs_what_the_uninterrupted_run_logs(
+        tmp_path: Path, references: dict[int, list[dict[str, float]]], logging_steps: int, signal_at: int) -> None:
+    out = tmp_path / "out"
+    stopped = _run(out, "--logging_steps", str(logging_steps), "--signal_at_step", str(signal_at))
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert "the process exits now (status 0)" in stopped.stderr, stopped.stderr[-3000:]
+    record = stop_record.read(out)
+    assert record is not None and record["state"] == "jit_stop" and record["step"] in (signal_at, signal_at + 1), record
+    assert protocol.inspect(Path(record["checkpoint"]), record["step"]).status is protocol.Status.COMPLETE
+    # nothing of the script's end: before, train() returned and the script saved a "final" model and its metrics
+    assert not (out / "model.safetensors").exists() and not (out / "train_results.json").exists()
+    assert not (out / "log-history.json").exists()
+    resumed = _run(out, "--logging_steps", str(logging_steps))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (out / "model.safetensors").exists() and (out / "train_results.json").exists()
+    assert _logged(out) == references[logging_steps]  # before: the first window after the resume differed
+
+
+@pytest.mark.slow
+def test_with_exit_after_jit_stop_off_train_returns_and_the_script_checks_jit_stopped(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    stopped = _run(out, "--logging_steps", "7", "--signal_at_step", "5", "--return_after_stop", "true")
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert "the process exits now" not in stopped.stderr
+    assert (out / "returned-after-stop").exists()  # train() returned and trainer.jit_stopped said so
+    assert not (out / "train_results.json").exists()
+    record = stop_record.read(out)
+    assert record is not None and record["state"] == "jit_stop" and record["step"] in (5, 6), record
