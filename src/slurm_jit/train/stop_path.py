@@ -269,7 +269,8 @@ def record_stop(trainer: JitTrainer) -> None:
 
 def announce_stop(trainer: JitTrainer, run: Run) -> None:
     """The JIT stop's one line in the job log, rank 0 only, at warning level so that it shows without any logging
-    set up: the signal, the step, the checkpoint and the seconds (the save's, and since the signal)."""
+    set up: the signal and the step it came at, the step of the stop (later by the steps run during the kill wait),
+    the checkpoint and the seconds (the save's, and since the signal)."""
     if not trainer._is_rank0:
         return
     now = time.monotonic()
@@ -277,9 +278,11 @@ def announce_stop(trainer: JitTrainer, run: Run) -> None:
     if run.save_started_at is not None and run.save_ended_at is not None:
         save = f"saved in {run.save_ended_at - run.save_started_at:.2f} s, "
     since = f"{now - run.latch.first_at:.2f} s after the signal" if run.latch.first_at is not None else "now"
-    logger.warning("slurm_jit: JIT stop: %s at step %d, checkpoint %s complete (%s%s); the next run resumes from "
-                   "it", signal_name(run.latch.first_signum) or "stop", trainer.state.global_step, run.checkpoint,
-                   save, since)
+    name = signal_name(run.latch.first_signum)
+    signal = (f"{name} at step {run.signal_step}" if name and run.signal_step is not None
+              else name or "another rank's signal")  # rank 0 saw none: the agreement stopped it
+    logger.warning("slurm_jit: JIT stop: %s, stopped at step %d, checkpoint %s complete (%s%s); the next run resumes "
+                   "from it", signal, trainer.state.global_step, run.checkpoint, save, since)
 
 
 # The launcher decides from the stop record, not from the exit status; 0 keeps srun's --kill-on-bad-exit from killing
