@@ -1,5 +1,5 @@
-"""save_only_model without DeepSpeed: the JIT save is full (optimizer, scheduler, RNG) and resumes exactly.
-Real ranks (plain DDP, 2 CPU ranks).
+"""save_only_model: the JIT save is full (optimizer, scheduler, RNG) and resumes exactly, without DeepSpeed and with
+an async periodic save in flight. Real ranks (2 CPU ranks).
 """
 
 from __future__ import annotations
@@ -8,8 +8,10 @@ import json
 from pathlib import Path
 
 import pytest
-from jit_helpers import assert_same_losses, losses, run_to_end
+from jit_helpers import assert_same_losses, ckpt_check, losses, run_to_end
 from run_outputs import manifest_of as _manifest
+
+from slurm_jit.train import stop_record
 
 pytestmark = pytest.mark.deepspeed
 
@@ -30,3 +32,23 @@ def test_plain_ddp_save_only_model_jit_save_resumes_exactly(tmp_path: Path) -> N
     assert_same_losses(losses(out), losses(ref))
     lrs = [json.loads(line)["lr"] for line in (out / "losses-rank0.jsonl").read_text().splitlines()]
     assert lrs == [json.loads(line)["lr"] for line in (ref / "losses-rank0.jsonl").read_text().splitlines()]
+
+
+def test_a_stop_during_an_async_model_only_save_writes_a_full_jit_checkpoint(tmp_path: Path) -> None:
+    """Issue #42 item 3, ZeRO-2 with async periodic saves: SIGTERM at the end of step 4, while its model-only save is
+    in flight (the stop agreed right after its submission): the stop moves to step 5 and writes a full JIT checkpoint
+    there, the one ckpt-check names and the resume continues from (the model-only guard read the saved step before
+    the async save counted, and the JIT save then returned as 'already saved': the stop named checkpoint-4)."""
+    args = ["--max-steps", "8", "--save-steps", "2", "--save-only-model", "--kill-wait", "0", "--async-periodic-saves"]
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    assert run_to_end(ref, args) == [0, 0]
+    assert run_to_end(out, [*args, "--signal-self-at-step", "4"]) == [0, 0]
+    record = stop_record.read(out)
+    assert record is not None and record["state"] == "jit_stop", record
+    assert record["step"] == 5 and record["checkpoint"] == str(out / "checkpoint-5"), record
+    assert _manifest(out / "checkpoint-4")["contents"] == "model_only"
+    assert _manifest(out / "checkpoint-5")["contents"] == "full" and _manifest(out / "checkpoint-5")["kind"] == "jit"
+    check = ckpt_check(out)
+    assert check.returncode == 0 and check.stdout.splitlines()[-1] == str(out / "checkpoint-5"), check.stdout
+    assert run_to_end(out, [*args, "--resume"]) == [0, 0]
+    assert_same_losses(losses(out), losses(ref))

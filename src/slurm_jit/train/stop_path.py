@@ -112,6 +112,13 @@ def _async_submitted(trainer: JitTrainer) -> int | None:
     return periodic.in_flight_step(trainer)
 
 
+def _async_contents(trainer: JitTrainer, step: int) -> str | None:
+    """What the async periodic save of ``step`` still in flight holds (None: none in flight of that step)."""
+    from slurm_jit.train.async_save import periodic  # noqa: PLC0415 (periodic -> writer -> save_path -> here)
+
+    return periodic.in_flight_contents(trainer, step)
+
+
 def log_save_evaluate(trainer: JitTrainer, run: Run, upstream: Callable[[], None], model: Any,
                       trial: Any) -> None:
     """``_maybe_log_save_evaluate`` inside the loop: this boundary's stop round, upstream's evaluation and save
@@ -128,7 +135,7 @@ def log_save_evaluate(trainer: JitTrainer, run: Run, upstream: Callable[[], None
     upstream()
     if not run.stop_now and step in (run.saved_step, _async_submitted(trainer)):
         agree_now(trainer)  # a periodic save just ended: a stop that came during it is taken here, not a step later
-    if _stopping(run, step, last_step):
+    if _stopping(run, step, last_step, _async_contents(trainer, step)):
         if run.saved_step != step:
             save_jit(trainer, model, trial)
         run.checkpoint = str(Path(trainer._get_output_dir(trial=None)) / f"checkpoint-{step}")
@@ -172,9 +179,10 @@ def save_jit(trainer: JitTrainer, model: Any, trial: Any) -> None:
     run.save_ended_at = time.monotonic()
 
 
-def _stopping(run: Run, step: int, last_step: bool) -> bool:
+def _stopping(run: Run, step: int, last_step: bool, in_flight_contents: str | None = None) -> bool:
     stopping = (run.stop_now or run.eval_aborted) and not last_step
-    if stopping and run.saved_step == step and run.saved_contents != "full":
+    contents = run.saved_contents if run.saved_step == step else in_flight_contents  # an async save not yet counted
+    if stopping and contents not in (None, "full"):
         # The stop came during a model-only periodic save (save_only_model): it cannot be resumed from, and
         # its directory must not be replaced. Train one more step and write a full JIT checkpoint there.
         logger.warning("slurm_jit: stop during a model-only save of step %d: a full JIT checkpoint follows "

@@ -167,6 +167,14 @@ def in_flight_step(trainer: JitTrainer) -> int | None:
     return saves.in_flight.step if saves is not None and saves.in_flight is not None else None
 
 
+def in_flight_contents(trainer: JitTrainer, step: int) -> str | None:
+    """What the async save of ``step`` still in flight holds (``full``, ``model_only``: save_only_model), or None
+    where none of that step is: the stop path's model-only guard, before that save is taken as saved."""
+    saves = _saves(trainer, create=False)
+    job = saves.in_flight if saves is not None else None
+    return job.contents if job is not None and job.step == step else None
+
+
 def _saves(trainer: JitTrainer, create: bool) -> AsyncSaves | None:
     run = trainer._jit_run
     if run is None or not trainer.jit_config.async_periodic_saves:
