@@ -32,6 +32,10 @@ def callbacks(args: argparse.Namespace, rank: int) -> list[Any]:
                 with open(os.path.join(out_dir, "losses-rank0.jsonl"), "a", encoding="utf-8") as f:
                     f.write(json.dumps({"step": state.global_step, "loss": logs["loss"],
                                         "lr": logs.get("learning_rate")}) + "\n")
+            if rank == 0 and logs:  # every value logged but the timings: what a tracker shows, compared bitwise
+                kept = {k: v for k, v in logs.items() if "runtime" not in k and "per_second" not in k}
+                with open(os.path.join(out_dir, "logs-rank0.jsonl"), "a", encoding="utf-8") as f:
+                    f.write(json.dumps({"step": state.global_step, **kept}) + "\n")
             if rank == 0 and logs and "eval_loss" in logs:
                 with open(os.path.join(out_dir, "evals-rank0.jsonl"), "a", encoding="utf-8") as f:
                     f.write(json.dumps({"step": state.global_step, "eval_loss": logs["eval_loss"]}) + "\n")

@@ -48,6 +48,12 @@ def losses(out: Path) -> list[tuple[int, float]]:
 
 
 
+def logged(out: Path) -> list[dict[str, float]]:
+    """Every value rank 0 logged (demo_train's logs-rank0.jsonl: the timings left out), in order, across the runs."""
+    path = out / "logs-rank0.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+
+
 def final_losses(out: Path) -> list[tuple[int, float]]:
     """Per step, the loss of the last run that logged it (a stopped run may log steps its resume repeats)."""
     final: dict[int, float] = {}

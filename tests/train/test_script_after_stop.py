@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from jit_helpers import logged, run_demo
 
 from slurm_jit.checkpoint import protocol
 from slurm_jit.train import stop_record
@@ -78,3 +79,22 @@ def test_with_exit_after_jit_stop_off_train_returns_and_the_script_checks_jit_st
     assert not (out / "train_results.json").exists()
     record = stop_record.read(out)
     assert record is not None and record["state"] == "jit_stop" and record["step"] in (5, 6), record
+
+
+@pytest.mark.slow
+@pytest.mark.deepspeed
+def test_two_deepspeed_ranks_resume_each_ranks_loss_window(tmp_path: Path) -> None:
+    """ZeRO-2 on 2 ranks, logging_steps 7, a stop inside the second window (step 9 or 10): each rank's own loss sum is
+    put back, so the gathered mean of the window ending at step 14, the final train_loss and every other value
+    rank 0 logged equal the uninterrupted run's. A JIT stop logs no end-of-training summary."""
+    args = ["--zero-stage", "2", "--max-steps", "16", "--kill-wait", "0", "--targ", "logging_steps=7"]
+    reference, out = tmp_path / "reference", tmp_path / "out"
+    run_demo(reference, args, 2)
+    run_demo(out, [*args, "--signal-self-at-step", "9"], 2)
+    record = stop_record.read(out)
+    assert record is not None and record["state"] == "jit_stop" and record["step"] in (9, 10), record
+    assert not any("train_loss" in entry for entry in logged(out))  # before: the stop logged a training summary
+    run_demo(out, [*args, "--resume"], 2)
+    expected = logged(reference)
+    assert [e["step"] for e in expected if "loss" in e] == [7, 14] and "train_loss" in expected[-1], expected
+    assert logged(out) == expected

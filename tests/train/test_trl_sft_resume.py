@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from jit_helpers import RunResult, assert_jit_stop, assert_same_losses, losses, run_and_signal, run_logged
+from jit_helpers import RunResult, assert_jit_stop, assert_same_losses, logged, losses, run_and_signal, run_logged
 
 from slurm_jit.checkpoint import protocol
 
@@ -83,6 +83,15 @@ def test_a_stopped_sft_run_resumes_bitwise_whichever_way_jit_was_added(runs: Run
     final = json.loads((runs.out / "final-state.json").read_text())
     assert final == json.loads((runs.reference / "final-state.json").read_text())
     assert final["global_step"] == MAX_STEPS
+
+
+def test_every_value_trl_logs_equals_the_uninterrupted_runs(runs: Runs) -> None:
+    """TRL's own logged metrics too (entropy, mean_token_accuracy, num_tokens: SFTTrainer counts the tokens since
+    its start in _total_train_tokens, which a resume started again from 0), and the final train_loss over the
+    whole chain: the checkpoint keeps TRL's logging window (train/logging_window.py)."""
+    expected = logged(runs.reference)
+    assert any("num_tokens" in e for e in expected) and "train_loss" in expected[-1], expected[-3:]
+    assert logged(runs.out) == expected
 
 
 def test_the_stop_left_a_complete_slim_jit_checkpoint_between_the_evaluations(runs: Runs) -> None:

@@ -47,7 +47,8 @@ checks the private ones at construction):
 ``_load_best_model``                skipped after a JIT stop; across world sizes by the universal copy
 ``_finish_current_push``            a JIT stop does not wait for a Hub push in progress
 ``log``                             ``train_loss`` over the whole requeue chain, as the uninterrupted run
-                                    reports it (logging_window: every checkpoint keeps the logging window)
+                                    reports it (logging_window: every checkpoint keeps the logging window); a
+                                    JIT stop logs no end-of-training summary
 ==================================  ============================================================================
 
 The callbacks' ``on_save`` is called inside ``_save_checkpoint`` (before the manifest), not after it.
@@ -253,9 +254,13 @@ class JitTrainer(transformers.Trainer):
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         run = self._jit_run
-        if run is not None and run.chain_first_step is not None and "train_loss" in logs:  # _finalize_training's
-            logs = {**logs, "train_loss": logging_window.chain_train_loss(
-                self._total_loss_scalar, self.state.global_step, run.chain_first_step)}
+        if run is not None and "train_loss" in logs:  # _finalize_training's summary of the training
+            if run.stopped:  # the training did not end: the run that finishes logs it, over the whole chain
+                logger.debug("slurm_jit: JIT stop: the end-of-training summary is not logged: %s", logs)
+                return
+            if run.chain_first_step is not None:
+                logs = {**logs, "train_loss": logging_window.chain_train_loss(
+                    self._total_loss_scalar, self.state.global_step, run.chain_first_step)}
         super().log(logs, *args, **kwargs)
 
     def _jit_start(self, run: Run, resume_from_checkpoint: str | bool | None) -> str | None:
