@@ -23,6 +23,31 @@ class JitRefusal(ValueError):
     """A setting or a checkpoint the JitTrainer cannot work with; the message is one line with a HINT."""
 
 
+# The launchers (launch/submit.py, JitExecutor, sbatch/) export their --output-dir: the directory whose stop record
+# and checkpoints the requeue decision reads. A training that writes elsewhere would never be requeued from its own.
+OUTPUT_DIR_ENV = "SLURM_JIT_OUTPUT_DIR"
+
+
+def output_dir_at_construction(args: tuple[Any, ...], kwargs: dict[str, Any],
+                               launcher_dir: str | None) -> str | None:
+    """``JitTrainer(*args, **kwargs)`` (the TrainingArguments second, as for ``Trainer``): :func:`output_dir_refusal`
+    before upstream creates the directory."""
+    targs = kwargs["args"] if "args" in kwargs else (args[1] if len(args) > 1 else None)
+    output_dir = getattr(targs, "output_dir", None)
+    return output_dir_refusal(str(output_dir), launcher_dir) if output_dir else None
+
+
+def output_dir_refusal(output_dir: str, launcher_dir: str | None) -> str | None:
+    """Why ``TrainingArguments.output_dir`` cannot be this job's (the launcher's is another directory), or None."""
+    if not launcher_dir:
+        return None
+    if os.path.realpath(os.path.abspath(output_dir)) == os.path.realpath(os.path.abspath(launcher_dir)):
+        return None
+    return (f"output_dir {output_dir!r} is not the launcher's --output-dir {launcher_dir!r}: the requeue reads the "
+            f"stop record and checkpoints of the launcher's. HINT: give the script --output_dir {launcher_dir} (or "
+            "the launcher the script's), e.g. --output_dir \"$SLURM_JIT_OUTPUT_DIR\"")
+
+
 def refused_settings(*, save_on_each_node: bool, ds_config: dict[str, Any] | None) -> str | None:
     """Why these Trainer/DeepSpeed settings cannot go with the checkpoint protocol, or None."""
     if save_on_each_node:

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import signal
 import uuid
 from typing import Any
@@ -88,7 +89,7 @@ from slurm_jit.train import (
 from slurm_jit.train.agreement import StopAgreement
 from slurm_jit.train.async_save import periodic as async_periodic
 from slurm_jit.train.jit_config import JitConfig
-from slurm_jit.train.refusals import JitRefusal, refused_settings
+from slurm_jit.train.refusals import OUTPUT_DIR_ENV, JitRefusal, output_dir_at_construction, refused_settings
 from slurm_jit.train.run_state import Run, StopBeforeFirstStep
 from slurm_jit.train.save_path import FAULT_SAVE_SLEEP_ENV as FAULT_SAVE_SLEEP_ENV  # where tests set it
 from slurm_jit.train.signals import IgnoreSignalsInWorker, SignalLatch, StartWorkersMasked
@@ -133,6 +134,10 @@ class JitTrainer(transformers.Trainer):
         # A transformers without the hooks below, or passing them what they cannot take, fails here, not at the
         # first stop
         subclassing.check_hooks(type(self), JitTrainer)
+        # before upstream's os.makedirs: a directory the launcher does not read, then one it cannot write
+        launched = output_dir_at_construction(args, kwargs, os.environ.get(OUTPUT_DIR_ENV))
+        if launched:
+            raise JitRefusal(f"slurm_jit: {launched}")
         unusable = writable.refusal_at_construction(args, kwargs)  # upstream's os.makedirs: a traceback
         if unusable:
             raise JitRefusal(unusable)
