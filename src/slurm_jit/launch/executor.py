@@ -37,6 +37,7 @@ from slurm_jit.launch import gate, node_range, output_claim, sbatch_options, sub
 from slurm_jit.launch.command import Command
 from slurm_jit.launch.executor_params import JitExecutorError, check_owned, check_shapes, refuse_submitit_arguments
 from slurm_jit.launch.policy import DEFAULT_RETRY_ON_HANG
+from slurm_jit.train.refusals import OUTPUT_DIR_ENV
 
 _problem = submitit_hooks.problem()
 if _problem is None:
@@ -194,6 +195,8 @@ class JitExecutor(SlurmExecutor):  # type: ignore[misc,valid-type]
         return [
             "# slurm-jit: the training's output directory (status JOBID reads this line)",
             f"OUT_DIR={shlex.quote(self.output_dir)}",
+            "# slurm-jit: the ranks' JitTrainer refuses another output_dir than this one",
+            f'export {OUTPUT_DIR_ENV}="$OUT_DIR"',
             "# slurm-jit: the trainer's budget, N of --signal=TERM@N (no B:, so the warning reaches the ranks)",
             f"export {LEAD_ENV_VAR}={lead_s}",
             'echo "slurm-jit: job ${SLURM_JOB_ID} restart ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NODELIST}"',
