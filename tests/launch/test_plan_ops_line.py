@@ -20,8 +20,10 @@ def ops_line(tmp_path: Path, ext_dir: Path, *extra: str) -> str:
                            str(tmp_path / "out"), "--time", "30", "--signal-lead", "60", *extra, *CMD],
                           capture_output=True, text=True, check=False, timeout=60, env=env)
     assert proc.returncode == 0, proc.stderr
-    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("  ops:")]
-    return line
+    lines = proc.stderr.splitlines()
+    (at,) = [i for i, line in enumerate(lines) if line.startswith("  ops:")]
+    hint = lines[at + 1] if lines[at + 1].startswith(" " * 12 + "HINT: ") else ""  # the HINT on a line of its own
+    return f"{lines[at]} {hint.strip()}".strip()
 
 
 def test_an_unbuilt_op_is_said_to_be_built_in_the_job(tmp_path: Path) -> None:

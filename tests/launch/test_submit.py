@@ -76,12 +76,14 @@ def test_a_node_range_from_the_config_gives_the_same_script(tmp_path: Path) -> N
 
 
 def test_plan_names_grace_terms_signal_policy_and_resume_point() -> None:
-    proc = submit(*CASES["grace-calc"])
-    plan = proc.stderr
-    assert "step 120 s (1 x 120 s (--step-time)" in plan and "save 120 s (--save-time)" in plan and "= 243 s" in plan
+    plan = submit(*CASES["grace-calc"]).stderr
+    assert "  grace:    step 120 s + save 120 s + kill_wait 3 s = 243 s\n" in plan
     assert "#SBATCH --signal=TERM@243 (no B:" in plan and "SLURM_JIT_SIGNAL_LEAD_S=243" in plan
-    assert "up to 5 times" in plan and "never after scancel" in plan
+    assert "up to 5 times" in plan and "never after scancel" not in plan  # the policy's conditions: --explain's
     assert "resume:   fresh start" in plan
+    explained = " ".join(submit("--explain", *CASES["grace-calc"]).stderr.split())  # its lines wrapped
+    assert "step 120 s: 1 x 120 s (--step-time)" in explained and "save 120 s: --save-time" in explained
+    assert "never after scancel" in explained
 
 
 @pytest.mark.parametrize(("args", "message"), [

@@ -54,7 +54,8 @@ def test_a_submit_runs_exactly_the_sbatch_argv_its_dry_run_printed(tmp_path: Pat
     kept = output_claim.job_script_path(out, "4242")
     assert kept.read_text() == dry.stdout  # the script sbatch got is the one the dry run printed
     logs = out / "slurm-jit" / "logs"
-    assert f"submitted job 4242; log {logs}/4242_0_log.out; status: " in printed
+    assert f"submitted job 4242; log {logs}/4242_0_log.out\n  status:   python launch/submit.py status '{out}'\n" \
+        in printed
     assert os.readlink(out / "slurm-4242.out") == "slurm-jit/logs/4242_0_log.out"  # the old path, as a link
     assert (logs / "4242_submitted.pkl").is_file()
 

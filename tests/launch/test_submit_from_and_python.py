@@ -35,10 +35,11 @@ def _earlier_run(out: Path) -> None:
 def test_from_takes_the_step_and_save_times_of_an_earlier_run(tmp_path: Path) -> None:
     earlier, out = tmp_path / "earlier", tmp_path / "out"
     _earlier_run(earlier)
-    proc = cli("--output-dir", str(out), "--ntasks-per-node", "2", "--time", "30", "--from", str(earlier), *CMD)
+    proc = cli("--output-dir", str(out), "--ntasks-per-node", "2", "--time", "30", "--from", str(earlier), "--explain",
+               *CMD)
     assert proc.returncode == 0, proc.stderr
-    (grace,) = [line for line in proc.stderr.splitlines() if line.startswith("  grace:")]
-    assert "max of 27 steps over 1 run in the timing log" in grace and "save 7 s" in grace, grace
+    assert "\n  grace:    step 3 s + save 7 s + kill_wait 3 s + margin 10 s = 23 s\n" in proc.stderr, proc.stderr
+    assert "max of 27 steps over 1 run in the timing log" in " ".join(proc.stderr.split()), proc.stderr  # --explain
     config = tmp_path / "job.toml"
     config.write_text(f'from = "{earlier}"\n')
     by_config = cli("--config", str(config), "--output-dir", str(out), "--ntasks-per-node", "2", "--time", "30", *CMD)

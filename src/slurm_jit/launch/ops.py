@@ -70,8 +70,8 @@ def plan_line(env: Mapping[str, str], gpus: bool) -> str:
     if found is not None:
         return f"{CPU_COMM_OP} built in {found.parent.parent} (the ranks load it; no build in the job)"
     return (f"{CPU_COMM_OP} not built in {root}: the first job builds it before its first step (~"
-            f"{BUILD_S_MEASURED} s on 2 idle cores, inside the time limit). HINT: build it once before submitting "
-            f"({DOCS}), with TORCH_EXTENSIONS_DIR as the job will have it")
+            f"{BUILD_S_MEASURED} s, inside its time limit). HINT: build it once before submitting ({DOCS}), with "
+            "TORCH_EXTENSIONS_DIR as the job will have it")
 
 
 def job_env() -> Mapping[str, str]:

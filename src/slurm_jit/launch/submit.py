@@ -12,7 +12,6 @@ passed as data: no shell sees them), or ``--function module:function`` (its argu
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shlex
@@ -20,21 +19,19 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
 import tomllib
 
 from slurm_jit import slurm
-from slurm_jit.checkpoint import elastic_plan
-from slurm_jit.grace import cli as grace_cli
 from slurm_jit.grace import save_advice
 from slurm_jit.grace.calc import GraceError, GraceResult
 from slurm_jit.grace.sbatch_script import ScriptError
-from slurm_jit.launch import entry, gate, node_range, ops, output_claim, policy, sbatch_options, submitit_hooks, task
+from slurm_jit.launch import entry, gate, node_range, output_claim, policy, sbatch_options, submitit_hooks, task
 from slurm_jit.launch.command import Command
 from slurm_jit.launch.executor import FailedSubmission, JitExecutor
+from slurm_jit.launch.plan import LOG_FOLDER, Launch, log_folder, plan_lines, task_logs
 from slurm_jit.launch.status import status_main
 from slurm_jit.timing import TIMING_DIR
 
@@ -131,6 +128,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true",
                    help="print the plan and the exact sbatch argv (stderr) and the batch script (stdout); writes "
                         "nothing, needs no sbatch")
+    p.add_argument("--explain", action="store_true",
+                   help="under the plan, where each figure comes from: the grace terms' sources, the save advice's "
+                        "arithmetic, the requeue policy's conditions")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- the training command and its arguments")
     return p
 
@@ -202,33 +202,7 @@ def _count(value: object, option: str, *, default: int, minimum: int) -> int:
 
 # What may stand in an #SBATCH value (submitit quotes it; a Slurm value never needs a blank, quote or #).
 SAFE_DIRECTIVE_VALUE = re.compile(r"[A-Za-z0-9_.,:@=/+%-]+")
-LOG_FOLDER = "logs"  # OUT_DIR/slurm-jit/logs: submitit's log folder for the CLI's jobs (%j_%t_log.out)
 OLD_LOG = "slurm-{job_id}.out"  # the log's path before submit.py ran on JitExecutor: kept as a link to task 0's
-
-
-@dataclass(frozen=True)
-class Launch:
-    """One submit: the executor that writes the script and calls sbatch, and what it submits."""
-
-    executor: JitExecutor
-    entry: tuple[Any, ...]  # ex.submit(*entry): a Command, or task.call_function and its arguments
-    grace: GraceResult
-    training: dict[str, Any]  # {"argv": [...]} or {"function": ..., "args": [...]}, for the plan
-    time: str
-    python: str  # the job's interpreter, as given (the executor holds it quoted for the shell)
-    saves: str | None = None  # the save_steps Young's interval advises (grace/save_advice.py), for the plan
-
-    @property
-    def output_dir(self) -> str:
-        return str(self.executor.output_dir)
-
-    @property
-    def world_size(self) -> int:
-        return int(self.executor.world_size)
-
-
-def log_folder(output_dir: str) -> str:
-    return str(Path(output_dir) / TIMING_DIR / LOG_FOLDER)
 
 
 def _check_values(args: argparse.Namespace) -> None:
@@ -359,65 +333,6 @@ def training_spec(args: argparse.Namespace) -> dict[str, Any]:
     return {"argv": list(args.command)}
 
 
-def task_logs(launch: Launch, job_id: str = "%j") -> str:
-    """The per-task logs (submitit's), ``%t`` the task; task 0's also holds the batch script's lines."""
-    return str(Path(log_folder(launch.output_dir)) / f"{job_id}_%t_log.out")
-
-
-def _quoted(argv: Sequence[str]) -> str:
-    return " ".join(json.dumps(a) if not a.isprintable() else shlex.quote(a) for a in argv)
-
-
-def plan_lines(launch: Launch, checked: gate.GateResult) -> list[str]:
-    result, spec, ex = launch.grace, launch.training, launch.executor
-    terms = " + ".join(f"{t.name} {t.seconds:g} s ({t.source})" for t in result.terms)
-    what = (f"{spec['function']}({' '.join(spec['args'])})" if "function" in spec
-            else " ".join(json.dumps(a) if not a.isprintable() or " " in a else a for a in spec["argv"]))
-    requeue = (f"after a JIT stop, requeue the same job (scontrol requeue) up to {ex.max_requeues} times, only "
-               "while it is running (never after scancel), the checkpoint passes ckpt-check and the step advanced; "
-               f"after a crash: {ex.retry_on_failure} retries; after a hang or a lost peer: {ex.retry_on_hang} "
-               f"retries from the newest complete checkpoint"
-               + (", excluding the stuck node (where the partition has a spare one)" if ex.exclude_hung_node else "")
-               + (f"; every requeue counts against the {ex.max_requeues} above: no more than {ex.max_requeues} "
-                  "in all" if max(ex.retry_on_failure, ex.retry_on_hang) > ex.max_requeues else ""))
-    nodes, per_node = ex.nodes, ex.tasks_per_node
-    sizes = nodes.world_sizes(per_node)
-    ranks = f"{sizes[0]}-{sizes[-1]}" if nodes.elastic else str(launch.world_size)
-    elastic_nodes = node_range.plan_line(nodes, per_node)
-    staging = grace_cli.staging_note(launch.output_dir, per_node)
-    return [
-        f"plan: {nodes.sbatch_value()} node(s) x {per_node} task(s) = {ranks} ranks, one srun task each; "
-        f"--time={launch.time}",
-        *([f"  nodes:    {elastic_nodes}"] if elastic_nodes else []),
-        f"  training: {what}",
-        f"  python:   {launch.python} (the batch script's and every task's interpreter; --python to change)",
-        f"  ops:      {ops.plan_line(ops.job_env(), gpus=bool(ex.parameters.get('gpus_per_node')))}",
-        f"  grace:    {terms} = {result.needed_s:g} s",
-        *([f"  staging:  {staging}"] if staging else []),
-        *([f"  saves:    {launch.saves}"] if launch.saves else []),
-        f"  signal:   #SBATCH --signal=TERM@{result.lead_s} (no B:, so it reaches the ranks); "
-        f"export SLURM_JIT_SIGNAL_LEAD_S={result.lead_s}",
-        f"  requeue:  {requeue}",
-        f"  sbatch:   {_quoted(ex.sbatch_argv())}",
-        f"  logs:     {task_logs(launch)} (one per task; task 0's also holds the batch script's lines)",
-        f"  resume:   {checked.message.removeprefix('ckpt-check gate: ')}",
-        *([f"  elastic:  {_elastic_line(launch, checked)}"] if checked.elastic is not None else []),
-    ]
-
-
-def _elastic_line(launch: Launch, checked: gate.GateResult) -> str:
-    """What the resume does about the world size change, with the conversion's estimated time."""
-    elastic = checked.elastic
-    assert elastic is not None
-    line = f"{elastic.written_by} -> {launch.world_size} ranks from {checked.resume_point}: {elastic.action}"
-    if elastic.action != elastic_plan.CONVERT:
-        return line
-    conversion = grace_cli.next_conversion(launch.output_dir, launch.world_size)
-    took = f"~{conversion.seconds:.0f} s ({conversion.source})" if conversion and conversion.seconds is not None \
-        else "time not estimated (no conversion in the timing log yet)"
-    return f"{line}, once, at the start of the first job, before its first step: {took}"
-
-
 def _submit(launch: Launch) -> str:
     """Submit through the executor (it refuses while a job submitted into the directory may still run, writes
     the script, calls sbatch, keeps the script as ``OUT_DIR/slurm-jit/job-<id>.sbatch``); then the old log path
@@ -458,7 +373,7 @@ def _check(args: argparse.Namespace) -> tuple[Launch, gate.GateResult]:
     except OSError as exc:
         _fail(f"cannot read {args.output_dir}: {exc.strerror or exc}. HINT: check the path and permissions")
     if not checked.ok and not launch.executor.quarantine:
-        print("\n".join(plan_lines(launch, checked)), file=sys.stderr)
+        print("\n".join(plan_lines(launch, checked, explain=bool(args.explain))), file=sys.stderr)
         _fail(checked.message, EXIT_REFUSED)
     return launch, checked
 
@@ -471,7 +386,8 @@ def submit_main(argv: Sequence[str]) -> int:
             output_claim.check_free(launch.output_dir)  # again under the submit lock, before sbatch
     except ValueError as exc:
         _fail(str(exc), EXIT_REFUSED)
-    print("\n".join(plan_lines(launch, checked)), file=sys.stderr if args.dry_run else sys.stdout)
+    print("\n".join(plan_lines(launch, checked, explain=bool(args.explain))),
+          file=sys.stderr if args.dry_run else sys.stdout)
     if args.dry_run:
         sys.stdout.write(launch.executor.submission_text(launch.entry[0]))
         return EXIT_OK
@@ -484,8 +400,8 @@ def submit_main(argv: Sequence[str]) -> int:
         _fail(str(exc), EXIT_REFUSED)
     except (slurm.SlurmError, FailedSubmission) as exc:
         _fail(f"{str(exc).removesuffix('.')}. HINT: {_sbatch_hint(str(exc), launch)}")
-    print(f"submitted job {job_id}; log {task_logs(launch, job_id).replace('%t', '0')}; "
-          f"status: {PROG} status {launch.output_dir}", flush=True)
+    print(f"submitted job {job_id}; log {task_logs(launch, job_id).replace('%t', '0')}\n"
+          f"  status:   {PROG} status {shlex.quote(launch.output_dir)}", flush=True)
     return EXIT_OK
 
 
