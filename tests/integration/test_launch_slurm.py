@@ -132,7 +132,8 @@ def test_time_limit_signal_jit_requeue_resume_finish_through_submit(tmp_path: Pa
                             check=False, timeout=60)
     assert status.returncode == 0 and f"job:      {job_id} COMPLETED, restarts 1" in status.stdout, status
     assert "stopped:  finished at step 400 (restart 1)" in status.stdout
-    assert "resume:   resume from" in status.stdout and "grace:    step" in status.stdout
+    assert "resume:   training finished at step 400" in status.stdout, status.stdout
+    assert "grace:    step" in status.stdout
 
 
 def test_user_scancel_is_never_requeued(tmp_path: Path, jobs: list[str]) -> None:

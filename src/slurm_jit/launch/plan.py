@@ -20,7 +20,7 @@ from slurm_jit.grace import cli as grace_cli
 from slurm_jit.grace import human
 from slurm_jit.grace.calc import GraceResult
 from slurm_jit.grace.save_advice import Advice
-from slurm_jit.launch import gate, node_range, ops
+from slurm_jit.launch import finished, gate, node_range, ops
 from slurm_jit.launch.executor import JitExecutor
 from slurm_jit.timing import TIMING_DIR
 
@@ -98,7 +98,7 @@ def plan_lines(launch: Launch, checked: gate.GateResult, *, explain: bool = Fals
         *([f"  staging:  {staging}"] if staging else []),
         *([f"  saves:    {launch.saves.line}"] if launch.saves else []),
         f"  requeue:  {_requeue(ex)}",
-        *_labelled("resume:", checked.message.removeprefix("ckpt-check gate: ")),
+        *_labelled("resume:", finished.resume_line(launch.output_dir, checked)),
         *([f"  elastic:  {_elastic_line(launch, checked)}"] if checked.elastic is not None else []),
         f"  training: {what}",
         f"  python:   {launch.python} (the batch script's and every task's interpreter; --python to change)",

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from slurm_jit import slurm, timing
-from slurm_jit.launch import gate, output_claim, policy, progress, sbatch_options
+from slurm_jit.launch import finished, gate, output_claim, policy, progress, sbatch_options
 from slurm_jit.train import stop_record, stop_summary
 
 EXIT_OK, EXIT_ERROR = 0, 2
@@ -191,7 +191,7 @@ def report(out_dir: str, job_id: str | None) -> list[str]:
     if said is not None:
         lines.append(f"stuck:    {said}")
     try:
-        lines.append("resume:   " + gate.check(out_dir).message.removeprefix("ckpt-check gate: "))
+        lines.append("resume:   " + finished.resume_line(out_dir, gate.check(out_dir)))
     except OSError as exc:
         lines.append(f"resume:   cannot read {out_dir}: {exc.strerror or exc}")
     lines.append(_grace_line(out_dir))
