@@ -18,6 +18,9 @@ from xdist_units import DEEPSPEED_FIXTURES
 
 from slurm_jit import slurm
 
+# No test that fakes Slurm reaches the real cluster from a process it starts (tests/helpers/slurm_guard.py).
+pytest_plugins = ["slurm_guard"]
+
 LOCAL_SLURM = Path(__file__).resolve().parents[1] / "tools" / "local-slurm"
 CLUSTER_UP_TIMEOUT_S = 300  # a fresh CI machine apt-installs slurm-wlm and munge first; then up waits <= 60 s
 # Per-test timeouts (pytest-timeout; setup included, so a session fixture's runs count in the first test that

@@ -372,14 +372,21 @@ def test_a_progress_record_that_cannot_be_written_is_one_warning_then_the_decisi
     (ScriptedSlurm(["RUNNING"], fail_requeue=True), "requeue failed: scontrol requeue 42 failed"),
 ])
 def test_a_requeue_that_did_not_happen_is_not_recorded_or_counted_as_one(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gateway: ScriptedSlurm, outcome: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], gateway: ScriptedSlurm,
+    outcome: str
 ) -> None:
     """Before, the record said "requeue": true and spent a failure retry for a requeue that was withdrawn (a
-    scancel meanwhile) or that Slurm refused; status then said "requeued"."""
+    scancel meanwhile) or that Slurm refused; status then said "requeued". Status runs in this process, under the
+    same fake: a ``status`` subprocess read the real cluster, whose own job 42 may have been cancelled."""
+    from slurm_jit.launch import status
+
     assert _failure_retry(tmp_path, monkeypatch, gateway) == 1
     saved = progress.read(tmp_path)
     last = saved["history"][-1]
     assert last["requeue"] is False and last["outcome"].startswith(outcome), last
     assert progress.failure_retries(saved, "42") == 0
-    status = _status(str(tmp_path))
-    assert "not requeued" not in status.stdout and outcome in status.stdout, status.stdout
+    capsys.readouterr()
+    assert status.status_main([str(tmp_path)]) == status.EXIT_OK
+    said = capsys.readouterr().out
+    assert f"job:      42 {gateway.states[-1]}, restarts 0" in said, said  # the fake's job, now
+    assert "not requeued" not in said and outcome in said, said
