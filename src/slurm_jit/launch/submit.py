@@ -34,6 +34,7 @@ from slurm_jit.launch.executor import FailedSubmission, JitExecutor
 from slurm_jit.launch.plan import LOG_FOLDER, Launch, log_folder, plan_lines, task_logs
 from slurm_jit.launch.status import status_main
 from slurm_jit.timing import TIMING_DIR
+from slurm_jit.train.refusals import command_output_dir, output_dir_refusal
 
 PROG = "python launch/submit.py"
 EXIT_OK, EXIT_REFUSED, EXIT_ERROR = 0, 1, 2
@@ -330,6 +331,10 @@ def training_spec(args: argparse.Namespace) -> dict[str, Any]:
     if not program.strip():
         raise ValueError("the training command's program is empty. HINT: e.g. -- python train.py")
     entry.check_program(program)
+    script_dir = command_output_dir(list(args.command))  # the ranks' JitTrainer would refuse it at once, in the job
+    mismatch = output_dir_refusal(script_dir, args.output_dir) if script_dir else None
+    if mismatch:
+        raise ValueError(f"the training command's {mismatch}")
     return {"argv": list(args.command)}
 
 

@@ -28,6 +28,20 @@ class JitRefusal(ValueError):
 OUTPUT_DIR_ENV = "SLURM_JIT_OUTPUT_DIR"
 
 
+OUTPUT_DIR_FLAGS = ("--output_dir", "--output-dir")  # HfArgumentParser's TrainingArguments, and argparse style
+
+
+def command_output_dir(argv: list[str]) -> str | None:
+    """The output directory a training command gives its script (``--output_dir X`` or ``--output_dir=X``; the last
+    one wins, as with argparse), or None."""
+    found = None
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if flag in OUTPUT_DIR_FLAGS:
+            found = value if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+    return found
+
+
 def output_dir_at_construction(args: tuple[Any, ...], kwargs: dict[str, Any],
                                launcher_dir: str | None) -> str | None:
     """``JitTrainer(*args, **kwargs)`` (the TrainingArguments second, as for ``Trainer``): :func:`output_dir_refusal`
