@@ -39,6 +39,10 @@ def job_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
     monkeypatch.delenv("SLURM_STEP_ID", raising=False)  # not an srun task: dist_env leaves RANK alone
     monkeypatch.delenv("RANK", raising=False)
+    # task_main points the rank's TORCH_EXTENSIONS_DIR at its start's copy of the ops: restored after the test, and
+    # the copy made of an empty directory under this test's TMPDIR
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
     return tmp_path
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import socket
 import sys
 import time
 import traceback
@@ -26,13 +28,17 @@ from typing import Any
 from submitit.core import utils
 
 from slurm_jit import slurm
-from slurm_jit.launch import progress
+from slurm_jit.launch import ops, progress
 from slurm_jit.launch.command import Command, CommandOutcome
 from slurm_jit.train import dist_env, stop_record
 
 PICKLE_WAIT_S = 120  # the pickle is moved in place right after sbatch answers; a slow shared FS may lag (NFS)
 EXIT_BAD_SUBMISSION = 2
 REQUEUED_STATES = frozenset({"PENDING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD"})
+# How long a rank waits for its node's first rank to copy the ops (ops.job_copy) before copying them itself: a copy
+# of the CPU ops (105 MB here) takes under a second, a few GB of CUDA ops on a slow /tmp a minute.
+OPS_COPY_WAIT_S = 120
+OPS_COPY_SAY_S = 1.0  # a copy that takes longer is said in the job log (it delays the first step); a quick one not
 
 
 def _run_ids(env: Mapping[str, str]) -> tuple[str, int]:
@@ -99,6 +105,7 @@ def task_main(folder: str, env: Mapping[str, str] | None = None) -> int:
     paths.result_pickle.unlink(missing_ok=True)  # a result of an earlier run (a manual requeue) is not this one's
     pending = pending_path(paths.folder, job_id, rank, restart)
     dist_env.from_slurm()
+    _load_ops_from_own_copy(env, job_id, restart)
     deadline = time.monotonic() + PICKLE_WAIT_S
     while not paths.submitted_pickle.exists() and time.monotonic() < deadline:
         time.sleep(1)
@@ -112,6 +119,67 @@ def task_main(folder: str, env: Mapping[str, str] | None = None) -> int:
     if isinstance(delayed.function, Command):
         return _exec(delayed.function)
     return _call(delayed, pending)
+
+
+def _load_ops_from_own_copy(env: Mapping[str, str], job_id: str, restart: int) -> None:
+    """This rank's TORCH_EXTENSIONS_DIR: this job start's node-local copy of the built ops, so that no other job's
+    build, load or stale lock can hold its start (ops.py says why). The node's first rank copies, the others wait
+    for it (up to OPS_COPY_WAIT_S, then copy themselves)."""
+    shared = ops.torch_build_root(env)
+    if shared is None:
+        return
+    dest = ops.copy_path(env, job_id, restart)
+    started = time.monotonic()
+    if env.get("SLURM_LOCALID", "0") != "0":
+        while not dest.is_dir() and time.monotonic() - started < OPS_COPY_WAIT_S:
+            time.sleep(0.1)
+    try:
+        made, skipped = ops.job_copy(shared, dest)
+    except OSError as exc:
+        _say(f"ops: no copy of {shared} for this job ({exc}), so its ranks load from there, where another job's "
+             f"build or lock can hold them. HINT: a writable TMPDIR on the nodes")
+        return
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(dest)
+    if made:
+        _after_copy(shared, dest, time.monotonic() - started, skipped, job_id)
+
+
+def _after_copy(shared: Path, dest: Path, took_s: float, skipped: list[str], job_id: str) -> None:
+    if took_s >= OPS_COPY_SAY_S:
+        _say(f"ops: copying {shared} to {dest} on {socket.gethostname()} took {took_s:.1f} s (the ranks load their "
+             "start's own copy: no other job's build or lock holds them)")
+    if skipped:
+        _say(f"ops: {', '.join(skipped)} changed during the copy (a build in {shared}): this job builds its own")
+    now = time.time()
+    for op in sorted(p.name for p in shared.iterdir() if p.is_dir()) if shared.is_dir() else []:
+        stale = ops.stale_lock(op, shared, now)
+        if stale is not None:
+            _say(f"ops: a lock left in {stale.parent} (a build cut off) holds every other loader of it forever. "
+                 f"HINT: if no build uses {shared} now, rm {stale}")
+    if not any(p != dest and not p.name.startswith(".") for p in dest.parent.iterdir()):
+        return  # no other copy on this node: nothing to ask Slurm about
+    try:
+        running = set(slurm.run(["squeue", "--me", "-h", "-o", "%A"]).split())
+    except slurm.SlurmError:
+        return  # the copies of ended jobs stay until a later start on this node can ask
+    ops.prune_copies(dest.parent, running | {job_id})
+
+
+def _publish_ops(env: Mapping[str, str], job_id: str, restart: int) -> None:
+    """After each start: the ops its ranks built are published to the shared directory where that has none, and
+    the batch node's copy is removed."""
+    shared, copy = ops.torch_build_root(env), ops.copy_path(env, job_id, restart)
+    if shared is not None:
+        published, rebuilt = ops.publish(copy, shared)
+        if published:
+            print(f"slurm-jit: ops {', '.join(published)} built by this job, now in {shared} for the next jobs",
+                  flush=True)
+        if rebuilt:
+            print(f"slurm-jit: ops {', '.join(rebuilt)} were rebuilt by this job (the ones in {shared} are another "
+                  "toolchain's: another ninja, venv or DeepSpeed), as every start will. HINT: one toolchain per "
+                  f"directory: give this venv a TORCH_EXTENSIONS_DIR of its own, build the ops there ({ops.DOCS})",
+                  flush=True)
+    shutil.rmtree(copy, ignore_errors=True)
 
 
 # --- finish: the result files, once the job is over ---------------------------------------------------------------
@@ -185,6 +253,7 @@ def _outcomes(args: argparse.Namespace, job_id: str, restart: int, folder: Path)
 def finish_main(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
     env = os.environ if env is None else env
     job_id, restart = _run_ids(env)
+    _publish_ops(env, job_id, restart)
     decision = None if args.gate_refused else _decision(args.out_dir, job_id, restart)
     if not args.gate_refused and _requeued(decision, args.after_step_exit, job_id, restart):
         print(f"slurm-jit: job {job_id} requeued: no result files from run {restart}", flush=True)
