@@ -70,6 +70,31 @@ def test_a_jit_stop_ends_the_script_and_the_resume_logs_what_the_uninterrupted_r
 
 
 @pytest.mark.slow
+def test_an_epoch_logging_run_logs_no_partial_window_at_the_stop(tmp_path: Path) -> None:
+    """logging_strategy=epoch: upstream's end-of-epoch call after the stop logged the window so far (a loss the
+    uninterrupted run never logs, to every tracker)."""
+    args = ("--logging_strategy", "epoch", "--samples", "32")  # 8 steps an epoch, 12 steps
+    reference, out = tmp_path / "reference", tmp_path / "out"
+    assert _run(reference, *args).returncode == 0
+    stopped = _run(out, *args, "--signal_at_step", "4")
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert "'loss'" not in stopped.stdout + stopped.stderr, stopped.stdout[-2000:]
+    assert _run(out, *args).returncode == 0
+    assert _logged(out) == _logged(reference)
+
+
+@pytest.mark.slow
+def test_a_users_own_train_loss_is_logged_as_given(tmp_path: Path) -> None:
+    """Only upstream's end-of-training summary has its train_loss made the chain's; a subclass that logs a value
+    of its own under that name keeps it (the first review: it was rewritten to the chain's running mean)."""
+    out = tmp_path / "out"
+    done = _run(out, "--logging_steps", "5", "--user_train_loss_every", "4")
+    assert done.returncode == 0, done.stderr[-3000:]
+    own = [e["train_loss"] for e in _logged(out) if "train_loss" in e and "total_flos" not in e]
+    assert own == [123.0, 123.0, 123.0], _logged(out)
+
+
+@pytest.mark.slow
 def test_with_exit_after_jit_stop_off_train_returns_and_the_script_checks_jit_stopped(tmp_path: Path) -> None:
     out = tmp_path / "out"
     stopped = _run(out, "--logging_steps", "7", "--signal_at_step", "5", "--return_after_stop", "true")

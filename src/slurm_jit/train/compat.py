@@ -14,6 +14,7 @@ import functools
 import inspect
 import logging
 import os
+import signal
 import sys
 import weakref
 from collections.abc import Iterator
@@ -274,3 +275,17 @@ def continue_tensorboard_run(trainer: Any, resume_from: str | None) -> None:
     callback._SummaryWriter = writer if step is None else functools.partial(writer, purge_step=step + 1)
     if step is not None:
         logger.info("slurm_jit: TensorBoard run %s continued from step %d", log_dir, step)
+
+
+def drop_upstream_jit(callback_handler: Any) -> None:
+    """With ``enable_jit_checkpoint=True`` transformers adds its own JIT callback, which saves on SIGTERM rank by
+    rank: removed (its SIGTERM handler put back first), never run beside JitTrainer's."""
+    for callback in list(callback_handler.callbacks):
+        if type(callback).__name__ != "JITCheckpointCallback":
+            continue
+        manager = getattr(callback, "jit_manager", None)
+        previous = getattr(manager, "_original_sigterm_handler", None)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        callback_handler.remove_callback(callback)
+        logger.warning("slurm_jit: replaced transformers' JIT checkpoint callback (enable_jit_checkpoint=True)")

@@ -78,3 +78,5 @@ class Run:
     async_saves: Any = None  # JitConfig(async_periodic_saves=True): train/async_save/periodic.py's AsyncSaves
     hung: bool = False  # the watchdog fired: the process is writing its hang record and exiting
     chain_first_step: int | None = None  # the first step of this requeue chain's training (logging_window.py)
+    capture_window: Any = None  # () -> this rank's logging_window.Window now (the trainer reads upstream's fields)
+    finalizing: bool = False  # inside upstream's _finalize_training: its train_loss log is the training's summary

@@ -106,9 +106,9 @@ def save_checkpoint(trainer: JitTrainer, model: Any, trial: Any, upstream: Upstr
     with save_errors.disk_full_is_one_line(ckpt):  # one clear line; the sentinel stays, nothing rotates
         with zip_crc32(trainer.jit_config.zip_crc32), async_periodic.collecting(trainer, kind, ckpt) as collected:
             contents, weights = upstream_save(trainer, model, trial, kind, upstream)
-        if run is not None and run.chain_first_step is not None:  # what the next log after a resume averages
-            logging_window.write(ckpt, int(trainer.args.process_index),
-                                 logging_window.capture(trainer, run.chain_first_step))
+        window = run.capture_window() if run is not None and run.capture_window is not None else None
+        if window is not None:  # what the next log after a resume averages
+            logging_window.write(ckpt, int(trainer.args.process_index), window)
         phases.mark("write")
         if async_periodic.submit(trainer, collected, ckpt, step, kind, phases, t0,
                                  fields=manifest_fields(trainer, contents, weights),

@@ -142,6 +142,14 @@ def worker_deaths_held(replay: bool = False) -> Iterator[None]:
                 previous(signal.SIGCHLD, None)
 
 
+def mask_workers(loader: Any, signums: tuple[int, ...]) -> None:
+    """A DataLoader's workers ignore the stop signals, and are born with them blocked (spawn/forkserver workers
+    import for seconds before worker_init_fn runs)."""
+    base = getattr(loader, "base_dataloader", loader)  # accelerate's DataLoaderAdapter delegates to the one it wraps
+    base.worker_init_fn = IgnoreSignalsInWorker(base.worker_init_fn, signums)
+    base._get_iterator = StartWorkersMasked(base._get_iterator, signums)  # the instance attribute shadows the method
+
+
 def failure_line(exc: BaseException) -> str:
     """``Type: message`` of a failed train(), as the stop record says it. A DataLoader worker that Slurm's step
     signal (or the OOM killer) ends while it hands a batch over leaves its rank an OSError or EOFError from inside

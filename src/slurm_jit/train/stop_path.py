@@ -128,6 +128,8 @@ def log_save_evaluate(trainer: JitTrainer, run: Run, upstream: Callable[[], None
     if step != run.polled_step:  # once per optimizer step; epoch ends call this again at the same step
         run.polled_step = step
         take(trainer, at_boundary(trainer))
+    if run.stopped:  # an epoch's end after the stop, at its step: the uninterrupted run logs no partial window here
+        trainer.control.should_log = False
     if run.stop_now and not last_step:
         run.eval_owed = run.eval_owed or trainer.control.should_evaluate
         trainer.control.should_evaluate = False

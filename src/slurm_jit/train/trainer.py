@@ -59,7 +59,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import signal
 import uuid
 from typing import Any
 
@@ -92,7 +91,7 @@ from slurm_jit.train.jit_config import JitConfig
 from slurm_jit.train.refusals import OUTPUT_DIR_ENV, JitRefusal, output_dir_at_construction, refused_settings
 from slurm_jit.train.run_state import Run, StopBeforeFirstStep
 from slurm_jit.train.save_path import FAULT_SAVE_SLEEP_ENV as FAULT_SAVE_SLEEP_ENV  # where tests set it
-from slurm_jit.train.signals import IgnoreSignalsInWorker, SignalLatch, StartWorkersMasked
+from slurm_jit.train.signals import SignalLatch, mask_workers
 from slurm_jit.train.trackers import continue_wandb_run
 
 logger = logging.getLogger(__name__)
@@ -147,7 +146,7 @@ class JitTrainer(transformers.Trainer):
         self._jit_agreement: StopAgreement | None = None
         self._jit_run: Run | None = None
         self.jit_stopped = False  # after train(): did it stop for a JIT checkpoint?
-        self._drop_upstream_jit()
+        compat.drop_upstream_jit(self.callback_handler)
         refusal = refused_settings(save_on_each_node=bool(self.args.save_on_each_node), ds_config=self._ds_config())
         if refusal is None and self.is_deepspeed_enabled:
             refusal = keep_batch.accumulation_refusal(self.accelerator.state.deepspeed_plugin.hf_ds_config)
@@ -163,17 +162,6 @@ class JitTrainer(transformers.Trainer):
         setattr(self.callback_handler, "on_save", _already_called_on_save)  # noqa: B010 - an instance override
 
     # ------------------------------------------------------------ set-up
-
-    def _drop_upstream_jit(self) -> None:
-        for callback in list(self.callback_handler.callbacks):
-            if type(callback).__name__ != "JITCheckpointCallback":
-                continue
-            manager = getattr(callback, "jit_manager", None)
-            previous = getattr(manager, "_original_sigterm_handler", None)
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
-            self.callback_handler.remove_callback(callback)
-            logger.warning("slurm_jit: replaced transformers' JIT checkpoint callback (enable_jit_checkpoint=True)")
 
     def _ds_config(self) -> dict[str, Any] | None:
         return self.accelerator.state.deepspeed_plugin.deepspeed_config if self.is_deepspeed_enabled else None
@@ -191,12 +179,7 @@ class JitTrainer(transformers.Trainer):
     def _get_dataloader(self, *args: Any, **kwargs: Any) -> Any:
         loader = super()._get_dataloader(*args, **kwargs)
         if self.jit_config.ignore_signals_in_workers and self.args.dataloader_num_workers > 0:
-            # accelerate's DataLoaderAdapter delegates to the torch DataLoader it wraps: set it there.
-            base = getattr(loader, "base_dataloader", loader)
-            base.worker_init_fn = IgnoreSignalsInWorker(base.worker_init_fn, self._jit_signums)
-            # Workers are born with the stop signals blocked (spawn/forkserver workers import for seconds before
-            # worker_init_fn runs); the instance attribute shadows DataLoader._get_iterator.
-            base._get_iterator = StartWorkersMasked(base._get_iterator, self._jit_signums)  # type: ignore[method-assign]
+            mask_workers(loader, self._jit_signums)
         return loader
 
     # ------------------------------------------------------------ train
@@ -229,7 +212,9 @@ class JitTrainer(transformers.Trainer):
             except StopBeforeFirstStep:
                 output = TrainOutput(self.state.global_step, 0.0, {})
             self.jit_stopped = run.stopped
-            output = self._jit_chain_output(run, output)
+            if run.chain_first_step is not None and "train_loss" in (output.metrics or {}):  # the chain's
+                loss = logging_window.chain_loss(self, run.chain_first_step)
+                output = TrainOutput(output.global_step, loss, {**output.metrics, "train_loss": loss})
             stop_path.record_end(self, run)
             clean = True
             return output
@@ -240,32 +225,29 @@ class JitTrainer(transformers.Trainer):
             self._jit_end(run, clean)
 
     def _jit_restore_logging_window(self) -> None:
-        """The resumed checkpoint's logging window (logging_window.py), once upstream has reset its own."""
+        """The resumed checkpoint's logging window (logging_window.py), once upstream has reset its own: on every
+        rank or on none (a rank without it would make the first gathered mean wrong)."""
         run = self._jit_run
         if run is None:
             return
-        window = (logging_window.read(run.resumed_from, int(self.args.process_index), int(self.args.world_size))
-                  if run.resumed_from else None)
-        restored = window is not None and logging_window.restore(self, window)
-        run.chain_first_step = (int(window["chain_first_step"]) if restored and window is not None
-                                else int(getattr(self, "_initial_global_step", self.state.global_step)))
-
-    def _jit_chain_output(self, run: Run, output: TrainOutput) -> TrainOutput:
-        """train_loss over the whole requeue chain, as the uninterrupted run reports it (logging_window.py)."""
-        if run.chain_first_step is None or "train_loss" not in (output.metrics or {}):
-            return output
-        loss = logging_window.chain_train_loss(self._total_loss_scalar, self.state.global_step, run.chain_first_step)
-        return TrainOutput(output.global_step, loss, {**output.metrics, "train_loss": loss})
+        window = logging_window.usable(self, run.resumed_from) if run.resumed_from else None
+        restored = bool(run.resumed_from) and self._agreement.all_true(window is not None)
+        if restored and window is not None:
+            logging_window.apply(self, window)
+        elif run.resumed_from and self._is_rank0:
+            logger.info("slurm_jit: no logging window restored from %s: the first log after the resume averages "
+                        "only the steps since it, train_loss only this run's", run.resumed_from)
+        first = window.chain_first_step if restored and window is not None else logging_window.start_step(self)
+        run.chain_first_step = first
+        run.capture_window = functools.partial(logging_window.capture, self, first)
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         run = self._jit_run
-        if run is not None and "train_loss" in logs:  # _finalize_training's summary of the training
+        if run is not None and run.finalizing and "train_loss" in logs:  # upstream's summary of the training
             if run.stopped:  # the training did not end: the run that finishes logs it, over the whole chain
-                logger.debug("slurm_jit: JIT stop: the end-of-training summary is not logged: %s", logs)
                 return
             if run.chain_first_step is not None:
-                logs = {**logs, "train_loss": logging_window.chain_train_loss(
-                    self._total_loss_scalar, self.state.global_step, run.chain_first_step)}
+                logs = {**logs, "train_loss": logging_window.chain_loss(self, run.chain_first_step)}
         super().log(logs, *args, **kwargs)
 
     def _jit_start(self, run: Run, resume_from_checkpoint: str | bool | None) -> str | None:
@@ -379,10 +361,15 @@ class JitTrainer(transformers.Trainer):
         async_periodic.finish(self)  # an async save in flight committed before the best model is loaded
         limit = self.args.save_total_limit
         self.args.save_total_limit = None
+        run = self._jit_run
+        if run is not None:
+            run.finalizing = True  # its log() of train_loss is the summary (log), not a user's own train_loss
         try:
             return super()._finalize_training(trial, num_train_samples, start_time, *args, **kwargs)
         finally:
             self.args.save_total_limit = limit
+            if run is not None:
+                run.finalizing = False
 
     def _load_best_model(self, *args: Any, **kwargs: Any) -> None:
         if self._jit_run is not None and self._jit_run.stopped:
