@@ -189,6 +189,13 @@ def samples_per_step(trainer: Any) -> int:
     return per_device_batch(trainer) * int(args.gradient_accumulation_steps) * int(args.world_size)
 
 
+def refusal_at_construction(trainer: Any) -> str | None:
+    """:func:`accumulation_refusal` of a DeepSpeed trainer's config; None without DeepSpeed."""
+    if not trainer.is_deepspeed_enabled:
+        return None
+    return accumulation_refusal(trainer.accelerator.state.deepspeed_plugin.hf_ds_config)
+
+
 def accumulation_refusal(hf_ds_config: Any) -> str | None:
     """One line when the DeepSpeed config sets a gradient accumulation that TrainingArguments does not (transformers
     records the mismatch when TrainingArguments is made and raises it as a ValueError at the engine's creation,

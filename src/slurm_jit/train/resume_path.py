@@ -35,7 +35,7 @@ from slurm_jit.train import (
     writable,
 )
 from slurm_jit.train.refusals import JitRefusal, resume_refusal
-from slurm_jit.train.run_state import LINEAGE_ID_CHARS
+from slurm_jit.train.run_state import LINEAGE_ID_CHARS, Run
 
 if TYPE_CHECKING:
     from slurm_jit.train.trainer import JitTrainer
@@ -63,6 +63,7 @@ def resolve(trainer: JitTrainer, resume_from_checkpoint: str | bool | None) -> s
         raise JitRefusal(f"slurm_jit: {refusal}")
     run = trainer._jit_run
     if run is not None:
+        run.checkpoint = run.resumed_from = path
         run.lineage = carried.get("run_id") or uuid.uuid4().hex[:LINEAGE_ID_CHARS]
         run.owed_eval_step = carried.get("owed_evaluation_step")
         run.load_from, run.conversion = carried.get("load_from"), carried.get("conversion")
@@ -74,6 +75,15 @@ def resolve(trainer: JitTrainer, resume_from_checkpoint: str | bool | None) -> s
         if run.load_from:
             elastic.install_universal_load()
     return path
+
+
+def record_timing(trainer: JitTrainer, run: Run) -> None:
+    """Rank 0, once the timing log is open: what this start did to resume (a conversion, a kept global batch)."""
+    if trainer._is_rank0 and run.timing is not None:
+        if run.conversion:
+            run.timing.conversion(**run.conversion)
+        if run.kept_batch:
+            run.timing.kept_batch(run.kept_batch)
 
 
 def pick(trainer: JitTrainer, resume_from_checkpoint: str | bool | None) -> Picked:

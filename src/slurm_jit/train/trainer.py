@@ -148,9 +148,7 @@ class JitTrainer(transformers.Trainer):
         self.jit_stopped = False  # after train(): did it stop for a JIT checkpoint?
         compat.drop_upstream_jit(self.callback_handler)
         refusal = refused_settings(save_on_each_node=bool(self.args.save_on_each_node), ds_config=self._ds_config())
-        if refusal is None and self.is_deepspeed_enabled:
-            refusal = keep_batch.accumulation_refusal(self.accelerator.state.deepspeed_plugin.hf_ds_config)
-        refusal = refusal or async_periodic.refusal(self)
+        refusal = refusal or keep_batch.refusal_at_construction(self) or async_periodic.refusal(self)
         if refusal:
             raise JitRefusal(f"slurm_jit: {refusal}")
         self.add_callback(_JitCallback(self))
@@ -255,15 +253,11 @@ class JitTrainer(transformers.Trainer):
         out_dir = str(self.args.output_dir)
         slim_save.install_load()  # before elastic's universal load, which goes on top of it
         run.frozen = frozen_weights.at_start(self.model, self._is_rank0)  # once, before DeepSpeed casts it
-        resume = resume_path.resolve(self, resume_from_checkpoint)
-        run.checkpoint = run.resumed_from = resume
+        resume = resume_path.resolve(self, resume_from_checkpoint)  # sets run.checkpoint, run.resumed_from
         compat.continue_tensorboard_run(self, resume)
         run_id = self._agreement.broadcast(uuid.uuid4().hex[:12])  # one id for all ranks of this train()
         run.timing = TimingLog(out_dir, int(self.args.process_index), int(self.args.world_size), run_id)
-        if run.conversion and self._is_rank0:
-            run.timing.conversion(**run.conversion)
-        if run.kept_batch and self._is_rank0:
-            run.timing.kept_batch(run.kept_batch)
+        resume_path.record_timing(self, run)
         if self._is_rank0:
             stop_record.write(out_dir, "running", step=None, resumed_from=resume)
         return resume
