@@ -4,8 +4,9 @@ Owns the pick (rank 0 takes the output_dir's lock, then ``True`` means the newes
 ``ckpt-check`` says), the refusals in order (the lock, the checkpoint's status, the ZeRO stage, a PEFT conversion,
 model names and shapes, the conversion's own, a slim save's), what a manifest carries into the run (lineage, an
 owed evaluation), the elastic resume's universal copy (written by :mod:`.elastic`) and kept global batch (the
-accumulation :mod:`.keep_batch` chooses, set on every rank before upstream's ``train()``), and the same copy for
-loading the best model at the end. Every rank learns rank 0's verdict by one broadcast. The exact restore after
+accumulation :mod:`.keep_batch` chooses, set on every rank before upstream's ``train()``), the data position the
+resume starts at (:mod:`.data_position`), and the same copy for loading the best model at the
+end. Every rank learns rank 0's verdict by one broadcast. The exact restore after
 the load is :mod:`.exact_resume`'s.
 """
 
@@ -24,6 +25,7 @@ from transformers.trainer_utils import _is_peft_model, has_length
 from slurm_jit.checkpoint import elastic_plan, protocol
 from slurm_jit.checkpoint import manifest as manifest_file
 from slurm_jit.train import (
+    data_position,
     elastic,
     elastic_unheld,
     frozen_weights,
@@ -70,6 +72,7 @@ def resolve(trainer: JitTrainer, resume_from_checkpoint: str | bool | None) -> s
         run.frozen_refusal = carried.get("frozen_refusal")
         run.kept_batch = carried.get("kept_batch")
         run.batch_record = run.kept_batch or carried.get("batch_record")
+        run.data_position.resumed = data_position.from_record(carried.get("data_position"))
         if run.kept_batch:
             _keep_batch(trainer, keep_batch.Kept(**run.kept_batch))
         if run.load_from:
@@ -139,6 +142,7 @@ def prepare_load(trainer: JitTrainer, path: str, manifest: dict[str, Any], carri
         return refusal
     carried["kept_batch"] = kept.record() if kept else None
     carried["batch_record"] = manifest.get(keep_batch.MANIFEST_KEY)  # the chain keeps checking, changed now or not
+    carried["data_position"] = data_position.as_record(data_position.recorded(manifest))
     converting = decided.action in CONVERSIONS
     if converting and manifest.get("weights") in manifest_file.FROZEN_LEFT_OUT:
         return (f"{path}: a PEFT checkpoint (frozen base left out, weights: {manifest['weights']}) on "

@@ -13,6 +13,7 @@ from typing import Any
 
 from slurm_jit.grace.calc import AGREE_BLOCKING
 from slurm_jit.timing import TimingLog
+from slurm_jit.train.data_position import Tracker
 from slurm_jit.train.signals import SignalLatch
 from slurm_jit.train.watchdog import Watchdog
 
@@ -54,6 +55,7 @@ class Run:
     # What later manifests record: this run's change, else the resumed checkpoint's (a process whose args already
     # hold the changed accumulation, e.g. a second train(), changes nothing but must not drop it from the chain)
     batch_record: dict[str, int] | None = None
+    data_position: Tracker = field(default_factory=Tracker)  # where in the data this run is (data_position.py)
     stop_recorded: bool = False  # rank 0 wrote jit_stop (right after the stop checkpoint's manifest)
     finish_recorded: bool = False  # rank 0 wrote finished (train() returned): a hang after it keeps the record
     trackers_told: bool = False  # the trackers (W&B, TensorBoard) were told how this job ended

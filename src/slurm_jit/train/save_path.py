@@ -21,7 +21,16 @@ from typing import TYPE_CHECKING, Any
 from torch.utils.serialization import config as torch_serialization
 
 from slurm_jit.checkpoint import names, protocol
-from slurm_jit.train import frozen_weights, keep_batch, logging_window, save_errors, signals, slim_save, stop_path
+from slurm_jit.train import (
+    data_position,
+    frozen_weights,
+    keep_batch,
+    logging_window,
+    save_errors,
+    signals,
+    slim_save,
+    stop_path,
+)
 from slurm_jit.train.async_save import periodic as async_periodic
 
 if TYPE_CHECKING:
@@ -156,6 +165,7 @@ def manifest_fields(trainer: JitTrainer, contents: str, weights: str) -> dict[st
         "owed_evaluation": bool(run and run.eval_owed),
         keep_batch.SAMPLES_KEY: keep_batch.samples_per_step(trainer),
         keep_batch.PER_DEVICE_KEY: keep_batch.per_device_batch(trainer),
+        **data_position.manifest_fields(trainer),
         **({keep_batch.MANIFEST_KEY: run.batch_record} if run and run.batch_record else {}),
     }
 

@@ -33,6 +33,8 @@ checks the private ones at construction):
 ==================================  ============================================================================
 ``train``                           signal latch; lock, pick, refuse, keep the global batch; stop record
 ``_get_dataloader``                 DataLoader workers ignore the stop signals, and are born with them blocked
+``set_initial_training_values``     a resume's data position in samples: the steps left (data_position)
+``_init_training_state``            ... and where the loop starts reading: epoch and batches skipped
 ``_maybe_log_save_evaluate``        the step boundary: the stop round, then the JIT save and stop (stop_path)
 ``_evaluate``                       an evaluation aborted by a stop leaves it owed (evaluation)
 ``prediction_step``                 polls the stop round at each evaluation batch, to abort (evaluation)
@@ -69,6 +71,7 @@ from slurm_jit.signal_names import parse_signal
 from slurm_jit.timing import TimingLog
 from slurm_jit.train import (
     compat,
+    data_position,
     elastic,
     evaluation,
     exact_resume,
@@ -332,6 +335,12 @@ class JitTrainer(transformers.Trainer):
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
     # ------------------------------------------------------------ exact resume
+
+    def set_initial_training_values(self, *args: Any, **kwargs: Any) -> Any:
+        return data_position.training_values(self, super().set_initial_training_values(*args, **kwargs))
+
+    def _init_training_state(self, *args: Any, **kwargs: Any) -> Any:
+        return data_position.started(self, *super()._init_training_state(*args, **kwargs))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None, *args: Any, **kwargs: Any) -> None:
         # Trainer calls this right after DeepSpeed's load_checkpoint and before the first resumed step.
