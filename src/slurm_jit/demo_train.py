@@ -90,8 +90,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="seconds an on_train_end callback sleeps after a stop (slow user cleanup)")
     p.add_argument("--side-group-timeout", type=float, default=None, help="JitConfig(side_group_timeout_s=...)")
     p.add_argument("--refuse-batch-change", action="store_true",
-                   help="JitConfig(keep_global_batch=False): a resume on another world size whose samples per "
-                        "optimizer step differ is refused instead of changing the gradient accumulation")
+                   help="JitConfig(keep_global_batch=False): a resume whose samples per optimizer step differ "
+                        "(another world size, another --batch-size or --grad-accum) is refused")
     p.add_argument("--hang-timeout", default="auto", help="JitConfig(hang_timeout_s=...): seconds, auto or none")
     p.add_argument("--stall-at-step", type=int, default=-1,
                    help="on_step_begin sleeps --stall-s when global_step is this (0: the first step)")

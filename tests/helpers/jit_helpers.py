@@ -445,18 +445,40 @@ else:
 """
 
 
-def train_one_process(out: Path, report_to: str, max_steps: int, resume: bool) -> Any:
-    """One process, a real JitTrainer on a tiny GPT-2, no DeepSpeed (~15 s): trains to ``max_steps``, saving every
-    2 steps, resuming from the newest checkpoint when ``resume``; returns the trainer."""
+def train_one_process(out: Path, report_to: str, max_steps: int, resume: bool | str, per_device: int = 2,
+                      accumulation: int = 1, dataset: Any = None, epochs: float = 0.0) -> Any:
+    """One process, a real JitTrainer on a tiny GPT-2, no DeepSpeed (~15 s): trains to ``max_steps`` (or
+    ``epochs`` with max_steps -1), saving every 2 steps, resuming from the newest checkpoint when ``resume`` is
+    True (or from that path); returns the trainer. ``dataset``: default 8 token sequences."""
     import transformers
 
     from slurm_jit import demo_train
     from slurm_jit.train.trainer import JitConfig, JitTrainer
 
     targs = transformers.TrainingArguments(output_dir=str(out), use_cpu=True, report_to=[report_to],
-                                           max_steps=max_steps, save_steps=2, per_device_train_batch_size=2,
-                                           disable_tqdm=True, logging_steps=1)
+                                           max_steps=max_steps, save_steps=2, per_device_train_batch_size=per_device,
+                                           gradient_accumulation_steps=accumulation, disable_tqdm=True,
+                                           logging_steps=1, **({"num_train_epochs": epochs} if epochs else {}))
     trainer = JitTrainer(model=demo_train.build_model("gpt2", 16, 1), args=targs,
-                         train_dataset=demo_train._Tokens(8, seed=1), jit_config=JitConfig(kill_wait_s=0))
+                         train_dataset=dataset if dataset is not None else demo_train._Tokens(8, seed=1),
+                         jit_config=JitConfig(kill_wait_s=0))
     trainer.train(resume_from_checkpoint=resume or None)
     return trainer
+
+
+class RecordedTokens:
+    """A map-style dataset of demo_train's token sequences that records the index of every sample fetched, in order
+    (no DataLoader workers: fetched in the training process): which samples a run trained on."""
+
+    def __init__(self, n: int) -> None:
+        from slurm_jit import demo_train
+
+        self.tokens = demo_train._Tokens(n, seed=1)
+        self.fetched: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        self.fetched.append(int(i))
+        return self.tokens[i]

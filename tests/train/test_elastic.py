@@ -39,7 +39,7 @@ from jit_helpers import START_TIMEOUT_S, final_losses, losses, run_demo, start_d
 from slurm_jit import local_ranks, timing
 from slurm_jit.checkpoint import elastic_plan, protocol
 from slurm_jit.checkpoint import manifest as manifest_file
-from slurm_jit.train import elastic, keep_batch, refusals, resume_path
+from slurm_jit.train import data_position, elastic, keep_batch, refusals, resume_path
 from slurm_jit.train.jit_config import JitConfig
 
 LLAMA = ["--model", "llama", "--vocab", "96", "--width", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2",
@@ -231,28 +231,31 @@ def test_a_requeue_on_the_same_ranks_after_a_shrink_keeps_the_accumulation(
         killed_then_one_rank: tuple[Path, str, str], stopped: Path) -> None:
     """The chain 2 -> 1 -> 1: checkpoint-6 was written on 1 rank with the accumulation changed 1 -> 2; the same
     command on 1 rank again (a plain same-size resume) must train with 2 again, not the command's 1. Its manifest
-    says so; a checkpoint without that record keeps its samples per optimizer step on the same ranks too (a
-    command with another accumulation trains with the checkpoint's)."""
+    says so (the command's accumulation, the kept record). Another per-device batch or accumulation is the user's:
+    trained with where its steps can start at the data position (24 samples in at step 6), refused otherwise."""
     ckpt = killed_then_one_rank[0] / f"checkpoint-{ONE_RANK_STOP_AT}"
     manifest, _ = manifest_file.read(ckpt)
-    assert manifest is not None
+    assert manifest is not None and manifest[keep_batch.COMMAND_KEY] == 1
+    assert manifest[data_position.POSITION_KEY] == {"epoch": 0, "samples": 24}, manifest
     same = elastic_plan.plan(ckpt, 1, manifest)
     assert same.action == elastic_plan.SAME
     kept, refusal = resume_path.batch_to_keep(_trainer(1, PER_RANK_BATCH, 1), str(ckpt), manifest, same)
-    assert refusal is None and kept is not None and (kept.accumulation_from, kept.accumulation_to) == (1, 2)
+    assert refusal is None and isinstance(kept, keep_batch.Kept)
+    assert (kept.accumulation_from, kept.accumulation_to) == (1, 2)
     # auto_find_batch_size: the per-device batch is the one the checkpoint's run found (its trainer state's)
     kept, refusal = resume_path.batch_to_keep(_trainer(1, 8, 1, auto_find=True), str(ckpt), manifest, same)
-    assert refusal is None and kept is not None and kept.accumulation_to == 2, refusal
-    kept, refusal = resume_path.batch_to_keep(_trainer(1, 8, 1), str(ckpt), manifest, same)
-    assert kept is None and refusal is not None and "per_device_train_batch_size 1, 2, 4 on 1 ranks" in refusal
+    assert refusal is None and isinstance(kept, keep_batch.Kept) and kept.accumulation_to == 2, refusal
+    theirs, refusal = resume_path.batch_to_keep(_trainer(1, 8, 1), str(ckpt), manifest, same)
+    assert refusal is None and isinstance(theirs, keep_batch.UserBatch) and theirs.samples_to == 8, refusal
     kept, refusal = resume_path.batch_to_keep(_trainer(1, PER_RANK_BATCH, 1, keep=False), str(ckpt), manifest, same)
     assert kept is None and refusal is not None and "HINT: keep per_device_train_batch_size" in refusal
     two_rank = stopped / f"checkpoint-{STOP_AT + 1}"
     manifest, _ = manifest_file.read(two_rank)
     assert manifest is not None and keep_batch.MANIFEST_KEY not in manifest
-    other_command = _trainer(2, PER_RANK_BATCH, 4)
+    other_command = _trainer(2, PER_RANK_BATCH, 4)  # 16 samples a step; 20 consumed at step 5
     kept, refusal = resume_path.batch_to_keep(other_command, str(two_rank), manifest, elastic_plan.plan(two_rank, 2))
-    assert refusal is None and kept is not None and (kept.accumulation_from, kept.accumulation_to) == (4, 1)
+    assert kept is None and refusal is not None and "not a whole number of this run's 16 samples" in refusal
+    assert "HINT: per_device_train_batch_size x gradient_accumulation_steps 1, 2, 5, 10 on 2 ranks" in refusal
     assert resume_path.batch_to_keep(_trainer(2, PER_RANK_BATCH, 1), str(two_rank), manifest,
                                      elastic_plan.plan(two_rank, 2)) == (None, None)
     three = elastic_plan.plan(two_rank, 3, manifest)  # 4 samples on 3 ranks: no integer accumulation

@@ -43,9 +43,9 @@ class JitConfig:
     ignore_signals_in_workers: bool = True  # DataLoader workers ignore the stop signals
     grace_check: bool = True  # under Slurm, warn when the signal lead is shorter than the grace needed
     side_group_timeout_s: float = SIDE_GROUP_TIMEOUT_S  # timeout of the gloo side group's collectives
-    # On a resume by another number of ranks (or by the same with another per-device batch), set the gradient
-    # accumulation so that the samples per optimizer step stay the checkpoint's (train/keep_batch.py); False: refuse
-    # such a resume unless the command keeps them itself
+    # On a resume of the checkpoint's command by another number of ranks, set the gradient accumulation so that the
+    # samples per optimizer step stay the checkpoint's (train/keep_batch.py; a batch the user changed is trained
+    # with); False: refuse every resume whose samples per optimizer step differ, the user's change included
     keep_global_batch: bool = True
     convert_timeout_s: float = elastic.CONVERT_TIMEOUT_S  # an elastic resume's conversion (train/elastic.py)
     # A step (or evaluation batch) longer than this is a hang: stacks to the log, stop record ``hung``, exit 87

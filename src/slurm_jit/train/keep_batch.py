@@ -1,13 +1,16 @@
-"""Keep the global batch across a resume: the gradient accumulation that gives this run the checkpoint's samples
-per optimizer step.
+"""The batch on a resume: the gradient accumulation that keeps the checkpoint's samples per optimizer step where
+the world size changed under the same command, and the user's own batch where they changed it.
 
 A requeued job runs the same command on whatever nodes it gets: per-device batch and accumulation stay as they were,
 so on another world size the samples per optimizer step would change, and with them the data position (the Trainer
-skips global_step x accumulation batches on resume) and the meaning of the LR schedule. So would they on the same
-world size after a user changed the per-device batch (halved for an out-of-memory error) or the accumulation.
-DeepSpeed's own elasticity keeps the global batch by choosing the accumulation; so does this, before the engine, the
-dataloader and max_steps are computed (``JitTrainer.train`` applies it between the resume pick and upstream's
-``train``).
+skips global_step x accumulation batches on resume) and the meaning of the LR schedule. DeepSpeed's own elasticity
+keeps the global batch by choosing the accumulation; so does this, before the engine, the dataloader and max_steps
+are computed (``JitTrainer.train`` applies it between the resume pick and upstream's ``train``).
+
+A per-device batch or accumulation that is not the checkpoint's command's is the user's change (halved for an
+out-of-memory error, a batch ramped on purpose): trained with, as transformers does, with the data position kept in
+samples consumed and the LR schedule at the checkpoint's step (:mod:`.data_position`). Refused only where it cannot
+be exact: where the samples consumed in the epoch are not a whole number of the new optimizer steps.
 
 The calculator (:func:`decide`) is pure; :func:`apply` sets the TrainingArguments and the DeepSpeed config on
 every rank.
@@ -28,6 +31,10 @@ SAMPLES_KEY = elastic_plan.SAMPLES_KEY
 # In the manifest of every save: the per-device batch of the run that wrote it (what :func:`epoch_warning` rebuilds
 # that run's epoch with). A manifest of an older version lacks it: the trainer state's train_batch_size instead
 PER_DEVICE_KEY = "per_device_batch"
+# In the manifest of every save: the gradient accumulation of the command of the run that wrote it (before a kept
+# change): a resume with another one is the user's change, not the requeue chain's. A manifest of an older version
+# lacks it: its kept record's accumulation_from, else its samples per step over per-device batch x world size
+COMMAND_KEY = "command_accumulation"
 TIMING_EVENT = "batch"  # the timing-log record of the change (rank 0, once per train())
 # The mismatch transformers records at TrainingArguments creation for an explicit DeepSpeed train_batch_size that
 # was the global batch on the old world size (HfTrainerDeepSpeedConfig.fill_match's wording)
@@ -50,9 +57,7 @@ class Kept:
     def line(self) -> str:
         if self.from_world_size != self.to_world_size:
             what = f"world size {self.from_world_size} -> {self.to_world_size}"
-        elif self.per_device_from not in (None, self.per_device_to):
-            what = f"per-device batch {self.per_device_from} -> {self.per_device_to} on {self.to_world_size} ranks"
-        else:
+        else:  # a requeue of the same command after a kept change (2 -> 1 -> 1)
             what = f"the command's batch on {self.to_world_size} ranks"
         return (f"{what}: gradient accumulation {self.accumulation_from} -> {self.accumulation_to}, "
                 f"{self.samples_per_step} samples per optimizer step kept")
@@ -61,22 +66,114 @@ class Kept:
         return asdict(self)
 
 
+@dataclass(frozen=True, kw_only=True)
+class UserBatch:
+    """The user's change of the per-device batch or the accumulation: trained with, the data position kept."""
+
+    per_device_from: int  # the checkpoint's
+    per_device_to: int  # this run's
+    accumulation_from: int  # the checkpoint's command's
+    accumulation_to: int  # this run's
+    from_world_size: int
+    to_world_size: int
+    samples_from: int  # samples per optimizer step: the checkpoint's
+    samples_to: int  # this run's
+    step: int  # the checkpoint's global step: where the LR schedule goes on
+    epoch: int  # the data position: epochs completed
+    epoch_samples: int  # and samples consumed in the current one
+
+    def line(self) -> str:
+        changed = ", ".join(f"{name} {a} -> {b}" for name, a, b in (
+            ("per-device batch", self.per_device_from, self.per_device_to),
+            ("gradient accumulation", self.accumulation_from, self.accumulation_to),
+            ("world size", self.from_world_size, self.to_world_size)) if a != b)
+        return (f"{changed}: your batch, {self.samples_from} -> {self.samples_to} samples per optimizer step; the "
+                f"data position kept ({self.epoch_samples} samples into epoch {self.epoch}), the schedule at step "
+                f"{self.step}")
+
+    def record(self) -> dict[str, int]:
+        return asdict(self)
+
+
+Decision = tuple[Kept | UserBatch | None, str | None]
+
+
 def decide(*, written_batch: int, written_by: int, per_device: int, accumulation: int, world_size: int,
-           keep: bool, where: str, written_per_device: int | None = None) -> tuple[Kept | None, str | None]:
-    """(the change, None), (None, None) when none is needed, or (None, one line with a HINT) when no integer
-    accumulation keeps ``written_batch`` samples per optimizer step with ``per_device`` on ``world_size`` ranks,
-    or ``keep`` is False (JitConfig.keep_global_batch). On any world size, the checkpoint's own included.
-    ``where``: the checkpoint, to name in the refusal; ``written_per_device``: its per-device batch, if known.
-    Pure."""
+           keep: bool, where: str, written_per_device: int | None = None, command_accumulation: int | None = None,
+           position: tuple[int, int, int] | None = None) -> Decision:
+    """(the change, None), (None, None) when none is needed, or (None, one line with a HINT). Pure.
+
+    The checkpoint's command (its per-device batch ``written_per_device`` and ``command_accumulation``, else the
+    accumulation its samples per step give) run again, on any world size: the accumulation that keeps
+    ``written_batch`` samples per optimizer step (:class:`Kept`), refused where no integer one does. Another
+    per-device batch or accumulation: the user's (:class:`UserBatch`), refused where ``position`` (step, epoch,
+    samples consumed in it) is not a whole number of this run's optimizer steps, or is unknown. ``keep`` False
+    (JitConfig.keep_global_batch): any change refused. A checkpoint that does not say its per-device batch cannot
+    tell the user's change from the chain's: kept. ``where``: the checkpoint, to name in a refusal."""
     now = per_device * accumulation * world_size
     if now == written_batch:
         return None, None
+    command = written_command(written_batch, written_by, written_per_device, command_accumulation)
+    if command is not None and command != (per_device, accumulation):
+        if not keep:
+            return None, refusal(where, written_batch, now, world_size, keep)
+        return user_batch(written_batch=written_batch, written_by=written_by, command=command,
+                          per_device=per_device, accumulation=accumulation, world_size=world_size, where=where,
+                          position=position)
     per_step = per_device * world_size
     if keep and written_batch % per_step == 0:
         return Kept(from_world_size=written_by, to_world_size=world_size, accumulation_from=accumulation,
                     accumulation_to=written_batch // per_step, samples_per_step=written_batch,
                     per_device_from=written_per_device, per_device_to=per_device), None
     return None, refusal(where, written_batch, now, world_size, keep)
+
+
+def written_command(written_batch: int, written_by: int, written_per_device: int | None,
+                    command_accumulation: int | None) -> tuple[int, int] | None:
+    """The per-device batch and accumulation of the checkpoint's command; None where it does not say its
+    per-device batch (an older manifest and no trainer state), or its numbers do not fit together."""
+    if not written_per_device:
+        return None
+    if command_accumulation:
+        return written_per_device, command_accumulation
+    per_step = written_per_device * written_by
+    if per_step <= 0 or written_batch % per_step:
+        return None
+    return written_per_device, written_batch // per_step
+
+
+def user_batch(*, written_batch: int, written_by: int, command: tuple[int, int], per_device: int,
+               accumulation: int, world_size: int, where: str, position: tuple[int, int, int] | None) -> Decision:
+    """The user's batch, or why it cannot start exactly at the checkpoint's data position."""
+    now = per_device * accumulation * world_size
+    if position is None:
+        return None, (f"{where}: does not say where in the data it is, so this run's {now} samples per optimizer "
+                      f"step (the checkpoint's {written_batch}) cannot start there. HINT: resume with "
+                      f"per_device_train_batch_size {command[0]} and gradient_accumulation_steps {command[1]}")
+    step, epoch, samples = position
+    if samples % now:
+        return None, (f"{where}: {samples} samples into epoch {epoch} when written, not a whole number of this run's "
+                      f"{now} samples per optimizer step (per-device batch {per_device} x accumulation "
+                      f"{accumulation} x {world_size} ranks), so no step of them starts there: the data position "
+                      f"cannot be kept exactly. HINT: {_position_hint(samples, world_size, command, written_by)}")
+    return UserBatch(per_device_from=command[0], per_device_to=per_device, accumulation_from=command[1],
+                     accumulation_to=accumulation, from_world_size=written_by, to_world_size=world_size,
+                     samples_from=written_batch, samples_to=now, step=step, epoch=epoch,
+                     epoch_samples=samples), None
+
+
+MAX_PRODUCTS_NAMED = 12  # a refusal names at most this many per-device batch x accumulation products
+
+
+def _position_hint(samples: int, world_size: int, command: tuple[int, int], written_by: int) -> str:
+    products = [d // world_size for d in elastic_plan.divisors(samples) if d % world_size == 0]
+    back = (f"or resume with the checkpoint's per_device_train_batch_size {command[0]} and "
+            f"gradient_accumulation_steps {command[1]} until a checkpoint at an epoch's start")
+    if not products:
+        return (f"no batch on {world_size} ranks divides {samples} samples: resume on a number of ranks that "
+                f"divides {samples} ({written_by} did), {back}")
+    named = ", ".join(str(n) for n in products[:MAX_PRODUCTS_NAMED])
+    return f"per_device_train_batch_size x gradient_accumulation_steps {named} on {world_size} ranks, {back}"
 
 
 def epoch_warning(kept: Kept, samples: int | None, drop_last: bool) -> str | None:
@@ -128,11 +225,8 @@ def _written_accumulation(kept: Kept) -> int | None:
 
 
 def _where(kept: Kept) -> tuple[str, str]:
-    """How the warning names the two runs: by their ranks, and by their per-device batches on the same ranks."""
-    if kept.from_world_size != kept.to_world_size or kept.per_device_from is None:
-        return f"{kept.from_world_size} ranks", f"{kept.to_world_size} ranks"
-    return (f"{kept.from_world_size} ranks at per-device batch {kept.per_device_from}",
-            f"{kept.to_world_size} ranks at per-device batch {_per_device_to(kept)}")
+    """How the warning names the two runs (a kept batch has the command's per-device batch on both)."""
+    return f"{kept.from_world_size} ranks", f"{kept.to_world_size} ranks"
 
 
 def steps_per_epoch(samples: int, per_device: int, world_size: int, accumulation: int, drop_last: bool) -> int:
@@ -143,22 +237,23 @@ def steps_per_epoch(samples: int, per_device: int, world_size: int, accumulation
 
 
 def refusal(where: str, written_batch: int, now: int, world_size: int, keep: bool = False) -> str:
-    """The one line for a resume whose samples per optimizer step would differ from the checkpoint's."""
-    head = (f"{where}: {written_batch} samples per optimizer step when written, {now} in this run: the Trainer "
-            "skips global_step batches on resume, so the data position (samples consumed) and the learning-rate "
-            "schedule would not carry over.")
+    """The one line for a resume whose samples per optimizer step would differ from the checkpoint's: under
+    JitConfig(keep_global_batch=False), or for the checkpoint's command on a world size no accumulation fits."""
+    head = f"{where}: {written_batch} samples per optimizer step when written, {now} in this run"
     if not keep:
-        return (f"{head} HINT: keep per_device_train_batch_size x gradient_accumulation_steps x world size at "
-                f"{written_batch}")
-    hint = _hint(written_batch, world_size)
-    return f"{head} No integer gradient accumulation keeps it on {world_size} ranks. HINT: {hint}"
+        return (f"{head}, and JitConfig(keep_global_batch=False) refuses a change of the global batch. HINT: keep "
+                f"per_device_train_batch_size x gradient_accumulation_steps x world size at {written_batch}")
+    return (f"{head}: the same command keeps the global batch (the data position and the LR schedule count its "
+            f"steps), and no integer gradient accumulation keeps it on {world_size} ranks. HINT: "
+            f"{_hint(written_batch, world_size)}")
 
 
 def _hint(written_batch: int, world_size: int) -> str:
     if written_batch % world_size:
         return elastic_plan.no_batch_hint(written_batch, world_size)
-    batches = ", ".join(str(n) for n in elastic_plan.divisors(written_batch // world_size))
-    return f"per_device_train_batch_size {batches} on {world_size} ranks keeps it"
+    per_rank = written_batch // world_size
+    pairs = ", ".join(f"{n} x {per_rank // n}" for n in elastic_plan.divisors(per_rank)[:MAX_PRODUCTS_NAMED])
+    return f"per_device_train_batch_size x gradient_accumulation_steps {pairs} on {world_size} ranks keeps it"
 
 
 def apply(args: Any, hf_ds_configs: tuple[Any, ...], kept: Kept) -> None:
@@ -181,6 +276,12 @@ def apply(args: Any, hf_ds_configs: tuple[Any, ...], kept: Kept) -> None:
 def per_device_batch(trainer: Any) -> int:
     """The per-device batch this run trains with (auto_find_batch_size's found one)."""
     return int(getattr(trainer, "_train_batch_size", None) or trainer.args.per_device_train_batch_size)
+
+
+def accumulation_of_command(args: Any, kept: dict[str, int] | None) -> int:
+    """The gradient accumulation of this run's command: its args', or where a kept change set them (``kept``: the
+    run's batch record, this run's change or the chain's) the command's before it."""
+    return int(kept["accumulation_from"]) if kept else int(args.gradient_accumulation_steps)
 
 
 def samples_per_step(trainer: Any) -> int:

@@ -3,10 +3,10 @@
 Owns the pick (rank 0 takes the output_dir's lock, then ``True`` means the newest resumable checkpoint, as
 ``ckpt-check`` says), the refusals in order (the lock, the checkpoint's status, the ZeRO stage, a PEFT conversion,
 model names and shapes, the conversion's own, a slim save's), what a manifest carries into the run (lineage, an
-owed evaluation), the elastic resume's universal copy (written by :mod:`.elastic`) and kept global batch (the
-accumulation :mod:`.keep_batch` chooses, set on every rank before upstream's ``train()``), the data position the
-resume starts at (:mod:`.data_position`), and the same copy for loading the best model at the
-end. Every rank learns rank 0's verdict by one broadcast. The exact restore after
+owed evaluation), the elastic resume's universal copy (written by :mod:`.elastic`), the batch (the accumulation
+:mod:`.keep_batch` chooses to keep the global batch, set on every rank before upstream's ``train()``, or the user's
+own) with the data position the resume starts at (:mod:`.data_position`), and the same copy for loading the best
+model at the end. Every rank learns rank 0's verdict by one broadcast. The exact restore after
 the load is :mod:`.exact_resume`'s.
 """
 
@@ -70,11 +70,14 @@ def resolve(trainer: JitTrainer, resume_from_checkpoint: str | bool | None) -> s
         run.owed_eval_step = carried.get("owed_evaluation_step")
         run.load_from, run.conversion = carried.get("load_from"), carried.get("conversion")
         run.frozen_refusal = carried.get("frozen_refusal")
-        run.kept_batch = carried.get("kept_batch")
-        run.batch_record = run.kept_batch or carried.get("batch_record")
+        run.kept_batch, run.user_batch = carried.get("kept_batch"), carried.get("user_batch")
+        # the user's batch ends the chain's kept one: its command is theirs
+        run.batch_record = None if run.user_batch else run.kept_batch or carried.get("batch_record")
         run.data_position.resumed = data_position.from_record(carried.get("data_position"))
         if run.kept_batch:
             _keep_batch(trainer, keep_batch.Kept(**run.kept_batch))
+        if run.user_batch and trainer._is_rank0:
+            logger.warning("slurm_jit: %s", keep_batch.UserBatch(**run.user_batch).line())
         if run.load_from:
             elastic.install_universal_load()
     return path
@@ -137,12 +140,16 @@ def prepare_load(trainer: JitTrainer, path: str, manifest: dict[str, Any], carri
     if refusal:  # a slim save's own words where it has them (its weights are only in the shards)
         return slim_save.resume_refusal(path, manifest, ds_config) or refusal
     decided = elastic_plan.plan(path, int(trainer.args.world_size), manifest)
-    kept, refusal = batch_to_keep(trainer, path, manifest, decided)
+    batch, refusal = batch_to_keep(trainer, path, manifest, decided)
     if refusal:
         return refusal
-    carried["kept_batch"] = kept.record() if kept else None
+    carried["kept_batch"] = batch.record() if isinstance(batch, keep_batch.Kept) else None
+    carried["user_batch"] = batch.record() if isinstance(batch, keep_batch.UserBatch) else None
+    position = data_position.recorded(manifest)
+    if isinstance(batch, keep_batch.UserBatch):  # the position it was decided on (an older manifest: counted)
+        position = data_position.Position(step=batch.step, epoch=batch.epoch, samples=batch.epoch_samples)
+    carried["data_position"] = data_position.as_record(position)
     carried["batch_record"] = manifest.get(keep_batch.MANIFEST_KEY)  # the chain keeps checking, changed now or not
-    carried["data_position"] = data_position.as_record(data_position.recorded(manifest))
     converting = decided.action in CONVERSIONS
     if converting and manifest.get("weights") in manifest_file.FROZEN_LEFT_OUT:
         return (f"{path}: a PEFT checkpoint (frozen base left out, weights: {manifest['weights']}) on "
@@ -172,12 +179,12 @@ def prepare_elastic(trainer: JitTrainer, path: str, manifest: dict[str, Any]) ->
 
 
 def batch_to_keep(trainer: JitTrainer, path: str, manifest: dict[str, Any],
-                  decided: elastic_plan.Plan) -> tuple[keep_batch.Kept | None, str | None]:
-    """Rank 0: the accumulation that keeps the checkpoint's samples per optimizer step (keep_batch.decide), or
-    why none does, on any resume: by another number of ranks, or by the same number with another per-device batch
-    or accumulation than the checkpoint's run (a per-device batch halved for an out-of-memory error; a requeue on
-    1 rank after 2 -> 1, whose command still has the first world size's accumulation). A manifest of an older
-    version (no samples_per_step) on the same number of ranks is not checked, as that version did not. Under
+                  decided: elastic_plan.Plan) -> keep_batch.Decision:
+    """Rank 0: the batch this resume trains with (keep_batch.decide): the accumulation that keeps the checkpoint's
+    samples per optimizer step where its command runs again (on another number of ranks; on the same number after a
+    kept change, 2 -> 1 -> 1, whose command still has the first world size's accumulation), the user's where they
+    changed the per-device batch or the accumulation, or why neither can be exact. A manifest of an older version
+    (no samples_per_step) on the same number of ranks is not checked, as that version did not. Under
     auto_find_batch_size the per-device batch is the one the checkpoint's run found (upstream's train() restores
     it from the trainer state)."""
     same = decided.action == elastic_plan.SAME
@@ -193,10 +200,16 @@ def batch_to_keep(trainer: JitTrainer, path: str, manifest: dict[str, Any],
     if trainer.args.auto_find_batch_size:
         per_device = found or per_device
     written_per_device = _positive(manifest.get(keep_batch.PER_DEVICE_KEY)) or found  # an older manifest: the state's
+    record = manifest.get(keep_batch.MANIFEST_KEY)
+    command = _positive(manifest.get(keep_batch.COMMAND_KEY)) or _positive(
+        record.get("accumulation_from") if isinstance(record, dict) else None)  # an older manifest: its kept record's
+    position = data_position.counted(manifest, trainer, written, written_by, written_per_device)
     return keep_batch.decide(written_batch=written, written_by=written_by, per_device=per_device,
                              accumulation=int(trainer.args.gradient_accumulation_steps),
                              world_size=int(trainer.args.world_size), keep=trainer.jit_config.keep_global_batch,
-                             where=path, written_per_device=written_per_device)
+                             where=path, written_per_device=written_per_device, command_accumulation=command,
+                             position=None if position is None else (position.step, position.epoch,
+                                                                     position.samples))
 
 
 def _found_batch_size(path: str) -> int | None:

@@ -55,6 +55,7 @@ class Run:
     # What later manifests record: this run's change, else the resumed checkpoint's (a process whose args already
     # hold the changed accumulation, e.g. a second train(), changes nothing but must not drop it from the chain)
     batch_record: dict[str, int] | None = None
+    user_batch: dict[str, int] | None = None  # the user's change of the batch, trained with (keep_batch.UserBatch)
     data_position: Tracker = field(default_factory=Tracker)  # where in the data this run is (data_position.py)
     stop_recorded: bool = False  # rank 0 wrote jit_stop (right after the stop checkpoint's manifest)
     finish_recorded: bool = False  # rank 0 wrote finished (train() returned): a hang after it keeps the record

@@ -165,6 +165,7 @@ def manifest_fields(trainer: JitTrainer, contents: str, weights: str) -> dict[st
         "owed_evaluation": bool(run and run.eval_owed),
         keep_batch.SAMPLES_KEY: keep_batch.samples_per_step(trainer),
         keep_batch.PER_DEVICE_KEY: keep_batch.per_device_batch(trainer),
+        keep_batch.COMMAND_KEY: keep_batch.accumulation_of_command(trainer.args, run.batch_record if run else None),
         **data_position.manifest_fields(trainer),
         **({keep_batch.MANIFEST_KEY: run.batch_record} if run and run.batch_record else {}),
     }
