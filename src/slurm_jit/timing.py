@@ -22,7 +22,7 @@ global rank, so ranks never contend for a lock, and kept across restarts: every 
     {"v": 1, "event": "save_blocked", ..., "step": 12, "dur_s": 0.3, "kind": "periodic", "staged_bytes": 123456,
      "phases": {"wait_previous": 0.0, "begin": 0.01, "write": 0.2, "stage": 0.05, ...}}
     {"v": 1, "event": "save_background", ..., "step": 12, "dur_s": 2.9, "kind": "periodic", "bytes": 123456,
-     "write_s": 2.1, "fsync_s": 0.5, "commit_s": 0.3, "staged_bytes": 123456}
+     "write_s": 2.1, "fsync_s": 0.5, "commit_s": 0.3, "file_max_s": 1.2, "staged_bytes": 123456}
 
 ``agreement`` (once per run, after warm-up): how the ranks read their stop rounds from then on (``dur_s``: the
 agreed cost of one blocking round); ``stop`` (on a JIT stop): ``dur_s`` from this rank's first signal until
@@ -249,6 +249,7 @@ class AsyncSaveStats:
     background_median_s: float | None
     staged_max_bytes: int  # the largest staging buffer one rank filled (its host memory's extra copy)
     set_aside_max_s: float | None = None  # the longest a write had taken when a JIT stop set it aside (at least)
+    file_max_s: float | None = None  # the longest one file of a background write took; None: none recorded
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:
@@ -380,7 +381,7 @@ def async_save_stats(records: Iterable[dict[str, Any]]) -> AsyncSaveStats | None
     blocked: dict[tuple[str, Any], float] = {}
     background: dict[tuple[str, Any], float] = {}
     set_aside: dict[tuple[str, Any], float] = {}  # never ended: their time so far, apart from the writes seen ended
-    staged = 0
+    staged, file_max = 0, []
     for record in records:
         event = record["event"]
         if event in ("save_blocked", "save_background"):
@@ -388,6 +389,7 @@ def async_save_stats(records: Iterable[dict[str, Any]]) -> AsyncSaveStats | None
             key = _sample_key(record)
             into[key] = max(into.get(key, 0.0), float(record["dur_s"]))
             staged = max(staged, _recorded_bytes(record.get("staged_bytes")))
+            file_max.append(_seconds(record.get("file_max_s")))  # one file's write (a set-aside write records none)
     if not blocked and not background and not set_aside:
         return None
     waits, writes = sorted(blocked.values()), sorted(background.values())
@@ -400,6 +402,7 @@ def async_save_stats(records: Iterable[dict[str, Any]]) -> AsyncSaveStats | None
         background_median_s=_percentile(writes, 50) if writes else None,
         staged_max_bytes=staged,
         set_aside_max_s=max(set_aside.values()) if set_aside else None,
+        file_max_s=max((s for s in file_max if s is not None), default=None),
     )
 
 

@@ -5,6 +5,7 @@ bitwise."""
 
 from __future__ import annotations
 
+import re
 import signal
 import threading
 import time
@@ -14,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 from jit_helpers import ckpt_check, losses, run_logged, start_ranks, wait_for
 
+from slurm_jit import timing
 from slurm_jit.checkpoint import protocol
 from slurm_jit.grace.formula import Margin
 from slurm_jit.grace.rules import LEAD_ENV_VAR
@@ -32,10 +34,10 @@ def test_without_a_lead_there_is_no_bound(monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_the_wait_leaves_the_jit_save_the_longest_write_and_its_margin() -> None:
     # lead 100 s from the signal at 0, the save in flight submitted at 4, the longest write 20 s (margin 10 s), 5 s
-    # for the set-aside writer's current file: waiting until t leaves max(20, t - 4) + 10 + 5 s:
+    # for the set-aside writer's current file (none measured): waiting until t leaves max(20, t - 4) + 10 + 5 s:
     # t + (t - 4) + 15 == 100 at t = 44.5 (past 24 the save in flight has taken longer than the longest write)
-    close_s = stop_wait.SET_ASIDE_CLOSE_WAIT_S
-    assert close_s == 5.0
+    close_s = stop_wait.set_aside_file_s(None)
+    assert close_s == stop_wait.SET_ASIDE_FILE_UNMEASURED_S == 5.0
     bound = stop_wait.bound_s(lead_s=100.0, earliest_signal=0.0, now=5.0, submitted_at=4.0, longest_write_s=20.0)
     assert bound == pytest.approx(39.5, abs=1e-6)
     # a long longest write: it alone decides (t + 60 + 12 + 5 == 100 at t = 23)
@@ -45,6 +47,30 @@ def test_the_wait_leaves_the_jit_save_the_longest_write_and_its_margin() -> None
     bound = stop_wait.bound_s(lead_s=100.0, earliest_signal=0.0, now=5.0, submitted_at=-30.0, longest_write_s=1.0)
     end = 5.0 + bound  # end + (end + 30) + max(10, 0.2 * (end + 30)) + 5 == 100
     assert end + (end + 30.0) + Margin().seconds(end + 30.0) + close_s == pytest.approx(100.0, abs=1e-6)
+
+
+def test_the_set_aside_file_is_budgeted_from_the_longest_file_write_measured() -> None:
+    """The set-aside writer's current file goes on beside the JIT save: the stop budgets the longest file write
+    measured (twice: the two writers share the disk), 5 s only where none was measured."""
+    assert stop_wait.set_aside_file_s(12.0) == pytest.approx(stop_wait.SET_ASIDE_FILE_FACTOR * 12.0)
+    assert stop_wait.set_aside_file_s(0.001) == stop_wait.SET_ASIDE_FILE_MIN_S
+    # the same timeline as above with a 12 s file measured: t + (t - 4) + 10 + 24 == 100 at t = 35
+    bound = stop_wait.bound_s(lead_s=100.0, earliest_signal=0.0, now=5.0, submitted_at=4.0, longest_write_s=20.0,
+                              set_aside_s=stop_wait.set_aside_file_s(12.0))
+    assert bound == pytest.approx(30.0, abs=1e-6)
+
+
+def test_earlier_runs_writes_are_read_from_the_timing_log(tmp_path: Path) -> None:
+    """A requeued run's stop knows the writes of the runs before it (the timing log): the longest background write
+    (a set-aside one's time so far counts: at least that) and the longest file write of any rank."""
+    assert stop_wait.earlier_writes(tmp_path / "none") == stop_wait.WriteHistory()
+    for rank, (dur_s, file_s) in enumerate([(40.0, 12.0), (44.0, 9.0)]):
+        log = timing.TimingLog(tmp_path, rank, 2, "earlier")
+        log.save_background(4, "periodic", dur_s, 1000, {"write_s": 30.0, "fsync_s": 1.0, "commit_s": 0.0,
+                                                         "file_max_s": file_s})
+        log.save_background(8, "periodic", 50.0 + rank, 0, {"set_aside": True})
+        log.close()
+    assert stop_wait.earlier_writes(tmp_path) == stop_wait.WriteHistory(longest_write_s=51.0, file_max_s=12.0)
 
 
 def test_no_time_left_is_no_wait() -> None:
@@ -105,6 +131,30 @@ def test_a_lead_slurm_cannot_give_is_no_lead(monkeypatch: pytest.MonkeyPatch) ->
     assert stop_wait.signal_lead_s() is None
     bound = stop_wait.bound_s(lead_s=65535.0, earliest_signal=0.0, now=1.0, submitted_at=0.0, longest_write_s=0.0)
     assert bound is not None and bound <= 65535.0
+
+
+EARLIER_WRITE_S = 50.0  # the longest background write of the runs before (their timing log): past what 60 s allow
+
+
+@pytest.mark.deepspeed
+def test_after_a_requeue_the_stop_counts_the_earlier_runs_writes(tmp_path: Path) -> None:
+    """The runs before this one (the timing log of the same output_dir) took 50 s for a background write; this run
+    has written none when the stop comes, 60 s before the SIGKILL: the JIT save may need the 50 s, so the stop sets
+    the save in flight aside at once. Before, this run's own writes only counted (none: 0 s after every requeue), and
+    the stop waited ~20 s of the lead for a save it then set aside anyway."""
+    out = tmp_path / "out"
+    for rank in (0, 1):
+        log = timing.TimingLog(out, rank, 2, "earlier")
+        log.save_background(4, "periodic", EARLIER_WRITE_S, 1000, {"write_s": 45.0, "fsync_s": 1.0, "commit_s": 4.0})
+        log.close()
+    ranks, codes = _stop_during_a_stall(out, [*ARGS, *STEP_SLEEP], f"write:4:{STALL_S}", 60, (0, 1))
+    log = ranks.log(0)
+    assert codes == [0, 0], log[-3000:]
+    waited = re.search(r"\(the stop waited ([0-9.]+) s\); set aside", log)
+    assert waited is not None, log[-3000:]
+    assert float(waited.group(1)) < 1.0, waited.group(0)
+    record = stop_record.read(out)
+    assert record is not None and record["state"] == "jit_stop" and record["step"] > 4, record
 
 
 def _stop_during_a_stall(out: Path, args: list[str], fault: str, lead_s: int, stalled_ranks: tuple[int, ...]):  # type: ignore[no-untyped-def]

@@ -55,6 +55,22 @@ def test_written_files_are_the_states_at_staging_and_durable(tmp_path, writer) -
     assert writer.last_stats is not None and writer.last_stats.nbytes == sum(len(d) for d in expected.values())
 
 
+def test_the_longest_file_write_is_measured(tmp_path, writer) -> None:
+    """What a JIT stop budgets for a set-aside writer's current file (async_save/stop_wait.py): the longest one
+    file took, of the files of one write."""
+    class Slow:  # a state whose pickling takes 0.3 s: its file is the longest write
+        def __reduce__(self):  # type: ignore[no-untyped-def]
+            time.sleep(0.3)
+            return (int, (1,))
+
+    ckpt = tmp_path / "checkpoint-1"
+    items = [(ckpt / "fast.pt", {"x": torch.zeros(4)}), (ckpt / "slow.pt", {"x": Slow()})]
+    assert writer.submit(ckpt, items, wait_if_busy=False) is Submitted.STARTED
+    assert writer.wait(WAIT_S) is True
+    stats = writer.last_stats
+    assert stats is not None and 0.3 <= stats.file_max_s <= stats.write_s, stats
+
+
 def test_a_second_save_waits_or_is_refused_by_the_callers_choice(tmp_path, writer) -> None:
     gate = threading.Event()
     ckpt = tmp_path / "checkpoint-1"

@@ -133,12 +133,14 @@ class Watchdog:
 
     def feed(self, phase: str, step: int) -> None:
         """A boundary: from now on, ``phase`` may last its bound."""
-        bound = bound_s(self.hang_timeout_s, self._longest_step_s, self._steps_done)
-        self._poll_s = min(POLL_MAX_S, max(0.05, bound / POLL_FRACTION))
-        if phase in LONG_PHASES:
-            bound = long_bound_s(bound)
+        self._poll_s = min(POLL_MAX_S, max(0.05, self.phase_bound_s("step") / POLL_FRACTION))
         now = time.monotonic()
-        self._last = (now, now + bound, phase, step)
+        self._last = (now, now + self.phase_bound_s(phase), phase, step)
+
+    def phase_bound_s(self, phase: str) -> float:
+        """How long ``phase`` may last from its boundary on, as the steps measured so far make it."""
+        bound = bound_s(self.hang_timeout_s, self._longest_step_s, self._steps_done)
+        return long_bound_s(bound) if phase in LONG_PHASES else bound
 
     def report_wait_s(self) -> float:
         """How long rank 0 waits for the other ranks' hang reports: their threads, fed at the same boundary, see

@@ -18,6 +18,9 @@ timing. The points, in the order they pass:
 ``manifest``  rank 0's thread, every marker read and removed, the manifest not yet written (the sentinel is there)
 ``rotated``   rank 0's thread, the manifest written (the checkpoint complete) and the older checkpoints rotated (a
               rotation that fails in its last step)
+
+``SLURM_JIT_FAULT_COPY_WAIT_S=<seconds>`` shortens the optimizer step's bound on its wait for the staging copies
+(:mod:`.step_gate`), so that a test sees copies held at ``copy`` fail that step within seconds.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ FAULT_ASYNC_ENV = "SLURM_JIT_FAULT_ASYNC"  # fault injection: "<point>:<step>:<s
 POINTS = ("stage", "copy", "write", "marker", "published", "manifest", "rotated")
 RAISE = "raise"
 STALLED = "slurm_jit: fault injection: async save stalled at %s of checkpoint-%d on rank %d"  # the harness's cue
+COPY_WAIT_ENV = "SLURM_JIT_FAULT_COPY_WAIT_S"  # fault injection: the step gate's bound on the copies, shortened
 
 logger = logging.getLogger(__name__)
 
@@ -75,3 +79,18 @@ def hit(point: str, ckpt: Path) -> None:
             raise InjectedFault(f"fault injection: the async save failed at {point} on rank {rank}")
         logger.warning(STALLED, point, spec.step, rank)
         time.sleep(float(spec.action))
+
+
+def copy_wait_s() -> float | None:
+    """The shortened bound :data:`COPY_WAIT_ENV` asks for (seconds), or None (unset: the bound is derived)."""
+    raw = os.environ.get(COPY_WAIT_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"slurm_jit: {COPY_WAIT_ENV}={raw!r} is not a number of seconds above 0. HINT: unset it "
+                         "(fault injection only)")
+    return seconds

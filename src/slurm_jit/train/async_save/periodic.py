@@ -13,8 +13,8 @@ Owns the async save in flight of one ``train()`` (:class:`AsyncSaves`, on ``Run.
    module's weights and buffers, which a callback, a hook or a forward may change, copied at once), the ranks agree
    that all staged (one all-reduce on the side group), the callbacks' ``on_save``, and the snapshot handed
    to the :class:`~.writer.BackgroundWriter`; training continues. DeepSpeed's next optimizer step (``engine.step``,
-   what changes the optimizer's staged states) first waits for the copies (:class:`_StepGate`): they run in the
-   writer's thread beside the next step's forward and backward, DCP's ``async_staging`` contract.
+   what changes the optimizer's staged states) first waits for the copies, within a bound (:mod:`.step_gate`): they
+   run in the writer's thread beside the next step's forward and backward, DCP's ``async_staging`` contract.
 
 The background thread copies, then writes and fsyncs the files, fsyncs the directory tree (this rank's synchronous
 files), and writes this rank's done marker; rank 0's thread then waits for every marker and commits
@@ -57,7 +57,7 @@ import safetensors.torch
 
 from slurm_jit.checkpoint import protocol
 from slurm_jit.train import save_errors
-from slurm_jit.train.async_save import collect, fault_points, files, staging, stop_wait
+from slurm_jit.train.async_save import collect, fault_points, files, staging, step_gate, stop_wait
 from slurm_jit.train.async_save import commit as commit_mod
 from slurm_jit.train.async_save import writer as writer_mod  # the module: writer imports save_path, which imports us
 from slurm_jit.train.async_save.collect import CollectingEngine
@@ -85,45 +85,8 @@ class InFlight:
     submitted_at: float
     nbytes: int
     after_s: float = 0.0  # the background thread's marker, and on rank 0 the wait for the others and the commit
-    gate: _StepGate | None = None  # DeepSpeed's next optimizer step held until the deferred copies are done
+    gate: step_gate.StepGate | None = None  # DeepSpeed's next optimizer step held until the deferred copies are done
     commit_gate: stop_wait.CommitGate = field(default_factory=stop_wait.CommitGate)  # rank 0's manifest vs a set-aside
-
-
-class _StepGate:
-    """Holds DeepSpeed's next ``engine.step`` (the optimizer step: what changes the staged tensors) until the
-    snapshot's deferred copies are done, then records the save's blocked time (its own and this wait) and goes.
-    Installed on the engine instance for one save; :meth:`open` removes it (at that step, or before any other save,
-    or at the end of training)."""
-
-    def __init__(self, engine: Any, staged: StagedSave, record: Callable[[float], None],
-                 feed: Callable[[str], None]) -> None:
-        """``feed``: the hang watchdog's boundary (a wait for the copies has a save's bound, not a step's)."""
-        self.engine, self.staged, self.record, self.feed = engine, staged, record, feed
-        self._own = engine.__dict__.get("step")  # an instance attribute of someone else's, put back as it was
-        self._original = engine.step
-        self._open = False
-        engine.step = self._step
-
-    def _step(self, *args: Any, **kwargs: Any) -> Any:
-        self.open()
-        return self._original(*args, **kwargs)
-
-    def open(self) -> None:
-        """Wait for the copies (however they ended), remove the gate, record; at most once."""
-        if self._open:
-            return
-        self._open = True
-        t0 = time.monotonic()
-        if not self.staged.copied:
-            self.feed("save")
-            self.staged.wait_copied()
-            self.feed("step")
-        if self.engine.__dict__.get("step") == self._step:  # a wrapper put on meanwhile (it calls us) stays
-            if self._own is not None:
-                self.engine.step = self._own
-            else:
-                del self.engine.step
-        self.record(time.monotonic() - t0)
 
 
 @dataclass
@@ -136,7 +99,10 @@ class AsyncSaves:
     in_flight: InFlight | None = None
     waited_s: float = 0.0  # the last wait for a save in flight (the next save's blocked time includes it)
     longest_write_s: float = 0.0  # of this run's background writes, commit included: what a JIT save may need
+    longest_file_s: float | None = None  # of this run's background writes, the longest one file took
+    earlier: stop_wait.WriteHistory = field(default_factory=stop_wait.WriteHistory)  # rank 0: the runs before
     set_aside: Path | None = None  # a save in flight a JIT stop did not wait for (stop_wait.py): never claimed
+    set_aside_wait_s: float = stop_wait.SET_ASIDE_FILE_UNMEASURED_S  # the end of train()'s wait for its last file
     closed: bool = False
     abort: threading.Event = field(default_factory=threading.Event)  # rank 0's commit gives up (a peer lost)
 
@@ -182,7 +148,10 @@ def _saves(trainer: JitTrainer, create: bool) -> AsyncSaves | None:
     if run.async_saves is None and create:
         run.async_saves = AsyncSaves(HostStager(sharing_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1),
                                                    copy_threads=staging.copy_threads()),
-                                     writer_mod.BackgroundWriter(zip_crc32=trainer.jit_config.zip_crc32))
+                                     writer_mod.BackgroundWriter(zip_crc32=trainer.jit_config.zip_crc32),
+                                     # rank 0 bounds a JIT stop's wait: the writes of the runs before count too
+                                     earlier=stop_wait.earlier_writes(str(trainer.args.output_dir)) if trainer._is_rank0
+                                     else stop_wait.WriteHistory())
     saves: AsyncSaves | None = run.async_saves
     return saves
 
@@ -301,9 +270,12 @@ def submit(trainer: JitTrainer, collector: CollectingEngine | None, ckpt: Path, 
     saves.waited_s = 0.0
     from slurm_jit.train import stop_path  # noqa: PLC0415 (stop_path imports save_path, which imports this)
 
-    job.gate = _StepGate(trainer.model_wrapped, staged,
-                         lambda wait_s: _record_blocked(trainer, job, kind, blocked_s, waited_s, phases, wait_s),
-                         lambda phase: stop_path.feed(trainer, phase))
+    run = trainer._jit_run
+    job.gate = step_gate.StepGate(
+        trainer.model_wrapped, staged, ckpt,
+        record=lambda wait_s: _record_blocked(trainer, job, kind, blocked_s, waited_s, phases, wait_s),
+        feed=lambda phase: stop_path.feed(trainer, phase),
+        watchdog_bound_s=lambda: run.watchdog.phase_bound_s("save") if run and run.watchdog else None)
     logger.log(logging.INFO if trainer._is_rank0 else logging.DEBUG, "slurm_jit: %s checkpoint %s: training "
                "blocked %.2f s (%d bytes staged, copied beside the next step); written in the background", kind,
                ckpt, blocked_s, staged.nbytes)
@@ -436,11 +408,14 @@ def taken_as_saved(trainer: JitTrainer, job: InFlight, writer: writer_mod.Backgr
     run.saved_step, run.saved_contents, run.checkpoint = job.step, job.contents, str(job.ckpt)
     stats = writer.last_stats
     if stats is not None and stats.ckpt_dir == job.ckpt and run.async_saves is not None:
-        run.async_saves.longest_write_s = max(run.async_saves.longest_write_s, stats.total_s + job.after_s)
+        saves = run.async_saves
+        saves.longest_write_s = max(saves.longest_write_s, stats.total_s + job.after_s)
+        saves.longest_file_s = max(saves.longest_file_s or 0.0, stats.file_max_s)
     if run.timing is not None and stats is not None and stats.ckpt_dir == job.ckpt:
         run.timing.save_background(job.step, ASYNC_KIND, stats.total_s + job.after_s, stats.nbytes, {
             "write_s": round(stats.write_s, 6), "fsync_s": round(stats.fsync_s, 6),
-            "commit_s": round(job.after_s, 6), "staged_bytes": job.nbytes})
+            "commit_s": round(job.after_s, 6), "file_max_s": round(stats.file_max_s, 6),
+            "staged_bytes": job.nbytes})
 
 
 def finish(trainer: JitTrainer) -> None:
@@ -455,7 +430,7 @@ def finish(trainer: JitTrainer) -> None:
         saves.writer.close()
     else:  # its writer stops at its next file; an error of its commit (aborted) is not this train()'s
         try:
-            if not saves.writer.close(stop_wait.SET_ASIDE_CLOSE_WAIT_S):
+            if not saves.writer.close(saves.set_aside_wait_s):
                 logger.warning("slurm_jit: the set-aside save %s is still finishing a file; it stays incomplete",
                                saves.set_aside)
         except save_errors.CheckpointWriteError as exc:
@@ -476,9 +451,10 @@ def close_after_failure(trainer: JitTrainer) -> None:
     if error is not None and lost_peers.how_lost(error) is not None:
         saves.abort.set()
     if saves.in_flight is not None and saves.in_flight.gate is not None:
-        saves.in_flight.gate.open()  # the engine's step is its own again (the copies end with the thread's job)
+        saves.in_flight.gate.restore()  # the engine's step is its own again (the copies end with the thread's job)
+    stuck = isinstance(error, step_gate.CopyWaitTimeout)  # its copies never end: its line said it stays incomplete
     try:
-        if not saves.writer.close(FAILED_CLOSE_WAIT_S):
+        if not saves.writer.close(0.0 if stuck else FAILED_CLOSE_WAIT_S) and not stuck:
             logger.error("slurm_jit: the async save of %s still being written after %.0f s; it stays incomplete",
                          saves.in_flight.ckpt if saves.in_flight else "?", FAILED_CLOSE_WAIT_S)
     except Exception as exc:  # noqa: BLE001 - the error that ended train() goes on, this one is logged

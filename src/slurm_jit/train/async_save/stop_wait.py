@@ -11,12 +11,14 @@ The deadline is the earliest stop signal rank 0 knows of (its own; else the one 
 rank, which reads late where the stop came more than kill_wait after it) plus the signal lead,
 ``SLURM_JIT_SIGNAL_LEAD_S`` (the N of ``--signal=TERM@N``, exported by this project's launchers and sbatch scripts;
 Slurm's warning may come up to 60 s earlier than N before the limit, which only leaves more time). The JIT save is
-taken to need as long as the longest background write of this run or as long as the save in flight has taken so far,
-whichever is longer (it writes the same states; a disk that slowed down slows both), plus grace-calc's margin (20 %,
-at least 10 s) and the end of train()'s wait for the set-aside writer to finish its current file
-(:data:`SET_ASIDE_CLOSE_WAIT_S`). No lead known (no launcher exported it, a bare ``scancel --signal``), or the stop
-at the step of the save in flight (that save is the JIT checkpoint: never two writers on one directory): the stop
-waits without a bound, as a synchronous save in flight would make it.
+taken to need as long as the longest background write of this output_dir (this run's, and the earlier runs' in the
+timing log: :func:`earlier_writes`, read when the run's first async save starts; a set-aside write's time so far
+counts) or as long as the save in flight has taken so far, whichever is longer (it writes the same states; a disk
+that slowed down slows both), plus grace-calc's margin (20 %, at least 10 s) and the set-aside writer's current file,
+which goes on beside the JIT save and which the end of train() waits for (:func:`set_aside_file_s`: twice the
+longest one file write measured, 5 s where none was). No lead known (no launcher exported it, a bare
+``scancel --signal``), or the stop at the step of the save in flight (that save is the JIT checkpoint: never two
+writers on one directory): the stop waits without a bound, as a synchronous save in flight would make it.
 
 Rank 0 computes the bound and broadcasts it, every rank waits that long for its own writer, and the ranks agree
 (one all-reduce) whether every rank's share was written. Where one was not (late, or its write failed), rank 0's
@@ -31,8 +33,11 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from slurm_jit import timing
 from slurm_jit.grace.formula import Margin
 from slurm_jit.grace.rules import LEAD_ENV_VAR
 from slurm_jit.train import save_errors
@@ -43,7 +48,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SET_ASIDE_CLOSE_WAIT_S = 5.0  # at the end of train(): how long a set-aside write may take to stop (its current file)
+# The set-aside writer's current file: how long the stop budgets for it and the end of train() waits for it.
+SET_ASIDE_FILE_UNMEASURED_S = 5.0  # no file write measured yet (a fresh output_dir's first save in flight)
+SET_ASIDE_FILE_FACTOR = 2.0  # the longest file write measured, twice: beside the JIT save, two writers share the disk
+SET_ASIDE_FILE_MIN_S = 1.0  # a file measured in milliseconds still gets a second (a loaded host's scheduling)
 MAX_LEAD_S = 65535  # Slurm's --signal=<sig>@<N> takes N up to 65535 s: a larger "lead" is no lead Slurm gives
 _BISECT_ROUNDS = 60  # the bound to far below a millisecond for any lead
 
@@ -72,6 +80,34 @@ class CommitGate:
             return self._closed
 
 
+@dataclass(frozen=True)
+class WriteHistory:
+    """The background writes of the earlier runs of an output_dir (its timing log), each save's slowest rank."""
+
+    longest_write_s: float = 0.0  # write + fsync + commit (a set-aside write's time so far: at least that)
+    file_max_s: float | None = None  # the longest one file took (None: not recorded)
+
+
+def earlier_writes(output_dir: str | os.PathLike[str]) -> WriteHistory:
+    """What the timing log of ``output_dir`` says of the background writes so far (none: an empty history)."""
+    try:
+        stats = timing.async_save_stats(timing.read_records(output_dir))
+    except timing.TimingLogError as exc:
+        logger.debug("slurm_jit: no earlier background writes read from %s: %s", Path(output_dir), exc)
+        return WriteHistory()
+    if stats is None:
+        return WriteHistory()
+    return WriteHistory(longest_write_s=max(stats.background_max_s or 0.0, stats.set_aside_max_s or 0.0),
+                        file_max_s=stats.file_max_s)
+
+
+def set_aside_file_s(file_max_s: float | None) -> float:
+    """How long the set-aside writer's current file may still take, from the longest one file write measured."""
+    if file_max_s is None:
+        return SET_ASIDE_FILE_UNMEASURED_S
+    return max(SET_ASIDE_FILE_MIN_S, SET_ASIDE_FILE_FACTOR * file_max_s)
+
+
 def signal_lead_s() -> float | None:
     """``SLURM_JIT_SIGNAL_LEAD_S`` as seconds, or None (unset, not a number, not positive)."""
     raw = os.environ.get(LEAD_ENV_VAR, "").strip()
@@ -83,13 +119,14 @@ def signal_lead_s() -> float | None:
 
 
 def bound_s(*, lead_s: float | None, earliest_signal: float, now: float, submitted_at: float,
-            longest_write_s: float, margin: Margin | None = None) -> float | None:
+            longest_write_s: float, margin: Margin | None = None,
+            set_aside_s: float = SET_ASIDE_FILE_UNMEASURED_S) -> float | None:
     """How long the stop may still wait for the save in flight (0: not at all), None without a deadline. Pure.
 
     All times are one monotonic clock: ``earliest_signal`` (the first stop signal on any rank), ``now``,
     ``submitted_at`` (the save in flight's submission). Waiting until ``t`` leaves the JIT save
-    ``max(longest_write_s, t - submitted_at)``, the margin of that and :data:`SET_ASIDE_CLOSE_WAIT_S` before
-    ``earliest_signal + lead_s``."""
+    ``max(longest_write_s, t - submitted_at)``, the margin of that and ``set_aside_s`` (the set-aside writer's
+    current file, :func:`set_aside_file_s`) before ``earliest_signal + lead_s``."""
     if lead_s is None:
         return None
     margin = margin or Margin()
@@ -97,7 +134,7 @@ def bound_s(*, lead_s: float | None, earliest_signal: float, now: float, submitt
 
     def fits(t: float) -> bool:
         need = max(longest_write_s, t - submitted_at, 0.0)
-        return t + need + margin.seconds(need) + SET_ASIDE_CLOSE_WAIT_S <= deadline
+        return t + need + margin.seconds(need) + set_aside_s <= deadline
 
     if not fits(now):
         return 0.0
@@ -141,15 +178,20 @@ def settle(trainer: JitTrainer, saves: AsyncSaves, job: InFlight, t0: float) -> 
 
 def _stop_bound(trainer: JitTrainer, saves: AsyncSaves, job: InFlight) -> float | None:
     """Rank 0's bound on the JIT stop's wait (:func:`bound_s`), the same on every rank; None (no bound)
-    at the step of the save in flight: that save is the stop's checkpoint, whose directory it is writing."""
-    bound = None
+    at the step of the save in flight: that save is the stop's checkpoint, whose directory it is writing. Every rank
+    also keeps rank 0's budget for the set-aside file: the end of train()'s wait for it."""
+    bound, file_s = None, SET_ASIDE_FILE_UNMEASURED_S
     run = trainer._jit_run
     if trainer._is_rank0 and run is not None and run.kill_wait_until > 0 and job.step != trainer.state.global_step:
         carried = run.kill_wait_until - trainer.jit_config.kill_wait_s  # late where the stop came after kill_wait
         earliest = min(carried, run.latch.first_at) if run.latch.first_at is not None else carried
+        files = [s for s in (saves.longest_file_s, saves.earlier.file_max_s) if s is not None]
+        file_s = set_aside_file_s(max(files) if files else None)
         bound = bound_s(lead_s=signal_lead_s(), earliest_signal=earliest, now=time.monotonic(),
-                        submitted_at=job.submitted_at, longest_write_s=saves.longest_write_s)
-    bound = trainer._agreement.broadcast(bound)
+                        submitted_at=job.submitted_at, set_aside_s=file_s,
+                        longest_write_s=max(saves.longest_write_s, saves.earlier.longest_write_s))
+    bound, file_s = trainer._agreement.broadcast((bound, file_s))
+    saves.set_aside_wait_s = float(file_s)
     return None if bound is None else float(bound)
 
 

@@ -72,6 +72,7 @@ class WriteStats:
     write_s: float  # torch.save of every file
     fsync_s: float  # fsync of every file and directory
     total_s: float  # from the write's start until every file and directory is durable (``after`` not included)
+    file_max_s: float = 0.0  # the longest one file's write took (what a set-aside writer's current file may take)
 
 
 @dataclass(frozen=True)
@@ -225,11 +226,14 @@ def _write_durably(job: _Job, zip_crc32: bool, cancel: threading.Event) -> Write
     before the next file once ``cancel`` is set."""
     t0 = time.monotonic()
     directories: set[Path] = set()
+    file_max_s = 0.0
     with _save_path.zip_crc32(zip_crc32):
         for i, (path, state) in enumerate(job.items):
             _check(cancel)
             path.parent.mkdir(parents=True, exist_ok=True)
+            t_file = time.monotonic()
             files.write(path, state)
+            file_max_s = max(file_max_s, time.monotonic() - t_file)
             directories.update(_dirs_up_to(path.parent, job.ckpt_dir))
             if i == 0:
                 fault_points.hit("write", job.ckpt_dir)  # fault injection: the first file written, not the rest
@@ -246,7 +250,7 @@ def _write_durably(job: _Job, zip_crc32: bool, cancel: threading.Event) -> Write
     for directory in sorted(directories, key=lambda d: len(d.parts), reverse=True):  # deepest first
         protocol.fsync_dir(directory)
     t_sync = time.monotonic()
-    return WriteStats(job.ckpt_dir, nbytes, t_write - t0, t_sync - t_write, t_sync - t0)
+    return WriteStats(job.ckpt_dir, nbytes, t_write - t0, t_sync - t_write, t_sync - t0, file_max_s)
 
 
 def _dirs_up_to(directory: Path, top: Path) -> list[Path]:
