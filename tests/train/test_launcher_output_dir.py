@@ -37,3 +37,18 @@ def test_the_same_directory_by_another_path_is_the_same(tmp_path: Path, monkeypa
     assert _trainer(Path("real")).args.output_dir == "real"
     assert output_dir_refusal("real/./", str(tmp_path / "real")) is None
     assert output_dir_refusal("anything", None) is None and output_dir_refusal("anything", "") is None
+
+
+def test_no_training_arguments_or_an_empty_output_dir_is_refused_too(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first review: JitTrainer(model) took upstream's default directory and an empty output_dir was upstream's
+    FileNotFoundError; both trained where the launcher's requeue never looks."""
+    monkeypatch.setenv(OUTPUT_DIR_ENV, str(tmp_path / "launcher"))
+    monkeypatch.chdir(tmp_path)
+    config = transformers.GPT2Config(vocab_size=32, n_positions=8, n_embd=8, n_layer=1, n_head=1)
+    with pytest.raises(JitRefusal, match="HINT"):
+        JitTrainer(model=transformers.GPT2LMHeadModel(config))
+    args = transformers.TrainingArguments(output_dir="", use_cpu=True, report_to=[], max_steps=1)
+    with pytest.raises(JitRefusal, match="HINT") as empty:
+        JitTrainer(model=transformers.GPT2LMHeadModel(config), args=args)
+    assert "\n" not in str(empty.value) and f"unset {OUTPUT_DIR_ENV}" in str(empty.value)

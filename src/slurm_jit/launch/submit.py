@@ -332,7 +332,7 @@ def training_spec(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("the training command's program is empty. HINT: e.g. -- python train.py")
     entry.check_program(program)
     script_dir = command_output_dir(list(args.command))  # the ranks' JitTrainer would refuse it at once, in the job
-    mismatch = output_dir_refusal(script_dir, args.output_dir) if script_dir else None
+    mismatch = output_dir_refusal(script_dir, args.output_dir) if script_dir is not None else None
     if mismatch:
         raise ValueError(f"the training command's {mismatch}")
     return {"argv": list(args.command)}

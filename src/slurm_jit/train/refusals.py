@@ -42,24 +42,29 @@ def command_output_dir(argv: list[str]) -> str | None:
     return found
 
 
-def output_dir_at_construction(args: tuple[Any, ...], kwargs: dict[str, Any],
-                               launcher_dir: str | None) -> str | None:
-    """``JitTrainer(*args, **kwargs)`` (the TrainingArguments second, as for ``Trainer``): :func:`output_dir_refusal`
-    before upstream creates the directory."""
+def output_dir_at_construction(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """``JitTrainer(*args, **kwargs)`` (the TrainingArguments second, as for ``Trainer``): :func:`output_dir_of_job`
+    before upstream creates the directory, as the one line to raise."""
     targs = kwargs["args"] if "args" in kwargs else (args[1] if len(args) > 1 else None)
     output_dir = getattr(targs, "output_dir", None)
-    return output_dir_refusal(str(output_dir), launcher_dir) if output_dir else None
+    refusal = output_dir_of_job(str(output_dir)) if output_dir is not None else None
+    return f"slurm_jit: {refusal}" if refusal else None
+
+
+def output_dir_of_job(output_dir: str) -> str | None:
+    """:func:`output_dir_refusal` against the launcher's directory of this job (``OUTPUT_DIR_ENV``), if any."""
+    return output_dir_refusal(output_dir, os.environ.get(OUTPUT_DIR_ENV))
 
 
 def output_dir_refusal(output_dir: str, launcher_dir: str | None) -> str | None:
     """Why ``TrainingArguments.output_dir`` cannot be this job's (the launcher's is another directory), or None."""
     if not launcher_dir:
         return None
-    if os.path.realpath(os.path.abspath(output_dir)) == os.path.realpath(os.path.abspath(launcher_dir)):
+    if output_dir and os.path.realpath(os.path.abspath(output_dir)) == os.path.realpath(os.path.abspath(launcher_dir)):
         return None
     return (f"output_dir {output_dir!r} is not the launcher's --output-dir {launcher_dir!r}: the requeue reads the "
             f"stop record and checkpoints of the launcher's. HINT: give the script --output_dir {launcher_dir} (or "
-            "the launcher the script's), e.g. --output_dir \"$SLURM_JIT_OUTPUT_DIR\"")
+            f"the launcher --output-dir {output_dir or 'DIR'}); outside a slurm-jit job: unset {OUTPUT_DIR_ENV}")
 
 
 def refused_settings(*, save_on_each_node: bool, ds_config: dict[str, Any] | None) -> str | None:

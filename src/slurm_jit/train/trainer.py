@@ -48,9 +48,8 @@ checks the private ones at construction):
                                     (save_total_limit=1) is turned off
 ``_load_best_model``                skipped after a JIT stop; across world sizes by the universal copy
 ``_finish_current_push``            a JIT stop does not wait for a Hub push in progress
-``log``                             ``train_loss`` over the whole requeue chain, as the uninterrupted run
-                                    reports it (logging_window: every checkpoint keeps the logging window); a
-                                    JIT stop logs no end-of-training summary
+``log``                             ``train_loss`` over the requeue chain, as the uninterrupted run's (every
+                                    checkpoint keeps its logging window); no summary logged at a JIT stop
 ==================================  ============================================================================
 
 The callbacks' ``on_save`` is called inside ``_save_checkpoint`` (before the manifest), not after it.
@@ -60,7 +59,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import uuid
 from typing import Any
 
@@ -80,6 +78,7 @@ from slurm_jit.train import (
     keep_batch,
     logging_window,
     output_lock,
+    refusals,
     resume_path,
     save_path,
     slim_save,
@@ -91,7 +90,7 @@ from slurm_jit.train import (
 from slurm_jit.train.agreement import StopAgreement
 from slurm_jit.train.async_save import periodic as async_periodic
 from slurm_jit.train.jit_config import JitConfig
-from slurm_jit.train.refusals import OUTPUT_DIR_ENV, JitRefusal, output_dir_at_construction, refused_settings
+from slurm_jit.train.refusals import JitRefusal, refused_settings
 from slurm_jit.train.run_state import Run, StopBeforeFirstStep
 from slurm_jit.train.save_path import FAULT_SAVE_SLEEP_ENV as FAULT_SAVE_SLEEP_ENV  # where tests set it
 from slurm_jit.train.signals import SignalLatch, mask_workers
@@ -136,11 +135,8 @@ class JitTrainer(transformers.Trainer):
         # A transformers without the hooks below, or passing them what they cannot take, fails here, not at the
         # first stop
         subclassing.check_hooks(type(self), JitTrainer)
-        # before upstream's os.makedirs: a directory the launcher does not read, then one it cannot write
-        launched = output_dir_at_construction(args, kwargs, os.environ.get(OUTPUT_DIR_ENV))
-        if launched:
-            raise JitRefusal(f"slurm_jit: {launched}")
-        unusable = writable.refusal_at_construction(args, kwargs)  # upstream's os.makedirs: a traceback
+        # before upstream's os.makedirs (a traceback): a directory the launcher does not read, or one it cannot write
+        unusable = refusals.output_dir_at_construction(args, kwargs) or writable.refusal_at_construction(args, kwargs)
         if unusable:
             raise JitRefusal(unusable)
         super().__init__(*args, **kwargs)
@@ -152,6 +148,7 @@ class JitTrainer(transformers.Trainer):
         compat.drop_upstream_jit(self.callback_handler)
         refusal = refused_settings(save_on_each_node=bool(self.args.save_on_each_node), ds_config=self._ds_config())
         refusal = refusal or keep_batch.refusal_at_construction(self) or async_periodic.refusal(self)
+        refusal = refusal or refusals.output_dir_of_job(str(self.args.output_dir))  # no args: upstream's default
         if refusal:
             raise JitRefusal(f"slurm_jit: {refusal}")
         self.add_callback(_JitCallback(self))
