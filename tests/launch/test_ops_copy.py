@@ -5,8 +5,17 @@ job that loads from a copy past a real lock is tests/integration/test_ops_copy_o
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+import disk_helpers
+import pytest
+import unprivileged
 
 from slurm_jit.launch import ops
 
@@ -22,6 +31,17 @@ def built_op(root: Path, name: str = OP, mtime_s: float | None = None) -> Path:
         if mtime_s is not None:
             os.utime(op / file, (mtime_s, mtime_s))
     return op
+
+
+@pytest.fixture
+def world_traversable_tmp() -> Iterator[Path]:
+    """A directory user nobody may enter (pytest's tmp_path sits under a 0700 directory)."""
+    path = Path(tempfile.mkdtemp(prefix="ops-copy-"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path)
 
 
 def test_the_copy_leaves_the_lock_out_and_keeps_file_times(tmp_path: Path) -> None:
@@ -88,3 +108,87 @@ def test_the_shared_dir_is_the_one_torch_builds_in() -> None:
             os.environ["TORCH_EXTENSIONS_DIR"] = saved
     assert ops.torch_build_root(env) == theirs
     assert ops.torch_build_root({**env, "TORCH_EXTENSIONS_DIR": "/x/ext"}) == Path("/x/ext")
+
+
+def test_a_file_gone_under_every_try_leaves_its_op_to_the_job_and_copies_the_rest(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    built_op(shared)
+    (built_op(shared, "cpu_adam") / "adam.o").symlink_to(tmp_path / "removed by the build")  # ENOENT at each copy
+    made, skipped = ops.job_copy(shared, tmp_path / "copies" / "7.0")
+    assert made and skipped == ["cpu_adam"]
+    assert (tmp_path / "copies" / "7.0" / OP / f"{OP}.so").is_file()
+
+
+# --- where the copy cannot be made: every rank of the node loads from the shared directory at once ---------------
+# One rank of a job start, as runner.task_main starts it: prints where it loads the ops from and how long it took.
+RANK = """
+import os, time
+from slurm_jit.launch import runner
+runner.OPS_COPY_WAIT_S = 30  # bounds the test where the ranks would wait for a copy that never comes
+started = time.monotonic()
+runner._load_ops_from_own_copy(os.environ, "7", 0)
+print(os.environ["TORCH_EXTENSIONS_DIR"], round(time.monotonic() - started, 1))
+"""
+RANK_DEADLINE_S = 90  # a rank imports the runner in ~2 s on the loaded host; then it waits OPS_COPY_WAIT_S at most
+AT_ONCE_S = 5.0  # well under OPS_COPY_WAIT_S: no rank waits for a copy that cannot be made
+
+
+def world_readable_op(root: Path, library_bytes: int = 4096) -> Path:
+    """An op user nobody may read, its library ``library_bytes`` long."""
+    shared = root / "shared"
+    (built_op(shared) / f"{OP}.so").write_bytes(b"\0" * library_bytes)
+    for path in [root, *root.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return shared
+
+
+def node_ranks(shared: Path, tmpdir: Path, prefix: list[str]) -> list[tuple[str, float, str]]:
+    """The node's two ranks, started together: (where each loads the ops from, seconds it took, its stderr)."""
+    env = {**os.environ, "TMPDIR": str(tmpdir), "TORCH_EXTENSIONS_DIR": str(shared), "SLURM_JOB_ID": "7"}
+    procs = [subprocess.Popen([*prefix, sys.executable, "-c", RANK], env={**env, "SLURM_LOCALID": str(rank)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/") for rank in (1, 0)]
+    try:
+        outs = [proc.communicate(timeout=RANK_DEADLINE_S) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert all(proc.returncode == 0 for proc in procs), outs
+    lines = [(out.split(), err) for out, err in reversed(outs)]
+    return [(words[0], float(words[1]), err) for words, err in lines]
+
+
+def assert_all_load_from_shared_at_once(ranks: list[tuple[str, float, str]], shared: Path, why: str) -> None:
+    assert [(where, took_s < AT_ONCE_S) for where, took_s, _ in ranks] == [(str(shared), True)] * 2, ranks
+    said = [line for _, _, err in ranks for line in err.splitlines()]
+    assert len(said) == 1 and why in said[0] and "HINT: point TMPDIR at a writable local disk" in said[0], said
+    assert "changed during the copy" not in said[0]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_a_full_tmpdir_is_said_as_full_and_no_rank_takes_half_a_copy(world_traversable_tmp: Path) -> None:
+    # Before: ENOSPC counted as "a build in progress": the op was left out of the copy and every rank loaded from
+    # that copy, where the job rebuilt the op into the full TMPDIR and failed at its load.
+    shared = world_readable_op(world_traversable_tmp, library_bytes=1 << 20)
+    with disk_helpers.tmpfs(world_traversable_tmp / "tmp", 256 * 1024) as tmpdir:
+        tmpdir.chmod(0o1777)
+        ranks = node_ranks(shared, tmpdir, [])
+        assert_all_load_from_shared_at_once(ranks, shared, "No space left on device")
+        assert sorted(p.name for p in ops.copies_root({"TMPDIR": str(tmpdir)}).iterdir()) == ["7.0.failed"]
+
+
+@pytest.mark.parametrize("how", ["not writable", "read-only"])
+def test_an_unwritable_tmpdir_sends_every_rank_to_the_shared_dir_at_once(world_traversable_tmp: Path,
+                                                                         how: str) -> None:
+    # Before: the first rank could not copy and said so, the node's other ranks polled OPS_COPY_WAIT_S (120 s)
+    # for a copy that never came, then failed the same way.
+    shared = world_readable_op(world_traversable_tmp)
+    if how == "read-only":
+        if os.geteuid() != 0:
+            pytest.skip("mounting a tmpfs needs root")
+        with disk_helpers.tmpfs(world_traversable_tmp / "tmp", 256 * 1024, read_only=True) as tmpdir:
+            assert_all_load_from_shared_at_once(node_ranks(shared, tmpdir, []), shared, "Read-only file system")
+        return
+    prefix = unprivileged.prefix()  # root writes anywhere: its ranks run as nobody
+    tmpdir = world_traversable_tmp / "tmp"
+    tmpdir.mkdir(mode=0o555)
+    assert_all_load_from_shared_at_once(node_ranks(shared, tmpdir, prefix), shared, "Permission denied")

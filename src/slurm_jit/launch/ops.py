@@ -16,6 +16,7 @@ where that has none (:func:`publish`), so that the next jobs load it.
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import os
 import re
@@ -99,6 +100,10 @@ LOCK = "lock"  # torch.utils.file_baton's file in an op's directory: never copie
 # An op directory whose files change under this many copies in a row is being built right now: the job builds its
 # own instead of taking half of that build (a copy takes well under a second; a build writes for 40-80 s).
 COPY_TRIES = 3
+# A file of an op's directory gone between its listing and its copy: a build replacing it (ESTALE: the same on NFS).
+# Any other error (ENOSPC, EDQUOT, EACCES, EROFS, ...) is the copy's own: it cannot be made on this node.
+_GONE_ERRNOS = frozenset({errno.ENOENT, errno.ESTALE})
+FAILED = ".failed"  # <copy>.failed, beside where the copy would be: the node's first rank could not make it
 _TORCH_VERSION = re.compile(r"^(cuda|hip)\b[^=\n]*=\s*['\"]([^'\"]+)['\"]", re.MULTILINE)
 
 
@@ -138,38 +143,83 @@ def _snapshot(op_dir: Path) -> dict[str, tuple[int, int]]:
             for p in op_dir.iterdir() if p.name != LOCK and p.is_file()}
 
 
+def _copy_tree(src: Path, dest: Path) -> None:
+    """shutil.copytree(ignore=LOCK), each OSError raised as it comes: copytree gathers a file's errors into one
+    shutil.Error of strings, where a full disk and a file a build replaced read the same."""
+    dest.mkdir()
+    for entry in src.iterdir():
+        if entry.name == LOCK:
+            continue
+        if entry.is_dir():
+            _copy_tree(entry, dest / entry.name)
+        else:
+            shutil.copy2(entry, dest / entry.name)
+    shutil.copystat(src, dest)
+
+
 def _copy_op(op_dir: Path, dest: Path) -> bool:
-    """Copy one op's directory, file times kept (ninja compares them); False if it changed under every try."""
+    """Copy one op's directory, file times kept (ninja compares them); False if it changed under every try.
+    Raises the OSError of a copy that cannot be made here (TMPDIR full, read-only, not ours)."""
     for _ in range(COPY_TRIES):
         shutil.rmtree(dest, ignore_errors=True)
         try:
             before = _snapshot(op_dir)
-            shutil.copytree(op_dir, dest, ignore=shutil.ignore_patterns(LOCK))
+            _copy_tree(op_dir, dest)
             if _snapshot(op_dir) == before:
                 return True
-        except (OSError, shutil.Error):  # a file replaced or removed while it was read: a build in progress
-            continue
+        except OSError as exc:
+            if exc.errno not in _GONE_ERRNOS:
+                raise
     shutil.rmtree(dest, ignore_errors=True)
     return False
 
 
 def job_copy(shared: Path, dest: Path) -> tuple[bool, list[str]]:
     """Copy the built ops of ``shared`` to ``dest`` (once per node: the first rank's copy is everyone's, moved in
-    whole). Returns whether this call made it, and the ops left out because a build was changing them."""
+    whole). Returns whether this call made it, and the ops left out because a build was changing them. Raises
+    OSError where the copy cannot be made (TMPDIR full, read-only, not writable), leaving nothing of it behind."""
     if dest.is_dir():
         return False, []
     staging = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True, mode=0o700)
-    skipped = [op.name for op in (sorted(shared.iterdir()) if shared.is_dir() else [])
-               if op.is_dir() and not _copy_op(op, staging / op.name)]
-    (staging / COPIED).touch()
+    try:
+        skipped = [op.name for op in (sorted(shared.iterdir()) if shared.is_dir() else [])
+                   if op.is_dir() and not _copy_op(op, staging / op.name)]
+        (staging / COPIED).touch()
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)  # a full disk gets its room back (for failed_path's reason too)
+        raise
     try:
         staging.rename(dest)
     except OSError:  # another rank of this start on this node moved its copy in first: that one is used
         shutil.rmtree(staging, ignore_errors=True)
         return False, []
     return True, skipped
+
+
+def failed_path(dest: Path) -> Path:
+    """The marker the node's first rank leaves where it could not make the copy ``dest``."""
+    return dest.with_name(dest.name + FAILED)
+
+
+def mark_failed(dest: Path, reason: str) -> None:
+    """Tell the node's other ranks that ``dest`` will not be made (best effort: an unwritable TMPDIR takes no
+    marker, and :func:`copy_failed` sees that one itself)."""
+    try:
+        failed_path(dest).write_text(reason + "\n")
+    except OSError:
+        pass
+
+
+def copy_failed(dest: Path) -> bool:
+    """Whether this node's copy ``dest`` will not be made: its first rank said so, or no rank can write there."""
+    if failed_path(dest).exists():
+        return True
+    existing = dest.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    return not os.access(existing, os.W_OK | os.X_OK)
 
 
 def publish(copy: Path, shared: Path) -> tuple[list[str], list[str]]:
@@ -206,5 +256,8 @@ def prune_copies(root: Path, running_job_ids: Collection[str]) -> list[Path]:
     gone = [p for p in (root.iterdir() if root.is_dir() else []) if not p.name.startswith(".")
             and p.name.split(".")[0] not in running_job_ids]
     for path in gone:
-        shutil.rmtree(path, ignore_errors=True)
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:  # a failed_path marker
+            path.unlink(missing_ok=True)
     return gone

@@ -124,24 +124,37 @@ def task_main(folder: str, env: Mapping[str, str] | None = None) -> int:
 def _load_ops_from_own_copy(env: Mapping[str, str], job_id: str, restart: int) -> None:
     """This rank's TORCH_EXTENSIONS_DIR: this job start's node-local copy of the built ops, so that no other job's
     build, load or stale lock can hold its start (ops.py says why). The node's first rank copies, the others wait
-    for it (up to OPS_COPY_WAIT_S, then copy themselves)."""
+    for it (up to OPS_COPY_WAIT_S, then copy themselves). Where the copy cannot be made (TMPDIR full, read-only,
+    not writable) every rank of the node loads from the shared directory at once, and the one that tried says why."""
     shared = ops.torch_build_root(env)
     if shared is None:
         return
     dest = ops.copy_path(env, job_id, restart)
     started = time.monotonic()
-    if env.get("SLURM_LOCALID", "0") != "0":
-        while not dest.is_dir() and time.monotonic() - started < OPS_COPY_WAIT_S:
-            time.sleep(0.1)
+    if env.get("SLURM_LOCALID", "0") != "0" and not _first_rank_copied(dest):
+        return
     try:
         made, skipped = ops.job_copy(shared, dest)
     except OSError as exc:
-        _say(f"ops: no copy of {shared} for this job ({exc}), so its ranks load from there, where another job's "
-             f"build or lock can hold them. HINT: a writable TMPDIR on the nodes")
+        ops.mark_failed(dest, str(exc))
+        _say(f"ops: no copy of {shared} in {dest.parent} for this job ({exc}), so the ranks on "
+             f"{socket.gethostname()} load from {shared}, where another job's build or lock can hold them. HINT: "
+             "point TMPDIR at a writable local disk with room for that directory")
         return
     os.environ["TORCH_EXTENSIONS_DIR"] = str(dest)
     if made:
         _after_copy(shared, dest, time.monotonic() - started, skipped, job_id)
+
+
+def _first_rank_copied(dest: Path) -> bool:
+    """Wait for the node's first rank's copy: True once it is there (or after OPS_COPY_WAIT_S: copy it here),
+    False as soon as that rank cannot make it (ops.copy_failed)."""
+    deadline = time.monotonic() + OPS_COPY_WAIT_S
+    while not dest.is_dir() and time.monotonic() < deadline:
+        if ops.copy_failed(dest):
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def _after_copy(shared: Path, dest: Path, took_s: float, skipped: list[str], job_id: str) -> None:
@@ -180,6 +193,7 @@ def _publish_ops(env: Mapping[str, str], job_id: str, restart: int) -> None:
                   f"directory: give this venv a TORCH_EXTENSIONS_DIR of its own, build the ops there ({ops.DOCS})",
                   flush=True)
     shutil.rmtree(copy, ignore_errors=True)
+    ops.failed_path(copy).unlink(missing_ok=True)
 
 
 # --- finish: the result files, once the job is over ---------------------------------------------------------------
