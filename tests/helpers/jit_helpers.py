@@ -446,10 +446,12 @@ else:
 
 
 def train_one_process(out: Path, report_to: str, max_steps: int, resume: bool | str, per_device: int = 2,
-                      accumulation: int = 1, dataset: Any = None, epochs: float = 0.0) -> Any:
+                      accumulation: int = 1, dataset: Any = None, epochs: float = 0.0,
+                      **training_args: Any) -> Any:
     """One process, a real JitTrainer on a tiny GPT-2, no DeepSpeed (~15 s): trains to ``max_steps`` (or
     ``epochs`` with max_steps -1), saving every 2 steps, resuming from the newest checkpoint when ``resume`` is
-    True (or from that path); returns the trainer. ``dataset``: default 8 token sequences."""
+    True (or from that path); returns the trainer. ``dataset``: default 8 token sequences; ``training_args``: more
+    TrainingArguments."""
     import transformers
 
     from slurm_jit import demo_train
@@ -458,7 +460,8 @@ def train_one_process(out: Path, report_to: str, max_steps: int, resume: bool | 
     targs = transformers.TrainingArguments(output_dir=str(out), use_cpu=True, report_to=[report_to],
                                            max_steps=max_steps, save_steps=2, per_device_train_batch_size=per_device,
                                            gradient_accumulation_steps=accumulation, disable_tqdm=True,
-                                           logging_steps=1, **({"num_train_epochs": epochs} if epochs else {}))
+                                           logging_steps=1, **({"num_train_epochs": epochs} if epochs else {}),
+                                           **training_args)
     trainer = JitTrainer(model=demo_train.build_model("gpt2", 16, 1), args=targs,
                          train_dataset=dataset if dataset is not None else demo_train._Tokens(8, seed=1),
                          jit_config=JitConfig(kill_wait_s=0))

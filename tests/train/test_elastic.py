@@ -223,7 +223,8 @@ def _trainer(world_size: int, per_device: int, accumulation: int, auto_find: boo
              keep: bool = True) -> SimpleNamespace:
     """What resume_path.batch_to_keep reads of a JitTrainer."""
     args = SimpleNamespace(world_size=world_size, per_device_train_batch_size=per_device,
-                           gradient_accumulation_steps=accumulation, auto_find_batch_size=auto_find)
+                           gradient_accumulation_steps=accumulation, auto_find_batch_size=auto_find,
+                           ignore_data_skip=False)
     return SimpleNamespace(args=args, jit_config=JitConfig(keep_global_batch=keep))
 
 

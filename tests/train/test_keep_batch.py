@@ -230,13 +230,17 @@ def test_the_users_batch_that_cannot_start_at_the_position_is_refused_naming_wha
     assert strict is None and refusal is not None and "JitConfig(keep_global_batch=False) refuses" in refusal
 
 
-def _picker(tmp_path: Path, per_device: int, keep: bool, state_batch: int | None = None) -> SimpleNamespace:
+def _picker(tmp_path: Path, per_device: int, keep: bool, state_batch: int | None = None,
+            **args_more: Any) -> SimpleNamespace:
     """What resume_path.batch_to_keep reads of a JitTrainer (2 ranks, accumulation 1), with a checkpoint
-    directory holding a trainer state whose train_batch_size is ``state_batch`` (none when None)."""
+    directory holding a trainer state whose train_batch_size is ``state_batch`` (none when None); ``args_more``:
+    other TrainingArguments values."""
     if state_batch is not None:
         (tmp_path / "trainer_state.json").write_text(json.dumps({"train_batch_size": state_batch}))
-    args = SimpleNamespace(world_size=2, per_device_train_batch_size=per_device, gradient_accumulation_steps=1,
-                           auto_find_batch_size=False, dataloader_drop_last=False)
+    args = SimpleNamespace(**{"world_size": 2, "per_device_train_batch_size": per_device,
+                              "gradient_accumulation_steps": 1, "auto_find_batch_size": False,
+                              "dataloader_drop_last": False, "ignore_data_skip": False,
+                              "train_sampling_strategy": "random", **args_more})
     return SimpleNamespace(args=args, jit_config=JitConfig(keep_global_batch=keep), train_dataset=list(range(64)))
 
 
@@ -265,6 +269,70 @@ def test_the_same_ranks_with_another_per_device_batch_are_refused_or_the_users(t
     oldest = {"world_size": 2}
     assert resume_path.batch_to_keep(_picker(tmp_path, 1, keep=False), str(tmp_path), oldest, same) == (None, None)
     assert resume_path.batch_to_keep(_picker(tmp_path, 2, keep=False), str(tmp_path), manifest, same) == (None, None)
+
+
+def test_under_ignore_data_skip_the_users_batch_is_never_refused_for_the_position_nor_said_to_keep_it() -> None:
+    """ignore_data_skip: nothing is skipped (upstream starts the epoch it counts from its first sample), so a
+    position that is not a whole number of the new steps, or one not known, is no reason to refuse, and the line
+    does not say the position is kept. Before: refused (24 samples, 16 a step), or said "the data position kept"."""
+    known: dict[str, Any] = {"written_per_device": 2, "position": (6, 0, 24), "ignore_data_skip": True}
+    theirs, refusal = _decide(4, 2, per_device=4, accumulation=2, world=2, **known)
+    assert refusal is None and isinstance(theirs, keep_batch.UserBatch), refusal
+    assert theirs.line() == ("per-device batch 2 -> 4, gradient accumulation 1 -> 2: your batch, 4 -> 16 samples per "
+                             "optimizer step; ignore_data_skip: the data position is not kept (the epoch upstream "
+                             "counts for the checkpoint's step at this batch starts from its first sample), the "
+                             "schedule at step 6")
+    unknown, refusal = _decide(4, 2, per_device=1, accumulation=1, world=2, written_per_device=2,
+                               ignore_data_skip=True)
+    assert refusal is None and isinstance(unknown, keep_batch.UserBatch) and unknown.position() is None
+    assert unknown.line().endswith("starts from its first sample)")
+    assert keep_batch.UserBatch(**unknown.record()) == unknown
+
+
+def test_a_sampler_that_orders_by_the_batch_refuses_another_batch_inside_the_epoch(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The resume pick under group_by_length: the user's halved per-device batch 24 samples into epoch 0 reads
+    LengthGroupedSampler's order of 1 x 1 per rank, not the checkpoint's 2 x 1: refused in one line (before: trained,
+    samples twice and others never). ignore_data_skip skips nothing: trained with. A subclass's own
+    _get_train_sampler cannot be told: one warning, trained with."""
+    same = elastic_plan.Plan(action=elastic_plan.SAME, written_by=2, world_size=2, zero_stage=2, reason="")
+    manifest = {"world_size": 2, "step": 6, keep_batch.SAMPLES_KEY: 4, keep_batch.PER_DEVICE_KEY: 2,
+                keep_batch.COMMAND_KEY: 1, data_position.POSITION_KEY: {"epoch": 0, "samples": 24}}
+    grouped = _picker(tmp_path, 1, keep=True, train_sampling_strategy="group_by_length")
+    batch, refusal = resume_path.batch_to_keep(grouped, str(tmp_path), manifest, same)
+    assert batch is None and refusal is not None and "\n" not in refusal
+    assert "train_sampling_strategy='group_by_length' orders each epoch by the batch" in refusal, refusal
+    assert "HINT: resume with per_device_train_batch_size x gradient_accumulation_steps 2 as when written" in refusal
+    skipping_nothing = _picker(tmp_path, 1, keep=True, train_sampling_strategy="group_by_length",
+                               ignore_data_skip=True)
+    batch, refusal = resume_path.batch_to_keep(skipping_nothing, str(tmp_path), manifest, same)
+    assert refusal is None and isinstance(batch, keep_batch.UserBatch) and batch.ignore_data_skip
+
+    class OwnSampler(SimpleNamespace):
+        def _get_train_sampler(self, dataset: Any = None) -> Any:
+            return None
+
+    own = OwnSampler(**vars(grouped))
+    with caplog.at_level("WARNING"):
+        batch, refusal = resume_path.batch_to_keep(own, str(tmp_path), manifest, same)
+    assert refusal is None and isinstance(batch, keep_batch.UserBatch)
+    said = [r.getMessage() for r in caplog.records if "_get_train_sampler" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("slurm_jit: OwnSampler._get_train_sampler is not transformers'")
+
+
+def test_an_older_checkpoint_that_does_not_record_its_batch_says_what_the_resume_skips(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A manifest without samples_per_step (an older version's) on the same ranks is not checked, as that version
+    did not: one warning says the skip counts global_step steps of this run's batch (before: silent)."""
+    same = elastic_plan.Plan(action=elastic_plan.SAME, written_by=2, world_size=2, zero_stage=2, reason="")
+    with caplog.at_level("WARNING"):
+        decided = resume_path.batch_to_keep(_picker(tmp_path, 1, keep=True), "ckpt-6", {"world_size": 2}, same)
+    assert decided == (None, None)
+    said = [r.getMessage() for r in caplog.records if r.name == resume_path.__name__]
+    assert said == ["slurm_jit: ckpt-6: its manifest does not record its batch (an older version's), so the resume "
+                    "skips its global_step optimizer steps at this run's 2 samples each, as upstream's Trainer does: "
+                    "after a change of the batch that is another data position. HINT: resume with the checkpoint's "
+                    "per_device_train_batch_size and gradient_accumulation_steps"], said
 
 
 @pytest.mark.deepspeed

@@ -100,3 +100,32 @@ def test_a_batch_whose_steps_cannot_start_at_the_position_is_refused_in_one_line
         "per optimizer step" in line, line
     assert "HINT: per_device_train_batch_size x gradient_accumulation_steps 1, 2, 4 on 1 ranks" in line, line
     assert not (out / "checkpoint-4").exists()
+
+
+def test_a_batch_that_reorders_a_length_grouped_epoch_is_refused_before_any_step(tmp_path: Path) -> None:
+    """train_sampling_strategy="group_by_length": LengthGroupedSampler orders the epoch by per-device batch x
+    accumulation, so the halved batch would read on in another order than the 4 samples consumed came from: refused
+    in one line before any step. Before: trained (samples twice, others never)."""
+    out = tmp_path / "out"
+    _train(out, 2, False, train_sampling_strategy="group_by_length")
+    with pytest.raises(JitRefusal) as refused:
+        _train(out, 4, True, per_device=1, train_sampling_strategy="group_by_length")
+    line = str(refused.value)
+    assert "\n" not in line and "train_sampling_strategy='group_by_length' orders each epoch by the batch" in line
+    assert "HINT: resume with per_device_train_batch_size x gradient_accumulation_steps 2 as when written" in line
+    assert not (out / "checkpoint-4").exists()
+
+
+def test_under_ignore_data_skip_a_batch_whose_steps_cannot_start_at_the_position_is_trained_with(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """4 samples consumed at step 2; accumulation 3 (6 a step) under ignore_data_skip: nothing is skipped, so
+    trained with, the line saying the position is not kept and the epoch starts over (upstream's). Before: refused
+    for a position the resume does not start at, or said "the data position kept"."""
+    out = tmp_path / "out"
+    _, first = _train(out, 2, False)
+    with caplog.at_level("WARNING"):
+        trainer, fetched = _train(out, 4, True, accumulation=3, ignore_data_skip=True)
+    assert trainer.state.global_step == 4 and fetched[:4] == first[:4], (fetched, first)  # the epoch's first again
+    assert _said(caplog) == ["slurm_jit: gradient accumulation 1 -> 3: your batch, 2 -> 6 samples per optimizer step; "
+                             "ignore_data_skip: the data position is not kept (the epoch upstream counts for the "
+                             "checkpoint's step at this batch starts from its first sample), the schedule at step 2"]

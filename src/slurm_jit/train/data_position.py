@@ -9,7 +9,8 @@ samples consumed in it), and a resume starts there wherever upstream's count wou
 batch, :class:`.keep_batch.UserBatch`, and every later resume of that chain): that epoch, samples / (per-device batch
 x world size) batches skipped, the global step (the learning-rate schedule's) kept. Where the position is a whole
 number of this run's steps (``decide`` refuses the rest) the skipped batches are exactly the samples consumed:
-accelerate deals one seeded sampler's order out in per-device batches, rank after rank, on any batch and world size.
+accelerate deals one seeded sampler's order out in per-device batches, rank after rank, on any batch and world size
+(a sampler whose order depends on the batch, transformers' group_by_length: refused, :mod:`.batch_order`).
 
 How long the run then trains: ``max_steps`` is the user's (the global step counts on to it); ``num_train_epochs``
 trains what is left of the data at this run's batch (``max_steps`` becomes the checkpoint's step plus those steps).

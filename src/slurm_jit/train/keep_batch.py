@@ -10,7 +10,9 @@ are computed (``JitTrainer.train`` applies it between the resume pick and upstre
 A per-device batch or accumulation that is not the checkpoint's command's is the user's change (halved for an
 out-of-memory error, a batch ramped on purpose): trained with, as transformers does, with the data position kept in
 samples consumed and the LR schedule at the checkpoint's step (:mod:`.data_position`). Refused only where it cannot
-be exact: where the samples consumed in the epoch are not a whole number of the new optimizer steps.
+be exact: where the samples consumed in the epoch are not a whole number of the new optimizer steps (under
+``ignore_data_skip`` nothing is skipped: never), or where the sampler orders the epoch by the batch
+(:mod:`.batch_order`, asked by the resume pick).
 
 The calculator (:func:`decide`) is pure; :func:`apply` sets the TrainingArguments and the DeepSpeed config on
 every rank.
@@ -78,20 +80,30 @@ class UserBatch:
     to_world_size: int
     samples_from: int  # samples per optimizer step: the checkpoint's
     samples_to: int  # this run's
-    step: int  # the checkpoint's global step: where the LR schedule goes on
-    epoch: int  # the data position: epochs completed
-    epoch_samples: int  # and samples consumed in the current one
+    step: int | None  # the checkpoint's global step: where the LR schedule goes on (None: unknown)
+    epoch: int | None  # the data position: epochs completed (None: unknown, only under ignore_data_skip)
+    epoch_samples: int | None  # and samples consumed in the current one
+    ignore_data_skip: bool = False  # TrainingArguments': nothing skipped, the position not kept (upstream's)
 
     def line(self) -> str:
         changed = ", ".join(f"{name} {a} -> {b}" for name, a, b in (
             ("per-device batch", self.per_device_from, self.per_device_to),
             ("gradient accumulation", self.accumulation_from, self.accumulation_to),
             ("world size", self.from_world_size, self.to_world_size)) if a != b)
-        return (f"{changed}: your batch, {self.samples_from} -> {self.samples_to} samples per optimizer step; the "
-                f"data position kept ({self.epoch_samples} samples into epoch {self.epoch}), the schedule at step "
-                f"{self.step}")
+        head = f"{changed}: your batch, {self.samples_from} -> {self.samples_to} samples per optimizer step; "
+        schedule = "" if self.step is None else f", the schedule at step {self.step}"
+        if self.ignore_data_skip:  # upstream's _init_training_state: epoch global_step // its steps, not skipped in
+            return (f"{head}ignore_data_skip: the data position is not kept (the epoch upstream counts for the "
+                    f"checkpoint's step at this batch starts from its first sample){schedule}")
+        return f"{head}the data position kept ({self.epoch_samples} samples into epoch {self.epoch}){schedule}"
 
-    def record(self) -> dict[str, int]:
+    def position(self) -> tuple[int, int, int] | None:
+        """(step, epoch, samples consumed in it) it was decided on; None where unknown (under ignore_data_skip)."""
+        if self.step is None or self.epoch is None or self.epoch_samples is None:
+            return None
+        return self.step, self.epoch, self.epoch_samples
+
+    def record(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -100,14 +112,15 @@ Decision = tuple[Kept | UserBatch | None, str | None]
 
 def decide(*, written_batch: int, written_by: int, per_device: int, accumulation: int, world_size: int,
            keep: bool, where: str, written_per_device: int | None = None, command_accumulation: int | None = None,
-           position: tuple[int, int, int] | None = None) -> Decision:
+           position: tuple[int, int, int] | None = None, ignore_data_skip: bool = False) -> Decision:
     """(the change, None), (None, None) when none is needed, or (None, one line with a HINT). Pure.
 
     The checkpoint's command (its per-device batch ``written_per_device`` and ``command_accumulation``, else the
     accumulation its samples per step give) run again, on any world size: the accumulation that keeps
     ``written_batch`` samples per optimizer step (:class:`Kept`), refused where no integer one does. Another
     per-device batch or accumulation: the user's (:class:`UserBatch`), refused where ``position`` (step, epoch,
-    samples consumed in it) is not a whole number of this run's optimizer steps, or is unknown. ``keep`` False
+    samples consumed in it) is not a whole number of this run's optimizer steps, or is unknown, unless
+    ``ignore_data_skip`` (nothing is skipped: the position is not kept, as upstream). ``keep`` False
     (JitConfig.keep_global_batch): any change refused. A checkpoint that does not say its per-device batch cannot
     tell the user's change from the chain's: kept. ``where``: the checkpoint, to name in a refusal."""
     now = per_device * accumulation * world_size
@@ -119,7 +132,7 @@ def decide(*, written_batch: int, written_by: int, per_device: int, accumulation
             return None, refusal(where, written_batch, now, world_size, keep)
         return user_batch(written_batch=written_batch, written_by=written_by, command=command,
                           per_device=per_device, accumulation=accumulation, world_size=world_size, where=where,
-                          position=position)
+                          position=position, ignore_data_skip=ignore_data_skip)
     per_step = per_device * world_size
     if keep and written_batch % per_step == 0:
         return Kept(from_world_size=written_by, to_world_size=world_size, accumulation_from=accumulation,
@@ -143,23 +156,25 @@ def written_command(written_batch: int, written_by: int, written_per_device: int
 
 
 def user_batch(*, written_batch: int, written_by: int, command: tuple[int, int], per_device: int,
-               accumulation: int, world_size: int, where: str, position: tuple[int, int, int] | None) -> Decision:
-    """The user's batch, or why it cannot start exactly at the checkpoint's data position."""
+               accumulation: int, world_size: int, where: str, position: tuple[int, int, int] | None,
+               ignore_data_skip: bool = False) -> Decision:
+    """The user's batch, or why it cannot start exactly at the checkpoint's data position (under
+    ``ignore_data_skip`` it does not start there: never refused for it)."""
     now = per_device * accumulation * world_size
-    if position is None:
+    if position is None and not ignore_data_skip:
         return None, (f"{where}: does not say where in the data it is, so this run's {now} samples per optimizer "
                       f"step (the checkpoint's {written_batch}) cannot start there. HINT: resume with "
                       f"per_device_train_batch_size {command[0]} and gradient_accumulation_steps {command[1]}")
-    step, epoch, samples = position
-    if samples % now:
+    step, epoch, samples = position if position is not None else (None, None, None)
+    if samples is not None and samples % now and not ignore_data_skip:
         return None, (f"{where}: {samples} samples into epoch {epoch} when written, not a whole number of this run's "
                       f"{now} samples per optimizer step (per-device batch {per_device} x accumulation "
                       f"{accumulation} x {world_size} ranks), so no step of them starts there: the data position "
                       f"cannot be kept exactly. HINT: {_position_hint(samples, world_size, command, written_by)}")
     return UserBatch(per_device_from=command[0], per_device_to=per_device, accumulation_from=command[1],
                      accumulation_to=accumulation, from_world_size=written_by, to_world_size=world_size,
-                     samples_from=written_batch, samples_to=now, step=step, epoch=epoch,
-                     epoch_samples=samples), None
+                     samples_from=written_batch, samples_to=now, step=step, epoch=epoch, epoch_samples=samples,
+                     ignore_data_skip=ignore_data_skip), None
 
 
 MAX_PRODUCTS_NAMED = 12  # a refusal names at most this many per-device batch x accumulation products

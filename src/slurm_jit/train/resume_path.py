@@ -5,7 +5,8 @@ Owns the pick (rank 0 takes the output_dir's lock, then ``True`` means the newes
 model names and shapes, the conversion's own, a slim save's), what a manifest carries into the run (lineage, an
 owed evaluation), the elastic resume's universal copy (written by :mod:`.elastic`), the batch (the accumulation
 :mod:`.keep_batch` chooses to keep the global batch, set on every rank before upstream's ``train()``, or the user's
-own) with the data position the resume starts at (:mod:`.data_position`), and the same copy for loading the best
+own, refused where the sampler orders the epoch by the batch: :mod:`.batch_order`) with the data position the resume
+starts at (:mod:`.data_position`), and the same copy for loading the best
 model at the end. Every rank learns rank 0's verdict by one broadcast. The exact restore after
 the load is :mod:`.exact_resume`'s.
 """
@@ -19,12 +20,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer import TRAINER_STATE_NAME, Trainer
 from transformers.trainer_utils import _is_peft_model, has_length
 
 from slurm_jit.checkpoint import elastic_plan, protocol
 from slurm_jit.checkpoint import manifest as manifest_file
 from slurm_jit.train import (
+    batch_order,
     data_position,
     elastic,
     elastic_unheld,
@@ -146,8 +148,9 @@ def prepare_load(trainer: JitTrainer, path: str, manifest: dict[str, Any], carri
     carried["kept_batch"] = batch.record() if isinstance(batch, keep_batch.Kept) else None
     carried["user_batch"] = batch.record() if isinstance(batch, keep_batch.UserBatch) else None
     position = data_position.recorded(manifest)
-    if isinstance(batch, keep_batch.UserBatch):  # the position it was decided on (an older manifest: counted)
-        position = data_position.Position(step=batch.step, epoch=batch.epoch, samples=batch.epoch_samples)
+    decided_at = batch.position() if isinstance(batch, keep_batch.UserBatch) else None
+    if decided_at is not None:  # the position the user's batch was decided on (an older manifest: counted)
+        position = data_position.Position(step=decided_at[0], epoch=decided_at[1], samples=decided_at[2])
     carried["data_position"] = data_position.as_record(position)
     carried["batch_record"] = manifest.get(keep_batch.MANIFEST_KEY)  # the chain keeps checking, changed now or not
     converting = decided.action in CONVERSIONS
@@ -183,13 +186,20 @@ def batch_to_keep(trainer: JitTrainer, path: str, manifest: dict[str, Any],
     """Rank 0: the batch this resume trains with (keep_batch.decide): the accumulation that keeps the checkpoint's
     samples per optimizer step where its command runs again (on another number of ranks; on the same number after a
     kept change, 2 -> 1 -> 1, whose command still has the first world size's accumulation), the user's where they
-    changed the per-device batch or the accumulation, or why neither can be exact. A manifest of an older version
-    (no samples_per_step) on the same number of ranks is not checked, as that version did not. Under
-    auto_find_batch_size the per-device batch is the one the checkpoint's run found (upstream's train() restores
-    it from the trainer state)."""
+    changed the per-device batch or the accumulation, or why neither can be exact, nor in the sampler's order
+    (:func:`_order_refusal`). A manifest of an older version (no samples_per_step) on the same number of ranks is not
+    checked, as that version did not: one warning. Under auto_find_batch_size the per-device batch is the one the
+    checkpoint's run found (upstream's train() restores it from the trainer state)."""
     same = decided.action == elastic_plan.SAME
     unrecorded = elastic_plan.recorded_samples(manifest) is None and not manifest.get(keep_batch.MANIFEST_KEY)
-    if not decided.resumable or (same and unrecorded):
+    if not decided.resumable:
+        return None, None
+    if same and unrecorded:  # the version that wrote it did not check it either
+        logger.warning("slurm_jit: %s: its manifest does not record its batch (an older version's), so the resume "
+                       "skips its global_step optimizer steps at this run's %d samples each, as upstream's Trainer "
+                       "does: after a change of the batch that is another data position. HINT: resume with the "
+                       "checkpoint's per_device_train_batch_size and gradient_accumulation_steps", path,
+                       keep_batch.samples_per_step(trainer))
         return None, None
     written_by = int(decided.written_by or manifest.get("world_size") or 0)
     written = elastic.written_global_batch(Path(path), manifest, written_by)
@@ -203,13 +213,36 @@ def batch_to_keep(trainer: JitTrainer, path: str, manifest: dict[str, Any],
     record = manifest.get(keep_batch.MANIFEST_KEY)
     command = _positive(manifest.get(keep_batch.COMMAND_KEY)) or _positive(
         record.get("accumulation_from") if isinstance(record, dict) else None)  # an older manifest: its kept record's
-    position = data_position.counted(manifest, trainer, written, written_by, written_per_device)
-    return keep_batch.decide(written_batch=written, written_by=written_by, per_device=per_device,
-                             accumulation=int(trainer.args.gradient_accumulation_steps),
-                             world_size=int(trainer.args.world_size), keep=trainer.jit_config.keep_global_batch,
-                             where=path, written_per_device=written_per_device, command_accumulation=command,
-                             position=None if position is None else (position.step, position.epoch,
-                                                                     position.samples))
+    counted = data_position.counted(manifest, trainer, written, written_by, written_per_device)
+    position = None if counted is None else (counted.step, counted.epoch, counted.samples)
+    batch, refusal = keep_batch.decide(
+        written_batch=written, written_by=written_by, per_device=per_device,
+        accumulation=int(trainer.args.gradient_accumulation_steps), world_size=int(trainer.args.world_size),
+        keep=trainer.jit_config.keep_global_batch, where=path, written_per_device=written_per_device,
+        command_accumulation=command, position=position, ignore_data_skip=bool(trainer.args.ignore_data_skip))
+    if refusal is None:
+        written_shape = batch_order.written_shape(written, written_by, written_per_device or per_device)
+        accumulation = batch.accumulation_to if batch else int(trainer.args.gradient_accumulation_steps)
+        now = batch_order.Shape(per_device=per_device, accumulation=accumulation,
+                                world_size=int(trainer.args.world_size))
+        refusal = _order_refusal(trainer, written_shape, now, position, path)
+    return (None, refusal) if refusal else (batch, None)
+
+
+def _order_refusal(trainer: JitTrainer, written: batch_order.Shape, now: batch_order.Shape,
+                   position: tuple[int, int, int] | None, path: str) -> str | None:
+    """Rank 0: batch_order's refusal where transformers' sampler orders the epoch by the batch (a dataset with a
+    length: upstream's sampler ignores the strategy otherwise; ignore_data_skip: nothing is skipped, no order to
+    keep); a subclass's own _get_train_sampler: its warning."""
+    if trainer.args.ignore_data_skip or not has_length(getattr(trainer, "train_dataset", None)):
+        return None
+    own = getattr(type(trainer), "_get_train_sampler", Trainer._get_train_sampler)
+    if own is not Trainer._get_train_sampler:  # what it builds cannot be told from here
+        note = batch_order.own_sampler_warning(type(trainer).__name__, written, now, position)
+        if note:
+            logger.warning("slurm_jit: %s", note)
+        return None
+    return batch_order.refusal(str(trainer.args.train_sampling_strategy), written, now, position, path)
 
 
 def _found_batch_size(path: str) -> int | None:
