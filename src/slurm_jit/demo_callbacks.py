@@ -93,15 +93,16 @@ def _test_callbacks(opts: argparse.Namespace, rank: int) -> list[Any]:
 
     import transformers
 
-    class TestHooks(transformers.TrainerCallback):
-        failed = False
+    class SaveHooks(transformers.TrainerCallback):
+        """An on_save of the user's own (it may write into the checkpoint: told before the manifest, the save
+        synchronous); only where a test asks for it, so that async saves stay async otherwise."""
 
         stalled_in_save = False
 
         def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if (opts.stall_in == "save" and 0 <= opts.stall_at_step <= state.global_step
-                    and opts.stall_rank in (-1, rank) and not TestHooks.stalled_in_save):
-                TestHooks.stalled_in_save = True
+                    and opts.stall_rank in (-1, rank) and not SaveHooks.stalled_in_save):
+                SaveHooks.stalled_in_save = True
                 time.sleep(opts.stall_s)  # a stuck writer inside the save, before its manifest
             if opts.on_save_file and rank == 0:
                 ckpt = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
@@ -110,6 +111,9 @@ def _test_callbacks(opts: argparse.Namespace, rank: int) -> list[Any]:
                 if os.path.isfile(os.path.join(ckpt, "config.json")):  # rewrite a file the manifest lists
                     with open(os.path.join(ckpt, "config.json"), "a", encoding="utf-8") as f:
                         f.write("\n")
+
+    class TestHooks(transformers.TrainerCallback):
+        failed = False
 
         def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if opts.stall_in == "step" and state.global_step == opts.stall_at_step and opts.stall_rank in (-1, rank):
@@ -133,4 +137,4 @@ def _test_callbacks(opts: argparse.Namespace, rank: int) -> list[Any]:
             if stall_here and opts.stall_rank in (-1, rank):
                 time.sleep(opts.stall_s)  # this rank ends late (an upload, a slow tracker): its peers wait for it
 
-    return [TestHooks()]
+    return [TestHooks(), *([SaveHooks()] if opts.on_save_file or opts.stall_in == "save" else [])]

@@ -15,6 +15,10 @@ and the cost of its blocking rounds so far, and the agreed (MAX) values fix the 
 All ranks read the same rounds, so they stop after the same step. Local signals only change the values sent,
 never the sequence of collectives: every rank issues the same collectives in the same order.
 
+The same all-reduce also carries, at each step boundary, the async periodic save every rank's writer has finished
+(``done_step``, the lowest of the ranks' answers): where it is the save in flight, its callbacks are told at that
+boundary on every rank (train/async_save/claim.py), with no collective of its own.
+
 A gloo side group keeps GPU runs free of an extra device synchronisation.
 """
 
@@ -39,6 +43,7 @@ SIDE_GROUP_TIMEOUT_S = 1800  # torch.distributed's default collective timeout
 
 
 NO_SIGNAL_MS = 2**62  # "no signal on this rank": never the minimum
+NOT_DONE = -1  # "no async save of this rank written and unclaimed": any rank's makes the agreed answer this
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,7 @@ class Decision:
     wait_s: float = 0.0  # until kill_wait has passed since the earliest signal on any rank (0: it has)
     step_s: float = 0.0  # the longest last step of any rank (0: not sent)
     allreduce_s: float = 0.0  # the highest cost of one blocking round any rank measured (0: none yet)
+    done_step: int = NOT_DONE  # the async save every rank's writer had finished when the round was sent
 
 
 @dataclass
@@ -104,12 +110,14 @@ class StopAgreement:
         """Steps from a signal until the stop, as rounds are read now."""
         return calc.LATENCY_STEPS[self.mode]
 
-    def _reduce(self, stop: bool, remaining_s: float | None, async_op: bool, step_s: float = 0.0) -> _Round:
+    def _reduce(self, stop: bool, remaining_s: float | None, async_op: bool, step_s: float = 0.0,
+                done_step: int = NOT_DONE) -> _Round:
         # One MAX all-reduce carries every answer: max(stop), min(remaining kill_wait) negated, max(step time),
-        # max(cost of a blocking round); times in whole ms or us.
+        # max(cost of a blocking round), min(done step) negated; times in whole ms or us.
         remaining_ms = NO_SIGNAL_MS if remaining_s is None else int(remaining_s * 1000)
         cost_us = int((self._round_cost_s or 0.0) * 1e6)
-        values = torch.tensor([1 if stop else 0, -remaining_ms, int(step_s * 1000), cost_us], dtype=torch.int64)
+        values = torch.tensor([1 if stop else 0, -remaining_ms, int(step_s * 1000), cost_us, -done_step],
+                              dtype=torch.int64)
         work = None
         if self.distributed:
             work = dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group, async_op=async_op)
@@ -119,11 +127,12 @@ class StopAgreement:
     def _read(round_: _Round) -> Decision:
         if round_.work is not None:
             round_.work.wait()
-        stop, neg_remaining_ms, step_ms, cost_us = (int(v) for v in round_.values.tolist())
+        stop, neg_remaining_ms, step_ms, cost_us, neg_done = (int(v) for v in round_.values.tolist())
         wait_s = 0.0
         if -neg_remaining_ms < NO_SIGNAL_MS:
             wait_s = max(0.0, -neg_remaining_ms / 1000 - (time.monotonic() - round_.sent_at))
-        return Decision(stop=bool(stop), wait_s=wait_s, step_s=step_ms / 1000, allreduce_s=cost_us / 1e6)
+        return Decision(stop=bool(stop), wait_s=wait_s, step_s=step_ms / 1000, allreduce_s=cost_us / 1e6,
+                        done_step=-neg_done)
 
     def _drain(self) -> Decision:
         if self._pending is None:
@@ -131,34 +140,37 @@ class StopAgreement:
         pending, self._pending = self._pending, None
         return self._read(pending)
 
-    def poll(self, stop: bool, remaining_s: float | None = None) -> Decision:
+    def poll(self, stop: bool, remaining_s: float | None = None, done_step: int = NOT_DONE) -> Decision:
         """The agreed answer of the previous round; starts the next round with this rank's wish.
 
         ``remaining_s``: how long until kill_wait has passed since this rank's first signal (None: no signal).
+        ``done_step``: the async save this rank's writer has finished (:data:`NOT_DONE`: none).
         """
         agreed = self._drain()
-        self._pending = self._reduce(stop, remaining_s, async_op=True)
+        self._pending = self._reduce(stop, remaining_s, async_op=True, done_step=done_step)
         return agreed
 
-    def agree_now(self, stop: bool, remaining_s: float | None = None, step_s: float = 0.0) -> Decision:
-        """A blocking round (after the pending one, whose answer counts too)."""
+    def agree_now(self, stop: bool, remaining_s: float | None = None, step_s: float = 0.0,
+                  done_step: int = NOT_DONE) -> Decision:
+        """A blocking round (after the pending one, whose answer counts too; the later done step)."""
         earlier = self._drain()
         t0 = time.monotonic()
-        now = self._read(self._reduce(stop, remaining_s, async_op=False, step_s=step_s))
+        now = self._read(self._reduce(stop, remaining_s, async_op=False, step_s=step_s, done_step=done_step))
         cost_s = time.monotonic() - t0
         self._round_cost_s = cost_s if self._round_cost_s is None else min(self._round_cost_s, cost_s)
         return Decision(stop=earlier.stop or now.stop, wait_s=now.wait_s, step_s=now.step_s,
-                        allreduce_s=now.allreduce_s)
+                        allreduce_s=now.allreduce_s, done_step=max(earlier.done_step, now.done_step))
 
-    def at_boundary(self, stop: bool, remaining_s: float | None, step_s: float, choose_mode: bool) -> Decision:
+    def at_boundary(self, stop: bool, remaining_s: float | None, step_s: float, choose_mode: bool,
+                    done_step: int = NOT_DONE) -> Decision:
         """The stop decision at an optimizer-step boundary, read as the mode says.
 
         ``choose_mode`` (the same on every rank: after the first timed step) fixes the mode from this round's
         agreed step time and round cost. Call it with a blocking mode, as every boundary before it is.
         """
         if self.mode == calc.AGREE_OVERLAPPED:
-            return self.poll(stop, remaining_s)
-        decision = self.agree_now(stop, remaining_s, step_s)
+            return self.poll(stop, remaining_s, done_step)
+        decision = self.agree_now(stop, remaining_s, step_s, done_step)
         if choose_mode and self.choice is None:
             self.mode = calc.agreement_mode(decision.step_s, decision.allreduce_s)
             self.choice = ModeChoice(mode=self.mode, step_s=decision.step_s, allreduce_s=decision.allreduce_s,

@@ -1,7 +1,8 @@
 """The save path of ``JitTrainer``: every checkpoint (JIT, periodic, final) through the crash-safe protocol.
 
 Owns the order of one save (an earlier run's directory set aside, the sentinel first, upstream's save without its
-rotation, the callbacks' ``on_save``, fsync, the manifest hashed by all ranks, then ``jit_stop`` and rotation), what
+rotation, the ``on_save`` of callbacks that may write into it, fsync, the manifest hashed by all ranks, then
+``jit_stop``, rotation, and the ``on_save`` of the other callbacks: :mod:`.save_callbacks`), what
 a JIT save leaves out (the consolidated weights unless asked; under ZeRO-1/2 the model-states copy:
 :mod:`.slim_save`), the manifest's byte counts, and rotation over resumable checkpoints only. What "complete"
 means is :mod:`slurm_jit.checkpoint.protocol`'s.
@@ -26,6 +27,7 @@ from slurm_jit.train import (
     frozen_weights,
     keep_batch,
     logging_window,
+    save_callbacks,
     save_errors,
     signals,
     slim_save,
@@ -51,11 +53,12 @@ Upstream = Callable[[Any, Any], None]  # the Trainer's own _save_checkpoint(mode
 SAVE_PHASES = (
     "begin",      # rank 0: an earlier directory set aside, the sentinel written and fsynced; all ranks meet
     "write",      # upstream's save: torch.save of the DeepSpeed shards, optimizer, scheduler, RNG (page cache)
-    "callbacks",  # the callbacks' on_save (what they write is in the manifest)
+    "callbacks",  # the on_save of callbacks that may write into the checkpoint (what they write is in the manifest)
     "fsync",      # every file of the checkpoint durable
     "barrier",    # every rank's files durable
     "manifest",   # each rank hashes its share of the files; rank 0 writes the manifest, removes the sentinel
     "rotate",     # the stop record (a JIT save), rank 0's rotation, the last barrier
+    "told",       # the on_save of the other callbacks, the checkpoint whole (an upload of it)
 )
 
 
@@ -120,10 +123,9 @@ def save_checkpoint(trainer: JitTrainer, model: Any, trial: Any, upstream: Upstr
             logging_window.write(ckpt, int(trainer.args.process_index), window)
         phases.mark("write")
         if async_periodic.submit(trainer, collected, ckpt, step, kind, phases, t0,
-                                 fields=manifest_fields(trainer, contents, weights),
-                                 on_save=lambda: run_callbacks(trainer)):
-            return  # written and committed in the background (train/async_save/periodic.py)
-        run_callbacks(trainer)
+                                 fields=manifest_fields(trainer, contents, weights)):
+            return  # written and committed in the background, on_save told then (train/async_save/periodic.py)
+        save_callbacks.run_writers(trainer)
         fault_sleep()
         phases.mark("callbacks")
         protocol.fsync_tree(ckpt)
@@ -141,13 +143,9 @@ def save_checkpoint(trainer: JitTrainer, model: Any, trial: Any, upstream: Upstr
         rotate_checkpoints_safely(trainer, run_dir, just_written=ckpt)
     trainer._agreement.barrier()
     phases.mark("rotate")
+    save_callbacks.tell_readers(trainer, step, trainer.state.epoch)
+    phases.mark("told")
     _done(trainer, step, kind, ckpt, time.monotonic() - t0, nbytes, phases.seconds)
-
-
-def run_callbacks(trainer: JitTrainer) -> None:
-    """The callbacks' on_save: on every save (JIT too) before the manifest, so that what they add or rewrite is
-    in it."""
-    trainer.control = trainer._upstream_on_save(trainer.args, trainer.state, trainer.control)
 
 
 def fault_sleep() -> None:

@@ -48,7 +48,7 @@ def at_boundary(trainer: JitTrainer) -> Decision:
         run.signal_step = trainer.state.global_step
     choose = run.steps_done == WARMUP_STEPS + 1  # the first timed step, the same on every rank
     decision = agreement.at_boundary(*wish(trainer, agreement.latency_steps), step_s=run.est_step_s,
-                                     choose_mode=choose)
+                                     choose_mode=choose, done_step=_async_done_step(trainer))
     run.agreement_mode = agreement.mode
     if choose and agreement.choice is not None:
         choice = agreement.choice
@@ -105,6 +105,20 @@ def at_last_step(trainer: JitTrainer) -> bool:
     return bool(trainer.state.max_steps) and trainer.state.global_step >= trainer.state.max_steps
 
 
+def _async_done_step(trainer: JitTrainer) -> int:
+    """The async periodic save this rank's writer has finished (what the stop round carries; async_save/claim.py)."""
+    from slurm_jit.train.async_save import claim  # noqa: PLC0415 (the package imports writer -> save_path -> here)
+
+    return claim.done_step(trainer)
+
+
+def _async_tell(trainer: JitTrainer, agreed_step: int) -> None:
+    """The round's agreed done step: where it is the save in flight's, its callbacks' on_save now."""
+    from slurm_jit.train.async_save import claim  # noqa: PLC0415 (the package imports writer -> save_path -> here)
+
+    claim.tell_committed(trainer, agreed_step)
+
+
 def _async_submitted(trainer: JitTrainer) -> int | None:
     """The step of an async periodic save just submitted (its staging is what blocked this boundary)."""
     from slurm_jit.train.async_save import periodic  # noqa: PLC0415 (periodic -> writer -> save_path -> here)
@@ -125,9 +139,12 @@ def log_save_evaluate(trainer: JitTrainer, run: Run, upstream: Callable[[], None
     (skipped once a stop is agreed), then the JIT save and the stop, or a calm boundary's grace checks."""
     step = trainer.state.global_step
     last_step = at_last_step(trainer)  # training ends here anyway: nothing to stop
+    done_step = None
     if step != run.polled_step:  # once per optimizer step; epoch ends call this again at the same step
         run.polled_step = step
-        take(trainer, at_boundary(trainer))
+        decision = at_boundary(trainer)
+        take(trainer, decision)
+        done_step = decision.done_step
     if run.stopped:  # an epoch's end after the stop, at its step: the uninterrupted run logs no partial window here
         trainer.control.should_log = False
     if run.stop_now and not last_step:
@@ -135,6 +152,8 @@ def log_save_evaluate(trainer: JitTrainer, run: Run, upstream: Callable[[], None
         trainer.control.should_evaluate = False
         trainer.control.should_save = False
     upstream()
+    if done_step is not None:  # an async save every rank has written: on_save now, where upstream calls it
+        _async_tell(trainer, done_step)
     if not run.stop_now and step in (run.saved_step, _async_submitted(trainer)):
         agree_now(trainer)  # a periodic save just ended: a stop that came during it is taken here, not a step later
     if _stopping(run, step, last_step, _async_contents(trainer, step)):

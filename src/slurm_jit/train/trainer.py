@@ -52,7 +52,7 @@ checks the private ones at construction):
                                     checkpoint keeps its logging window); no summary logged at a JIT stop
 ==================================  ============================================================================
 
-The callbacks' ``on_save`` is called inside ``_save_checkpoint`` (before the manifest), not after it.
+The callbacks' ``on_save`` is called by the save, before or after the manifest (:mod:`slurm_jit.train.save_callbacks`).
 """
 
 from __future__ import annotations
@@ -154,8 +154,8 @@ class JitTrainer(transformers.Trainer):
         self.add_callback(_JitCallback(self))
         compat.shut_down_workers_at_exit(self)  # persistent workers ignore SIGTERM: exit must not wait on them
         compat.quiet_progress_bars(self)  # a Slurm job log gets one line per logging step, not tqdm redraws
-        # Upstream calls on_save after _save_checkpoint returns, i.e. after our manifest; ours runs the callbacks
-        # inside the save, before the manifest, so that what they write is in it.
+        # Upstream calls on_save after _save_checkpoint returns; ours runs the callbacks from the save: before the
+        # manifest those that may write into it (so that it lists what they write), after it the others (save_callbacks)
         self._upstream_on_save = self.callback_handler.on_save
         setattr(self.callback_handler, "on_save", _already_called_on_save)  # noqa: B010 - an instance override
 

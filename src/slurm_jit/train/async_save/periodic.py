@@ -11,16 +11,23 @@ Owns the async save in flight of one ``train()`` (:class:`AsyncSaves`, on ``Run.
    ``zero_to_fp32.py``) are written as today;
 2. the collected states staged in host memory (:class:`~.staging.HostStager`) with their copies deferred (the
    module's weights and buffers, which a callback, a hook or a forward may change, copied at once), the ranks agree
-   that all staged (one all-reduce on the side group), the callbacks' ``on_save``, and the snapshot handed
-   to the :class:`~.writer.BackgroundWriter`; training continues. DeepSpeed's next optimizer step (``engine.step``,
-   what changes the optimizer's staged states) first waits for the copies, within a bound (:mod:`.step_gate`): they
-   run in the writer's thread beside the next step's forward and backward, DCP's ``async_staging`` contract.
+   that all staged (one all-reduce on the side group), and the snapshot handed to the
+   :class:`~.writer.BackgroundWriter`; training continues. DeepSpeed's next optimizer step (``engine.step``, what
+   changes the optimizer's staged states) first waits for the copies, within a bound (:mod:`.step_gate`): they run
+   in the writer's thread beside the next step's forward and backward, DCP's ``async_staging`` contract.
 
 The background thread copies, then writes and fsyncs the files, fsyncs the directory tree (this rank's synchronous
 files), and writes this rank's done marker; rank 0's thread then waits for every marker and commits
 (:mod:`.commit`): the manifest of the synchronous path (``save_path.seal``), the sentinel removed last, then the
 rotation. The commit is rank 0's thread's, not the next step boundary's: no collective in a thread, no delay by a
 long step, and training waits for nothing unless the next save comes first.
+
+The callbacks' ``on_save`` (:mod:`slurm_jit.train.save_callbacks`) is told on the training thread once the save is
+committed: each rank sends whether its writer is done in the stop round of every step boundary, and at the first
+boundary whose agreed round says every rank's is (rank 0's ends with the manifest) every rank takes the save as saved
+and tells its callbacks (:mod:`.claim`); else the wait of the next save, of a JIT stop or of the end of training
+does it. A save set aside by a JIT stop is never told. A periodic save with a callback that may write into the
+checkpoint is synchronous (:func:`collecting`).
 
 Every other save (JIT, final, a synchronous periodic one) and the end of training (``_finalize_training``, before
 the best model is loaded) first wait for the save in flight to be committed (:func:`before_save`, :func:`finish`);
@@ -56,8 +63,8 @@ from typing import TYPE_CHECKING, Any
 import safetensors.torch
 
 from slurm_jit.checkpoint import protocol
-from slurm_jit.train import save_errors
-from slurm_jit.train.async_save import collect, fault_points, files, staging, step_gate, stop_wait
+from slurm_jit.train import save_callbacks, save_errors
+from slurm_jit.train.async_save import claim, collect, fault_points, files, staging, step_gate, stop_wait
 from slurm_jit.train.async_save import commit as commit_mod
 from slurm_jit.train.async_save import writer as writer_mod  # the module: writer imports save_path, which imports us
 from slurm_jit.train.async_save.collect import CollectingEngine
@@ -87,6 +94,7 @@ class InFlight:
     after_s: float = 0.0  # the background thread's marker, and on rank 0 the wait for the others and the commit
     gate: step_gate.StepGate | None = None  # DeepSpeed's next optimizer step held until the deferred copies are done
     commit_gate: stop_wait.CommitGate = field(default_factory=stop_wait.CommitGate)  # rank 0's manifest vs a set-aside
+    epoch: float | None = None  # the state's epoch at the save: what the callbacks' on_save is told with it
 
 
 @dataclass
@@ -103,6 +111,7 @@ class AsyncSaves:
     earlier: stop_wait.WriteHistory = field(default_factory=stop_wait.WriteHistory)  # rank 0: the runs before
     set_aside: Path | None = None  # a save in flight a JIT stop did not wait for (stop_wait.py): never claimed
     set_aside_wait_s: float = stop_wait.SET_ASIDE_FILE_UNMEASURED_S  # the end of train()'s wait for its last file
+    sync_said: bool = False  # the line saying why periodic saves are synchronous (a callback that may write) logged
     closed: bool = False
     abort: threading.Event = field(default_factory=threading.Event)  # rank 0's commit gives up (a peer lost)
 
@@ -174,6 +183,9 @@ def collecting(trainer: JitTrainer, kind: str, ckpt: Path) -> Iterator[Collectin
         saves.disabled = True
         yield None
         return
+    if _callback_may_write(trainer, saves):
+        yield None
+        return
     collector = CollectingEngine(original, ckpt, safetensors.torch.save_file)
     engine.checkpoint_engine = collector
     try:
@@ -182,6 +194,20 @@ def collecting(trainer: JitTrainer, kind: str, ckpt: Path) -> Iterator[Collectin
             yield collector
     finally:
         engine.checkpoint_engine = original
+
+
+def _callback_may_write(trainer: JitTrainer, saves: AsyncSaves) -> bool:
+    """Whether a callback's on_save on any rank may write into the checkpoint (the ranks agree: one all-reduce):
+    then this save is synchronous, its on_save before the manifest; said once per train()."""
+    reason = save_callbacks.sync_reason(trainer)
+    if trainer._agreement.all_true(reason is None):
+        return False
+    if not saves.sync_said:
+        saves.sync_said = True
+        logger.log(logging.WARNING if trainer._is_rank0 else logging.DEBUG, "%s", reason or (
+            "slurm_jit: periodic checkpoints written synchronously: a callback's on_save on another rank may write "
+            "into the checkpoint (that rank's line says which)"))
+    return True
 
 
 def _stage(trainer: JitTrainer, saves: AsyncSaves, collector: CollectingEngine) -> StagedSave | Exception:
@@ -238,9 +264,10 @@ def _fall_back(trainer: JitTrainer, saves: AsyncSaves, staged: StagedSave | Exce
 
 
 def submit(trainer: JitTrainer, collector: CollectingEngine | None, ckpt: Path, step: int, kind: str,
-           phases: Any, t0: float, *, fields: dict[str, Any], on_save: Callable[[], None]) -> bool:
+           phases: Any, t0: float, *, fields: dict[str, Any]) -> bool:
     """After upstream's save: stage the collected states and start their background write (True: the save is
-    the background's from here), or write them now (False: the caller goes on with the synchronous save)."""
+    the background's from here, its on_save told once it is committed), or write them now (False: the caller goes
+    on with the synchronous save)."""
     saves = _saves(trainer, create=False)
     if collector is None or saves is None:
         return False
@@ -251,12 +278,10 @@ def submit(trainer: JitTrainer, collector: CollectingEngine | None, ckpt: Path, 
         return False
     assert isinstance(staged, StagedSave)
     phases.mark("stage")
-    on_save()
-    phases.mark("callbacks")
     rank, world = int(trainer.args.process_index), int(trainer.args.world_size)
     items = [(path, state if isinstance(state, files.TrainerStateFile) else _later(staged, collector.key(path)))
              for path, state in collector.collected]
-    job = InFlight(step, ckpt, fields["contents"], kind, time.monotonic(), staged.nbytes)
+    job = InFlight(step, ckpt, fields["contents"], kind, time.monotonic(), staged.nbytes, epoch=trainer.state.epoch)
     share = commit_mod.Share(ckpt, rank, [p for p, _ in items])  # its files never removed once its marker is out
     after = _after(trainer, job, share, world, kind, fields, [str(p.relative_to(ckpt)) for p, _ in items])
     if saves.writer.submit(ckpt, items, wait_if_busy=False, after=after, release=staged.release,
@@ -380,7 +405,7 @@ def before_save(trainer: JitTrainer) -> None:
         error = exc
     _raise_on_every_rank(trainer, job, error)
     saves.waited_s = time.monotonic() - t0
-    taken_as_saved(trainer, job, saves.writer)
+    claim.taken_as_saved(trainer, job, saves.writer)
 
 
 def _raise_on_every_rank(trainer: JitTrainer, job: InFlight, error: save_errors.CheckpointWriteError | None,
@@ -398,24 +423,6 @@ def _raise_on_every_rank(trainer: JitTrainer, job: InFlight, error: save_errors.
     if first is not None:
         raise save_errors.CheckpointWriteError(
             f"slurm_jit: the async save of {job.ckpt} failed on rank {first[0]}: {first[1]}")
-
-
-def taken_as_saved(trainer: JitTrainer, job: InFlight, writer: writer_mod.BackgroundWriter) -> None:
-    """The training thread sees the save committed (rank 0; other ranks: their share durable)."""
-    run = trainer._jit_run
-    if run is None:
-        return
-    run.saved_step, run.saved_contents, run.checkpoint = job.step, job.contents, str(job.ckpt)
-    stats = writer.last_stats
-    if stats is not None and stats.ckpt_dir == job.ckpt and run.async_saves is not None:
-        saves = run.async_saves
-        saves.longest_write_s = max(saves.longest_write_s, stats.total_s + job.after_s)
-        saves.longest_file_s = max(saves.longest_file_s or 0.0, stats.file_max_s)
-    if run.timing is not None and stats is not None and stats.ckpt_dir == job.ckpt:
-        run.timing.save_background(job.step, ASYNC_KIND, stats.total_s + job.after_s, stats.nbytes, {
-            "write_s": round(stats.write_s, 6), "fsync_s": round(stats.fsync_s, 6),
-            "commit_s": round(job.after_s, 6), "file_max_s": round(stats.file_max_s, 6),
-            "staged_bytes": job.nbytes})
 
 
 def finish(trainer: JitTrainer) -> None:

@@ -41,6 +41,7 @@ from slurm_jit import timing
 from slurm_jit.grace.formula import Margin
 from slurm_jit.grace.rules import LEAD_ENV_VAR
 from slurm_jit.train import save_errors
+from slurm_jit.train.async_save.claim import taken_as_saved
 
 if TYPE_CHECKING:
     from slurm_jit.train.async_save.periodic import AsyncSaves, InFlight
@@ -149,8 +150,6 @@ def settle(trainer: JitTrainer, saves: AsyncSaves, job: InFlight, t0: float) -> 
     """A JIT stop: the save in flight written within the bound on every rank (taken as saved), or set aside; a
     background write that failed is logged, never raised: the JIT save is the stop's to write (a full disk fails
     it with its own line)."""
-    from slurm_jit.train.async_save.periodic import taken_as_saved  # noqa: PLC0415 (periodic imports this module)
-
     bound = _stop_bound(trainer, saves, job)
     error, written = None, True
     try:

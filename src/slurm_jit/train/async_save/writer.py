@@ -106,6 +106,12 @@ class BackgroundWriter:
         with self._cond:
             return self._job is not None
 
+    @property
+    def done_ok(self) -> bool:
+        """Whether nothing is in flight and no error is kept: the last save's write, and its ``after``, succeeded."""
+        with self._cond:
+            return self._job is None and self._error is None
+
     def submit(self, ckpt_dir: Path, items: Sequence[tuple[Path, Any]], *, wait_if_busy: bool,
                timeout_s: float | None = None, after: Callable[[], None] | None = None,
                release: Callable[[], None] | None = None,
