@@ -110,7 +110,8 @@ def test_grace_calc_shows_both_figures_and_the_term(tmp_path: Path) -> None:
     assert {t["name"]: t["seconds"] for t in doc["terms"]}["async_save"] == pytest.approx(6.4)
     assert doc["samples"]["async_saves"] == {
         "count": 2, "blocked_max_s": 0.4, "blocked_median_s": 0.3, "n_background": 2, "background_max_s": 6.0,
-        "background_median_s": 5.0, "staged_max_bytes": 4 * MIB, "set_aside_max_s": None}
+        "background_median_s": 5.0, "staged_max_bytes": 4 * MIB, "set_aside_max_s": None,
+        "file_max_s": None}  # these records hold no one file's write time
     text = grace_calc("--from", str(out), "--no-slurm", "--margin", "0")
     assert text.returncode == 0, text.stderr
     assert "async_save       6.40  longest training block 0.4 s + longest background" in text.stdout
