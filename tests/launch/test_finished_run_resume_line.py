@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import ckpt_factory
+import plan_text
 import pytest
 
 from slurm_jit.launch import status, submit
@@ -21,8 +22,7 @@ def _plan_resume(out: Path, capsys: pytest.CaptureFixture[str]) -> str:
                      "train.py"])
     err = capsys.readouterr().err
     assert exited.value.code == 0, err
-    (line,) = [line for line in err.splitlines() if line.startswith("  resume:   ")]
-    return line.removeprefix("  resume:   ")
+    return plan_text.value(err, "resume:")
 
 
 def _status_resume(out: Path) -> str:

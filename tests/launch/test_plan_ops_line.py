@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import plan_text
+
 ROOT = Path(__file__).resolve().parents[2]
 CMD = ["--", "python", "train.py"]
 
@@ -20,10 +22,7 @@ def ops_line(tmp_path: Path, ext_dir: Path, *extra: str) -> str:
                            str(tmp_path / "out"), "--time", "30", "--signal-lead", "60", *extra, *CMD],
                           capture_output=True, text=True, check=False, timeout=60, env=env)
     assert proc.returncode == 0, proc.stderr
-    lines = proc.stderr.splitlines()
-    (at,) = [i for i, line in enumerate(lines) if line.startswith("  ops:")]
-    hint = lines[at + 1] if lines[at + 1].startswith(" " * 12 + "HINT: ") else ""  # the HINT on a line of its own
-    return f"{lines[at]} {hint.strip()}".strip()
+    return plan_text.value(proc.stderr, "ops:", hint=True)  # the HINT on a line of its own
 
 
 def test_an_unbuilt_op_is_said_to_be_built_in_the_job(tmp_path: Path) -> None:

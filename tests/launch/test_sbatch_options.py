@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import plan_text
 import pytest
 
 from slurm_jit.launch import sbatch_options
@@ -32,8 +33,7 @@ def submission(out: Path) -> str:
 
 
 def sbatch_line(stderr: str) -> list[str]:
-    (line,) = [line for line in stderr.splitlines() if line.startswith("  sbatch:   ")]
-    return shlex.split(line.removeprefix("  sbatch:   "))
+    return shlex.split(plan_text.value(stderr, "sbatch:"))
 
 
 @pytest.mark.parametrize(("extra", "owned"), [

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import plan_text
 import pytest
 
 from slurm_jit.launch import task
@@ -255,8 +256,7 @@ def test_job_name_and_extra_options_go_to_sbatch_as_argv(tmp_path: Path) -> None
     name = HOSTILE[3] + HOSTILE[1]
     proc = submit(*BASE, "--job-name", name, "--sbatch-arg=--comment=a b; c", *CMD)
     assert proc.returncode == 0, proc.stderr
-    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("  sbatch:   ")]
-    argv = shlex.split(line.removeprefix("  sbatch:   "))
+    argv = shlex.split(plan_text.value(proc.stderr, "sbatch:"))
     assert argv[:5] == ["sbatch", "--parsable", "--hold", "--job-name=$(touch /tmp/slurm-jit-pwned)it's",
                         "--comment=a b; c"] and len(argv) == 6
     assert name not in proc.stdout and "--job-name" not in proc.stdout  # never in an #SBATCH line

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import fake_slurm
+import plan_text
 import pytest
 
 from slurm_jit import slurm
@@ -29,8 +30,8 @@ def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
 
 
 def plan_argv(stderr_or_stdout: str) -> list[str]:
-    (line,) = [line for line in stderr_or_stdout.splitlines() if line.startswith("  sbatch:   ")]
-    return shlex.split(line.removeprefix("  sbatch:   "))
+    """The sbatch command the plan printed, its lines joined as a shell joins ``\\`` continuations."""
+    return shlex.split(plan_text.value(stderr_or_stdout, "sbatch:"))
 
 
 Gateway = fake_slurm.SubmitGateway
@@ -54,8 +55,8 @@ def test_a_submit_runs_exactly_the_sbatch_argv_its_dry_run_printed(tmp_path: Pat
     kept = output_claim.job_script_path(out, "4242")
     assert kept.read_text() == dry.stdout  # the script sbatch got is the one the dry run printed
     logs = out / "slurm-jit" / "logs"
-    assert f"submitted job 4242; log {logs}/4242_0_log.out\n  status:   python launch/submit.py status '{out}'\n" \
-        in printed
+    assert f"submitted job 4242; log {logs}/4242_0_log.out\n" in printed  # this tmp_path fits one line
+    assert f"\n  status:   python launch/submit.py status '{out}'\n" in printed
     assert os.readlink(out / "slurm-4242.out") == "slurm-jit/logs/4242_0_log.out"  # the old path, as a link
     assert (logs / "4242_submitted.pkl").is_file()
 

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import plan_text
+
 from slurm_jit import timing
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,9 +27,9 @@ def test_the_plan_says_the_staging_buffer_and_the_grace_counts_the_async_save(tm
          sys.executable, "--time", "30", "--ntasks-per-node", "2", "--step-time", "2m", "--save-time", "2m", "--margin",
          "0", "--explain", "--", "python", "train.py"], capture_output=True, text=True, check=False, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert ("  staging:  async periodic saves stage up to 301.0 MiB per rank in host memory, 602.0 MiB on a node of "
-            "2 (the timing log's largest of 1); where it does not fit, the saves stay synchronous (one line)"
-            in proc.stderr), proc.stderr
+    assert plan_text.value(proc.stderr, "staging:") == (
+        "async periodic saves stage up to 301.0 MiB per rank in host memory, 602.0 MiB on a node of 2 (the timing "
+        "log's largest of 1); where it does not fit, the saves stay synchronous (one line)"), proc.stderr
     # 120 s step + 120 s save + 3 s kill_wait + the longest block 0.25 s and background write 8 s = 251.25 s
     assert "  grace:    step 120 s + save 120 s + kill_wait 3 s + async_save 8.2 s = 251 s" in proc.stderr
     assert "async_save 8.25 s: longest training block 0.25 s + longest background write and commit 8 s" in \

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import plan_text
+
 from slurm_jit import timing
 from slurm_jit.grace import goodput as gp
 
@@ -46,9 +48,8 @@ def _plan(out: Path, *extra: str, time: str = "24:00:00") -> str:
 
 
 def _saves(plan: str) -> str:
-    lines = [line for line in plan.splitlines() if line.startswith("  saves:    ")]
-    assert len(lines) == 2, plan  # the plan's line, then --explain's
-    return lines[0]
+    assert len([line for line in plan.splitlines() if line.startswith("  saves:    ")]) == 2, plan  # and --explain's
+    return "  saves:    " + plan_text.value(plan.split("\nwhy:\n", 1)[0], "saves:")
 
 
 def _why(plan: str) -> str:

@@ -81,8 +81,8 @@ def grace_sum(result: GraceResult) -> str:
 def plan_lines(launch: Launch, checked: gate.GateResult, *, explain: bool = False) -> list[str]:
     """The plan (and with ``explain``, the reasoning under it)."""
     result, spec, ex = launch.grace, launch.training, launch.executor
-    what = (f"{spec['function']}({' '.join(spec['args'])})" if "function" in spec
-            else " ".join(json.dumps(a) if not a.isprintable() or " " in a else a for a in spec["argv"]))
+    what = ([f"{spec['function']}({' '.join(spec['args'])})"] if "function" in spec
+            else [json.dumps(a) if not a.isprintable() or " " in a else a for a in spec["argv"]])
     nodes, per_node = ex.nodes, ex.tasks_per_node
     sizes = nodes.world_sizes(per_node)
     ranks = f"{sizes[0]}-{sizes[-1]}" if nodes.elastic else str(launch.world_size)
@@ -100,13 +100,22 @@ def plan_lines(launch: Launch, checked: gate.GateResult, *, explain: bool = Fals
         f"  requeue:  {_requeue(ex)}",
         *_labelled("resume:", finished.resume_line(launch.output_dir, checked)),
         *([f"  elastic:  {_elastic_line(launch, checked)}"] if checked.elastic is not None else []),
-        f"  training: {what}",
-        f"  python:   {launch.python} (the batch script's and every task's interpreter; --python to change)",
+        *_command("training:", what),
+        *_labelled("python:", f"{launch.python} (the batch script's and every task's interpreter; --python to change)"),
         *_labelled("ops:", ops.plan_line(ops.job_env(), gpus=bool(ex.parameters.get("gpus_per_node")))),
-        f"  sbatch:   {quoted(ex.sbatch_argv())}",
-        f"  logs:     {task_logs(launch)} (one per task; task 0's also holds the batch script's lines)",
+        *_command("sbatch:", [quoted([a]) for a in ex.sbatch_argv()]),
+        *_labelled("logs:", f"{task_logs(launch)} (one per task; task 0's also holds the batch script's lines)"),
     ]
-    return lines + (explain_lines(launch) if explain else [])
+    return [line for line in lines for line in _fitted(line)] + (explain_lines(launch) if explain else [])
+
+
+def submitted_lines(launch: Launch, job_id: str, status: Sequence[str]) -> list[str]:
+    """What a submit prints last: the job id and task 0's log (on the next line when both do not fit), the status
+    command. Scripts read the job id from ``submitted job N;``."""
+    log = task_logs(launch, job_id).replace("%t", "0")
+    first = f"submitted job {job_id}; log {log}"
+    head = [first] if len(first) <= WIDTH else [f"submitted job {job_id}; log", f"{'':<{LABEL}}{log}"]
+    return head + _command("status:", status)
 
 
 def explain_lines(launch: Launch) -> list[str]:
@@ -124,10 +133,33 @@ def explain_lines(launch: Launch) -> list[str]:
 
 
 def _labelled(label: str, text: str) -> list[str]:
-    """A value under its label, its HINT (if any) on the next line under the value."""
+    """A value under its label, its HINT (if any) on the next line under the value; each wrapped to :data:`WIDTH`."""
     value, hint, rest = text.partition(HINT)
-    first = f"  {label:<{LABEL - 2}}{value}"
-    return [first, f"{'':<{LABEL}}HINT: {rest}"] if hint else [first]
+    return _wrapped(label, value) + (_wrapped("", f"HINT: {rest}") if hint else [])
+
+
+def _command(label: str, words: Sequence[str]) -> list[str]:
+    """A shell command under its label, cut between words into lines of :data:`WIDTH` that end in `` \\``, so that
+    it pastes into a shell as it is (a word longer than a line stays whole)."""
+    lines, line, fresh = [], f"  {label:<{LABEL - 2}}", True
+    for word in words:
+        if not fresh and len(line) + 1 + len(word) + 2 > WIDTH:
+            lines.append(line + " \\")
+            line, fresh = " " * LABEL, True
+        line += word if fresh else f" {word}"
+        fresh = False
+    return [*lines, line]
+
+
+def _fitted(line: str) -> list[str]:
+    """A plan line cut to :data:`WIDTH` where it is longer (a line of the node range or the elastic resume)."""
+    if len(line) <= WIDTH:
+        return [line]
+    if not line.startswith("  "):  # the plan's first line
+        return textwrap.wrap(line, width=WIDTH, subsequent_indent=" " * LABEL, break_long_words=False,
+                             break_on_hyphens=False)
+    label, _, value = line[2:].partition("  ")
+    return _wrapped(label, value.lstrip())
 
 
 def _wrapped(label: str, text: str) -> list[str]:

@@ -31,7 +31,7 @@ from slurm_jit.grace.sbatch_script import ScriptError
 from slurm_jit.launch import entry, gate, node_range, output_claim, policy, sbatch_options, submitit_hooks, task
 from slurm_jit.launch.command import Command
 from slurm_jit.launch.executor import FailedSubmission, JitExecutor
-from slurm_jit.launch.plan import LOG_FOLDER, Launch, log_folder, plan_lines, task_logs
+from slurm_jit.launch.plan import LOG_FOLDER, Launch, log_folder, plan_lines, submitted_lines, task_logs
 from slurm_jit.launch.status import status_main
 from slurm_jit.timing import TIMING_DIR
 from slurm_jit.train.refusals import command_output_dir, output_dir_refusal
@@ -405,8 +405,8 @@ def submit_main(argv: Sequence[str]) -> int:
         _fail(str(exc), EXIT_REFUSED)
     except (slurm.SlurmError, FailedSubmission) as exc:
         _fail(f"{str(exc).removesuffix('.')}. HINT: {_sbatch_hint(str(exc), launch)}")
-    print(f"submitted job {job_id}; log {task_logs(launch, job_id).replace('%t', '0')}\n"
-          f"  status:   {PROG} status {shlex.quote(launch.output_dir)}", flush=True)
+    print("\n".join(submitted_lines(launch, job_id, [*PROG.split(" "), "status", shlex.quote(launch.output_dir)])),
+          flush=True)
     return EXIT_OK
 
 
