@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from slurm_jit import safe_read
+from slurm_jit import held_locks, safe_read
 
 FORMAT_VERSION = 1
 TIMING_DIR = "slurm-jit"
@@ -276,12 +276,11 @@ def read_records(output_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
 def _read_lines(path: Path) -> list[str]:
     """A timing log's lines, read by :func:`slurm_jit.safe_read.open_regular`: from a regular file only (a FIFO is
     not waited on), and this process's output lock (through a hard link) is never opened: closing it would drop
-    the lock (train/output_lock.py)."""
-    from slurm_jit.train import output_lock  # here: output_lock imports this module
-
+    the lock (:mod:`slurm_jit.held_locks`)."""
     hint = "HINT: a timing log is a file slurm_jit writes: move this one away"
-    if output_lock.held_here(path):
-        raise TimingLogError(f"{path}: a link to this training's {output_lock.LOCK_NAME}. {hint}")
+    lock_name = held_locks.held_lock(path)
+    if lock_name is not None:
+        raise TimingLogError(f"{path}: a link to this training's {lock_name}. {hint}")
     try:
         handle = safe_read.open_regular(path)
     except safe_read.UntrustedFile as exc:

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from slurm_jit import held_locks
 from slurm_jit.checkpoint import elastic_plan, protocol
 from slurm_jit.checkpoint.ckpt_check import UsageError, parse_world_size, printable
 from slurm_jit.train import output_lock, output_lock_record
@@ -45,7 +46,7 @@ def lock_holder(out_dir: str | os.PathLike[str]) -> str | None:
     takes no lock (taking one, even for a moment, could make a starting training refuse the directory); where the
     file system cannot lock, the holder named in the file unless it is a dead process on this host."""
     path = output_lock.lock_path(out_dir)
-    if output_lock._held_here(path):  # this process trains: opening (closing) the file would drop its lock
+    if held_locks.held_here(path):  # this process trains: opening (closing) the file would drop its lock
         return f"this process (pid {os.getpid()})"
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)

@@ -51,8 +51,9 @@ permission-denied output directory is refused here, before any step, in one line
 that is not a plain file of ours (a directory, a symbolic link, a FIFO, a hard link to another file: release
 empties the file).
 
-The record's format and checks, and the retry thread after a takeover, are :mod:`.output_lock_record`'s; this
-module decides when the lock is taken, waited for, taken over or refused.
+The record's format and checks, the lock's handle (:class:`OutputLock`) and the retry thread after a takeover are
+:mod:`.output_lock_record`'s; which lock files this process holds, :mod:`slurm_jit.held_locks`'; this module decides
+when the lock is taken, waited for, taken over or refused.
 """
 
 from __future__ import annotations
@@ -66,15 +67,16 @@ import stat
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from slurm_jit import safe_read, slurm
+from slurm_jit import held_locks, safe_read, slurm
 from slurm_jit.timing import TIMING_DIR
 from slurm_jit.train.output_lock_record import (
     HELD_ERRNOS,
     Holder,
+    OutputLock,
     process_alive,
     read_holder,
     retry_kernel_lock,
@@ -88,9 +90,6 @@ logger = logging.getLogger(__name__)
 LOCK_NAME = "output.lock"
 # lock errors that mean "this file system cannot lock" (HELD_ERRNOS: "someone holds it", output_lock_record.py)
 UNSUPPORTED_ERRNOS = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
-# Lock files held by THIS process, by (st_dev, st_ino): a POSIX lock does not exclude its own process (a second
-# JitTrainer here would lock the file again), and closing any descriptor of the file drops it.
-_HELD_HERE: set[tuple[int, int]] = set()
 # How long a requeued run waits for an earlier run of its job still holding the lock on this host (a rank 0 still
 # in its teardown, outside the job's cgroup): slurm.conf(5) KillWait, the default 30 s between SIGTERM and SIGKILL.
 EARLIER_RUN_WAIT_S = 30.0
@@ -107,21 +106,6 @@ JOB_ENDED_STATES = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FE
 SLURM_JOB_ID_PATTERN = re.compile(r"[0-9]{1,12}(?:[_+][0-9]{1,12})?")  # 123, an array task 123_4, het 123+0
 
 
-@dataclass
-class OutputLock:
-    """A lock taken by :func:`acquire`; :func:`release` it when training ends."""
-
-    path: Path
-    fd: int
-    locked: bool  # False: taken over (retried until True), or the file system cannot lock: the content decides
-    # The retry thread touches ``fd`` only under ``guard`` and before ``released``: release() closes it, and the
-    # descriptor's number may then be another file's.
-    guard: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    released: threading.Event = field(default_factory=threading.Event, repr=False)
-    retry: threading.Thread | None = field(default=None, repr=False)
-    taken_from: Holder | None = None  # the earlier run whose record a takeover replaced (its lease holds the lock)
-
-
 def lock_path(output_dir: str | os.PathLike[str]) -> Path:
     return Path(output_dir) / TIMING_DIR / LOCK_NAME
 
@@ -130,7 +114,7 @@ def acquire(output_dir: str | os.PathLike[str]) -> tuple[OutputLock | None, str 
     """(the lock, None), or (None, why not: one line with a HINT). Never raises for an OSError: rank 0's answer
     is broadcast to every rank, which would wait forever for an exception."""
     path = lock_path(output_dir)
-    if _held_here(path):  # checked before opening: closing a second descriptor would drop the held lock
+    if held_locks.held_here(path):  # checked before opening: closing a second descriptor would drop the held lock
         return None, _refusal(path, None, in_this_process=True)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -169,33 +153,14 @@ def _not_a_lock_file(path: Path, what: str) -> str:
             f"writes. HINT: remove {path} (no training of this output_dir may be running) and launch again")
 
 
-def held_here(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` itself (not what a symbolic link names) is a lock file this process holds: opening and
-    closing it would drop the lock."""
-    return _held_here(Path(path))
-
-
 def read_json(path: str | os.PathLike[str], max_bytes: int) -> Any:
     """A small JSON record under ``OUT_DIR/slurm-jit/`` (a stop record, a rank's report, a tracker's run id), read
     by :func:`slurm_jit.safe_read.load_json` (a regular file of at most ``max_bytes``, a FIFO never waited on);
     never this process's lock file through a hard link: closing any descriptor of it would drop the lock, and a
     second training could take the directory. Raises :data:`slurm_jit.safe_read.READ_ERRORS` only."""
-    if _held_here(Path(path)):
+    if held_locks.held_here(path):
         raise ValueError(f"a link to this training's {LOCK_NAME}")
     return safe_read.load_json(path, max_bytes)
-
-
-def _held_here(path: Path) -> bool:
-    try:
-        st = os.stat(path, follow_symlinks=False)
-    except OSError:
-        return False
-    return (st.st_dev, st.st_ino) in _HELD_HERE
-
-
-def _file_key(fd: int) -> tuple[int, int]:
-    st = os.fstat(fd)
-    return st.st_dev, st.st_ino
 
 
 def _not_writable(output_dir: str | os.PathLike[str], exc: OSError) -> str:
@@ -242,7 +207,7 @@ def _busy(path: Path, fd: int, me: Holder, unsupported: bool) -> tuple[OutputLoc
 
 def _hold(path: Path, fd: int, me: Holder, locked: bool) -> OutputLock:
     write_holder(fd, replace(me, kernel_lock=locked))
-    _HELD_HERE.add(_file_key(fd))
+    held_locks.hold(fd, LOCK_NAME)
     return OutputLock(path=path, fd=fd, locked=locked)
 
 
@@ -353,7 +318,7 @@ def release(lock: OutputLock | None) -> None:
     with lock.guard:
         lock.released.set()
         try:
-            _HELD_HERE.discard(_file_key(lock.fd))
+            held_locks.forget(lock.fd)
             if lock.taken_from is not None and not lock.locked:
                 write_holder(lock.fd, lock.taken_from)
             else:

@@ -1,10 +1,12 @@
-"""The output_dir lock's record (who holds it, in ``output.lock``'s JSON) and the retry thread after a takeover.
+"""The output_dir lock's record (who holds it, in ``output.lock``'s JSON), its handle, and the retry thread after a
+takeover.
 
 Owns the record's one format: :class:`Holder`, its bounded read that rejects anything this library does not write
 (:func:`read_holder`), its write that never leaves an empty file in between (:func:`write_holder`), whether the
-process it names still runs (:func:`process_alive`: pid and start time), and, after a takeover of an earlier
-run's record on another host, the daemon thread that retries the kernel lock until that run's lease ends
-(:func:`retry_kernel_lock`). When to take the lock, wait, take over or refuse is :mod:`.output_lock`'s.
+process it names still runs (:func:`process_alive`: pid and start time), and, after a takeover of an earlier run's
+record on another host, the daemon thread that retries the kernel lock until that run's lease ends
+(:func:`retry_kernel_lock`), on the lock's handle it shares with :mod:`.output_lock` (:class:`OutputLock`). When to
+take the lock, wait, take over or refuse is :mod:`.output_lock`'s.
 """
 
 from __future__ import annotations
@@ -15,12 +17,11 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
-from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING, TypeGuard
-
-if TYPE_CHECKING:
-    from slurm_jit.train.output_lock import OutputLock
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import TypeGuard
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,21 @@ class Holder:
         job = f"Slurm job {self.job_id} (restart {self.restart_count or 0})" if self.job_id else "a process"
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
         return f"{job} on host {self.host}, pid {self.pid}, since {when}"
+
+
+@dataclass
+class OutputLock:
+    """A lock taken by :func:`slurm_jit.train.output_lock.acquire`; ``release`` it there when training ends."""
+
+    path: Path
+    fd: int
+    locked: bool  # False: taken over (retried until True), or the file system cannot lock: the content decides
+    # The retry thread touches ``fd`` only under ``guard`` and before ``released``: release() closes it, and the
+    # descriptor's number may then be another file's.
+    guard: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    released: threading.Event = field(default_factory=threading.Event, repr=False)
+    retry: threading.Thread | None = field(default=None, repr=False)
+    taken_from: Holder | None = None  # the earlier run whose record a takeover replaced (its lease holds the lock)
 
 
 def this_process() -> Holder:
