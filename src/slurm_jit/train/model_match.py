@@ -39,6 +39,8 @@ LATEST, LATEST_UNIVERSAL = "latest", "latest_universal"  # the files that name t
 # a module tensor in another of these is cast by load_state_dict, and the held ones come from the fp32 master
 FLOAT_DTYPES = {"torch.float32", "torch.bfloat16", "torch.float16", "torch.float64"}
 INTERCHANGEABLE_STAGES = {1, 2}  # one optimizer (stage_1_and_2.py), the same partitions of the fp32 master
+# A left-out weight's module entry in a PEFT JIT save (slim_save.py writes it): torch refuses it for any other shape
+PLACEHOLDER_SHAPE = (0,)
 MODEL_HINT = ("HINT: resume with the model the checkpoint was written with (the same config and transformers "
               "version), or start a new run in another output_dir")
 
@@ -274,7 +276,7 @@ def record_of_states(saved: Any, default_stage: int | None = None) -> ModelRecor
     params = {n for g in groups or [] for n, _ in g} | set(frozen or {}) | set(shared or {})
     # A PEFT JIT save's placeholders (ZeRO-1/2) are left-out weights, as a slim save's absent keys; ZeRO-3's
     # module entries are all empty, recorded with the shape None
-    left_out = {n for n, t in module.items() if stage != ZERO3 and n in params and _left_out(t)}
+    left_out = {n for n, t in module.items() if stage != ZERO3 and n in params and is_placeholder(t)}
     tensors = {str(n): (None if stage == ZERO3 and n in params else tuple(t.shape), str(t.dtype))
                for n, t in module.items() if hasattr(t, "shape") and hasattr(t, "dtype") and n not in left_out}
     return ModelRecord(
@@ -284,10 +286,9 @@ def record_of_states(saved: Any, default_stage: int | None = None) -> ModelRecor
         shared={str(a): str(o) for a, o in shared.items()} if isinstance(shared, dict) else None, tensors=tensors)
 
 
-def _left_out(tensor: Any) -> bool:
-    from slurm_jit.train.slim_save import is_placeholder  # slim_save imports this module
-
-    return is_placeholder(tensor)
+def is_placeholder(tensor: Any) -> bool:
+    """Whether a saved module entry is a PEFT JIT save's placeholder of a left-out weight (its shape)."""
+    return tuple(getattr(tensor, "shape", ())) == PLACEHOLDER_SHAPE
 
 
 def live_record(engine: Any) -> ModelRecord:

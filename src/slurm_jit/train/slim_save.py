@@ -49,13 +49,13 @@ from slurm_jit.checkpoint.manifest import (
     ZERO3,
 )
 from slurm_jit.train import model_match
+from slurm_jit.train.model_match import PLACEHOLDER_SHAPE, is_placeholder
 from slurm_jit.train.refusals import JitRefusal
 
 logger = logging.getLogger(__name__)
 
 SLIM_STAGES = (1, 2)  # the stages whose model-states file holds the weights again (stage_1_and_2's optimizer)
 SHOWN_KEYS = 3  # of the keys a refusal names
-PLACEHOLDER_SHAPE = (0,)  # a left-out weight's module entry in a PEFT JIT save: torch refuses it for any other shape
 
 
 def slim_capable(engine: Any) -> bool:
@@ -112,10 +112,6 @@ def placeholder(tensor: Any) -> Any:
     import torch
 
     return torch.empty(PLACEHOLDER_SHAPE, dtype=tensor.dtype)
-
-
-def is_placeholder(tensor: Any) -> bool:
-    return tuple(getattr(tensor, "shape", ())) == PLACEHOLDER_SHAPE
 
 
 @contextmanager
