@@ -1,13 +1,14 @@
-"""The GPU rows (bench/gpu.py): their own measurement (the device-to-host copy) on this machine's real tensors,
-their names in tools/bench, and the rows where no GPU is seen: skipped, every one, saying so. Numbers are
-reported, never asserted; the write floor they share with tools/bench is tested in test_floors.py."""
+"""The GPU rows (bench/gpu.py; tools/bench's entry is gpu_check.bench_rows): their own measurement (the
+device-to-host copy) on this machine's real tensors, their names in tools/bench, and the rows where no GPU is seen:
+skipped, every one, saying so. Numbers are reported, never asserted; the write floor they share with tools/bench is
+tested in test_floors.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from slurm_jit.bench import gpu
+from slurm_jit.bench import gpu, gpu_check
 from slurm_jit.bench.cli import ROW_NAMES
 from slurm_jit.demo_train import deepspeed_config
 
@@ -20,7 +21,7 @@ def test_the_copy_probe_without_a_device_copies_host_to_host_and_skips_pinned() 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is seen: the rows are measured, not skipped")
 def test_without_a_gpu_every_gpu_row_is_skipped_saying_no_gpu_was_lent() -> None:
-    rows = gpu.rows()
+    rows = gpu_check.bench_rows()
     assert [r.name for r in rows] == list(gpu.GPU_ROWS)
     for row in rows:
         assert row.value is None and row.met is None

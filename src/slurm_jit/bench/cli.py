@@ -18,6 +18,7 @@ from slurm_jit.bench import (
     disk,
     floor_rows,
     gpu,
+    gpu_check,
     lora,
     overhead,
     report,
@@ -165,7 +166,7 @@ def measure(profile: Profile, work: Path, only: frozenset[str] | None = None) ->
     _section(rows, "ckpt_check_quick", lambda: [ckpt_check_speed.quick_row(work / "ckpt-check", profile.ckpt_count)])
     if profile.async_saves is not None:
         _section(rows, "async_saves", lambda: _async_rows(profile, work))
-    _section(rows, "gpu", gpu.rows)
+    _section(rows, "gpu", gpu_check.bench_rows)
     return rows
 
 

@@ -1,25 +1,20 @@
 """Row 9: the GPU rows, the ones ``tools/gpu-check`` measures (:mod:`slurm_jit.bench.gpu_check`), and the one
 measurement of their own: the device-to-host copy (the write floors are :mod:`slurm_jit.bench.floors`').
 
-``tools/bench`` runs the GPU check's profile where torch sees a GPU (under 8 minutes more); elsewhere the rows are
-skipped: no GPU was lent. The rows' names and what they compare are defined here once, for both.
+``tools/bench`` runs the GPU check's profile where torch sees a GPU (under 8 minutes more:
+:func:`slurm_jit.bench.gpu_check.bench_rows`); elsewhere the rows are skipped: no GPU was lent. The rows' names and
+what they compare are defined here once, for both.
 """
 
 from __future__ import annotations
 
 import json
-import logging
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-from slurm_jit.bench.rows import NO_TARGET, Row, skipped
-
-logger = logging.getLogger(__name__)
+from slurm_jit.bench.rows import NO_TARGET
 
 COPY_TRIALS = 5  # best of 5: the copy is what the machine can do, so the fastest trial is the measure
 COPY_TIMEOUT_S = 300  # the copy probe's process: torch's import, CUDA's start, 5 copies of 1 GiB
@@ -51,22 +46,6 @@ ROW_SPECS: dict[str, tuple[str, str, str]] = {  # name -> (unit, target, what it
              "ranks on one GPU), SIGTERM 0.5 s apart: both ranks' stop records name one step, the checkpoint of "
              "that step complete, clean exits (1: yes)"),
 }
-
-
-def rows() -> list[Row]:
-    """The GPU check's rows: measured where torch sees a GPU, else skipped."""
-    import torch
-
-    if not torch.cuda.is_available():
-        reason = f"{NO_GPU} (torch.cuda.is_available() is False here); tools/gpu-check measures these rows on one"
-        return [skipped(name, *ROW_SPECS[name], reason) for name in GPU_ROWS]
-    from slurm_jit.bench import gpu_check
-
-    work = Path(tempfile.mkdtemp(prefix="slurm-jit-bench-gpu-"))
-    try:
-        return gpu_check.measure(gpu_check.GPU, work, say=lambda row: logger.info("%s", gpu_check.line(row)))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def copy_probe(device: str, nbytes: int, trials: int = COPY_TRIALS) -> dict[str, Any]:

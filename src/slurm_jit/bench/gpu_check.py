@@ -50,6 +50,8 @@ from slurm_jit.bench.gpu import (
     COPY_PINNED,
     FLOOR_DISK,
     FLOOR_TMPFS,
+    GPU_ROWS,
+    NO_GPU,
     ROW_SPECS,
     SHARED,
     copy_probe_in_child,
@@ -351,6 +353,20 @@ def measure(profile: Profile, work: Path, say: Callable[[Row], None] = lambda ro
         if fast != work:
             shutil.rmtree(fast, ignore_errors=True)
     return rows
+
+
+def bench_rows() -> list[Row]:
+    """``tools/bench``'s GPU rows: the GPU profile measured where torch sees a GPU, else skipped."""
+    import torch
+
+    if not torch.cuda.is_available():
+        reason = f"{NO_GPU} (torch.cuda.is_available() is False here); tools/gpu-check measures these rows on one"
+        return [skipped(name, *ROW_SPECS[name], reason) for name in GPU_ROWS]
+    work = Path(tempfile.mkdtemp(prefix="slurm-jit-bench-gpu-"))
+    try:
+        return measure(GPU, work, say=lambda row: logger.info("%s", line(row)))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _need(saves: list[JitSave]) -> JitSave:
