@@ -59,7 +59,6 @@ LONG_OPTIONS = {**dict.fromkeys(_NO_ARG, "no"), **dict.fromkeys(_OPTIONAL_ARG, "
                 **dict.fromkeys(_REQUIRED_ARG, "required")}
 # sbatch's one-letter options that take an argument (attached, -t5, or the next word); the others take none.
 SHORT_WITH_ARG = frozenset("aAbBcCdDeFGiJLmMnNopqStwx")
-SHORT_NO_ARG = frozenset("HhkOQsuVvW")
 # Characters sbatch's --output pattern treats specially: "%" starts a replacement (%j, %x, %%), and a backslash
 # anywhere turns every replacement off (sbatch(1), filename pattern), the job id of slurm-%j.out included.
 PATTERN_BACKSLASH = "\\"

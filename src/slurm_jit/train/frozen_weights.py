@@ -37,7 +37,6 @@ ALGORITHM = "xxh3_128"  # the overall digest; each tensor's own: xxh3_64 (a name
 LEGACY_ZERO3_PART = "zero3:"
 QUANT_PART = "+quant:"  # then the xxh3_64 of a quantised tensor's state kept beside its bytes (bitsandbytes)
 NOT_GATHERED = "not-gathered"  # a partitioned tensor rank 0 could not gather alone (matches no recorded entry)
-FIRST_SHOWN = 1  # differing names a refusal shows (the count says how many)
 HINT = ("HINT: resume with the base model the checkpoint was trained on (the same model, revision, dtype and "
         "quantisation, built the same way), or start a new run in another output_dir")
 

@@ -16,7 +16,6 @@ from slurm_jit.checkpoint import elastic_plan, protocol, reseal
 from slurm_jit.checkpoint import manifest as manifest_file
 
 LATEST_TAG_MAX_BYTES = 256  # DeepSpeed's `latest` holds one tag such as "global_step1234"
-TAG_RE = re.compile(r"^global_step(\d+)$")
 
 
 class JitRefusal(ValueError):
