@@ -466,7 +466,7 @@ def _train(args: argparse.Namespace, common: dict[str, Any], trainer_cls: Any = 
     except RuntimeError as exc:
         if not (args.train_again and "failure injected" in str(exc)):
             raise
-        print(f"demo_train: train() failed ({exc}); side group closed: {trainer._jit_agreement is None}; "
+        print(f"demo_train: train() failed ({exc}); side group closed: {not trainer.jit_side_group_open}; "
               "training again", file=sys.stderr)
         trainer.train(resume_from_checkpoint=resume)
     if int(os.environ.get("RANK", "0")) == 0:

@@ -78,7 +78,8 @@ def test_a_background_rotation_keeps_the_best_checkpoint_of_its_submit(tmp_path:
     best = ckpt_factory.checkpoint(tmp_path, 2, created=1_700_000_000.0)
     ckpt_factory.checkpoint(tmp_path, 4, created=1_700_000_100.0)
     written = ckpt_factory.checkpoint(tmp_path, 6, created=1_700_000_200.0)
-    trainer = SimpleNamespace(args=SimpleNamespace(save_total_limit=1), _jit_run=None,
+    trainer = SimpleNamespace(args=SimpleNamespace(save_total_limit=1),
                               state=SimpleNamespace(best_model_checkpoint=str(tmp_path / "checkpoint-8")))
-    save_path.rotate_checkpoints_safely(trainer, tmp_path, just_written=written, best_before=str(best))
+    session = SimpleNamespace(trainer=trainer, run=None)
+    save_path.rotate_checkpoints_safely(session, tmp_path, just_written=written, best_before=str(best))
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-6"]

@@ -253,10 +253,10 @@ def test_a_kept_save_whose_manifest_failed_on_rank0_is_taken_as_saved_by_no_rank
     def rank(r: int) -> None:
         run = SimpleNamespace(saved_step=-1, saved_contents=None, checkpoint=None, async_saves=None, timing=None,
                               kill_wait_until=0.0, latch=SimpleNamespace(first_at=None))
-        trainer = SimpleNamespace(_agreement=agreement, _is_rank0=r == 0, _jit_run=run,
-                                  state=SimpleNamespace(global_step=8), jit_config=SimpleNamespace(kill_wait_s=3.0))
+        trainer = SimpleNamespace(state=SimpleNamespace(global_step=8), jit_config=SimpleNamespace(kill_wait_s=3.0))
+        session = SimpleNamespace(agreement=agreement, is_rank0=r == 0, run=run, trainer=trainer)
         saves = SimpleNamespace(writer=_Writer(fails_once=r == 0), waited_s=0.0, longest_write_s=0.0)
-        stop_wait.settle(trainer, saves, job, 0.0)  # type: ignore[arg-type]
+        stop_wait.settle(session, saves, job, 0.0)  # type: ignore[arg-type]
         saved[r] = run.saved_step
 
     threads = [threading.Thread(target=rank, args=(r,), name=str(r)) for r in (0, 1)]

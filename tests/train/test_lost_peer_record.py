@@ -68,10 +68,10 @@ def _short_report_wait(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _survivor(out: Path, rank: int, world: int = 2, step: int = 6) -> SimpleNamespace:
-    """The trainer's fields ``lost_peers.record`` reads, for a survivor of a ``world``-rank run."""
-    return SimpleNamespace(args=SimpleNamespace(output_dir=str(out), process_index=rank, world_size=world),
-                           state=SimpleNamespace(global_step=step),
-                           _jit_agreement=SimpleNamespace(nodes=[f"node{r}" for r in range(world)]))
+    """The session's fields ``lost_peers.record`` reads, for a survivor of a ``world``-rank run."""
+    trainer = SimpleNamespace(args=SimpleNamespace(output_dir=str(out), process_index=rank, world_size=world),
+                              state=SimpleNamespace(global_step=step))
+    return SimpleNamespace(trainer=trainer, open_agreement=SimpleNamespace(nodes=[f"node{r}" for r in range(world)]))
 
 
 def _started_run() -> SimpleNamespace:

@@ -189,7 +189,7 @@ def test_the_drop_in_assignment_builds_trls_trainer_as_a_jittrainer() -> None:
 @pytest.mark.parametrize("odd", [[], {}, {"a": 1}], ids=["list", "dict", "dict-with-key"])
 def test_with_jit_of_an_unhashable_value_is_refused_in_one_line(odd: Any) -> None:
     with pytest.raises(JitRefusal) as refused:
-        _subclassing().with_jit(odd)
+        slurm_jit.with_jit(odd)
     message = str(refused.value)
     assert "\n" not in message and "not a transformers.Trainer subclass" in message and "HINT:" in message, message
 
@@ -198,4 +198,4 @@ def test_with_jit_of_the_trainer_itself_is_jit_trainer() -> None:
     """Not a second class also named JitTrainer (in transformers.trainer) standing between JitTrainer and users."""
     from transformers.trainer import Trainer
 
-    assert _subclassing().with_jit(Trainer) is JitTrainer
+    assert slurm_jit.with_jit(Trainer) is JitTrainer

@@ -23,14 +23,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from transformers.trainer_utils import has_length
 
 from slurm_jit.train import keep_batch
-
-if TYPE_CHECKING:
-    from slurm_jit.train.trainer import JitTrainer
 
 POSITION_KEY = "data_position"  # in the manifest of every save: {"epoch": epochs done, "samples": consumed in the next}
 # set_initial_training_values' tuple: (num_train_epochs, num_update_steps_per_epoch, num_examples, num_train_samples,
@@ -121,14 +118,12 @@ def resume_at(position: Position, *, samples_per_step: int, values: TrainingValu
                   max_steps=max_steps)
 
 
-def training_values(trainer: JitTrainer, values: TrainingValues) -> TrainingValues:
+def training_values(trainer: Any, tracker: Tracker | None, values: TrainingValues) -> TrainingValues:
     """Every rank, in upstream's train loop: upstream's ``values`` with the resume's bounds where the position is
-    not upstream's count (ignore_data_skip: upstream's own)."""
-    run = trainer._jit_run
-    if run is None:
+    not upstream's count (ignore_data_skip: upstream's own); ``tracker`` is this train()'s (None outside one)."""
+    if tracker is None:
         return values
     with_length = has_length(trainer.train_dataset)  # as upstream's dataloader over it
-    tracker = run.data_position
     args = trainer.args
     tracker.samples_per_step = keep_batch.samples_per_step(trainer)
     tracker.resume = None
@@ -147,14 +142,12 @@ def training_values(trainer: JitTrainer, values: TrainingValues) -> TrainingValu
     return values
 
 
-def started(trainer: JitTrainer, epochs_trained: int, batches_trained: int) -> tuple[int, int]:
+def started(trainer: Any, tracker: Tracker | None, epochs_trained: int, batches_trained: int) -> tuple[int, int]:
     """Every rank, once the trainer state is loaded (a resume's: the checkpoint's step): where the loop starts
     (epochs trained, batches to skip in the first), the resume's where training_values set one; records it as this
     run's origin."""
-    run = trainer._jit_run
-    if run is None:
+    if tracker is None:
         return epochs_trained, batches_trained
-    tracker = run.data_position
     accumulation = int(trainer.args.gradient_accumulation_steps)
     step = int(trainer.state.global_step)
     resume = tracker.resume
@@ -165,11 +158,10 @@ def started(trainer: JitTrainer, epochs_trained: int, batches_trained: int) -> t
     return epochs_trained, batches_trained
 
 
-def manifest_fields(trainer: JitTrainer) -> dict[str, Any]:
-    """This save's data position, for its manifest (none before this run's loop has started)."""
-    run = trainer._jit_run
-    origin = run.data_position.origin if run is not None else None
-    return {} if origin is None else {POSITION_KEY: origin.at(int(trainer.state.global_step)).record()}
+def manifest_fields(tracker: Tracker | None, step: int) -> dict[str, Any]:
+    """This save's data position at ``step``, for its manifest (none before this run's loop has started)."""
+    origin = tracker.origin if tracker is not None else None
+    return {} if origin is None else {POSITION_KEY: origin.at(step).record()}
 
 
 def recorded(manifest: dict[str, Any]) -> Position | None:

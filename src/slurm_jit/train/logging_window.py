@@ -18,14 +18,18 @@ format and its checks, and the one place that reads and sets upstream's fields.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from slurm_jit.train.session import Session
 
 logger = logging.getLogger(__name__)
 
@@ -217,3 +221,21 @@ def start_step(trainer: Any) -> int:
 
 def chain_loss(trainer: Any, chain_first_step: int) -> float:
     return chain_train_loss(float(getattr(trainer, TOTAL)), int(trainer.state.global_step), chain_first_step)
+
+
+def restore(session: Session) -> None:
+    """The resumed checkpoint's logging window, once upstream has reset its own (``on_train_begin``): on every rank
+    or on none (a rank without it would make the first gathered mean wrong); then what the next saves capture."""
+    trainer, run = session.trainer, session.run
+    if run is None:
+        return
+    window = usable(trainer, run.resumed_from) if run.resumed_from else None
+    restored = bool(run.resumed_from) and session.agreement.all_true(window is not None)
+    if restored and window is not None:
+        apply(trainer, window)
+    elif run.resumed_from and session.is_rank0:
+        logger.info("slurm_jit: no logging window restored from %s: the first log after the resume averages "
+                    "only the steps since it, train_loss only this run's", run.resumed_from)
+    first = window.chain_first_step if restored and window is not None else start_step(trainer)
+    run.chain_first_step = first
+    run.capture_window = functools.partial(capture, trainer, first)

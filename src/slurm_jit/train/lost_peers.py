@@ -33,7 +33,7 @@ from slurm_jit.train.save_errors import PEER_GONE_WORDS, TIMED_OUT, gloo_words
 
 if TYPE_CHECKING:
     from slurm_jit.train.run_state import Run
-    from slurm_jit.train.trainer import JitTrainer
+    from slurm_jit.train.session import Session
 
 logger = logging.getLogger(__name__)
 
@@ -97,12 +97,13 @@ def _own_failure(out: str, rank: int) -> str | None:
     return None
 
 
-def record(trainer: JitTrainer, run: Run, how: str) -> bool:
+def record(session: Session, run: Run, how: str) -> bool:
     """This survivor's report; the lowest survivor also writes ``failed`` with ``lost_peer``. True when this rank
     wrote the record."""
+    trainer = session.trainer
     out, rank, world = str(trainer.args.output_dir), int(trainer.args.process_index), int(trainer.args.world_size)
     step = getattr(trainer.state, "global_step", None)
-    nodes = _nodes(trainer, world)
+    nodes = _nodes(session, world)
     stop_record.write_report(stop_record.peer_lost_report_path(out, rank),
                              {"rank": rank, "node": nodes[rank], "step": step, "how": how})
     reports = _wait_for_reports(out, world)
@@ -135,8 +136,8 @@ def record(trainer: JitTrainer, run: Run, how: str) -> bool:
     return True
 
 
-def _nodes(trainer: JitTrainer, world: int) -> list[str | None]:
-    agreement = trainer._jit_agreement
+def _nodes(session: Session, world: int) -> list[str | None]:
+    agreement = session.open_agreement
     nodes = list(agreement.nodes) if agreement is not None else []
     return nodes if len(nodes) == world else [None] * world
 

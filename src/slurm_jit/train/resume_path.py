@@ -42,7 +42,7 @@ from slurm_jit.train.refusals import JitRefusal, resume_refusal
 from slurm_jit.train.run_state import LINEAGE_ID_CHARS, Run
 
 if TYPE_CHECKING:
-    from slurm_jit.train.trainer import JitTrainer
+    from slurm_jit.train.session import JitTrainerLike, Session
 
 logger = logging.getLogger(__name__)
 
@@ -50,22 +50,23 @@ CONVERSIONS = (elastic_plan.CONVERT, elastic_plan.CONVERTED)  # a resume through
 Picked = tuple[str | None, str | None, dict[str, Any]]  # (checkpoint, refusal, what it carries into the run)
 
 
-def resolve(trainer: JitTrainer, resume_from_checkpoint: str | bool | None) -> str | None:
+def resolve(session: Session, resume_from_checkpoint: str | bool | None) -> str | None:
     """Rank 0 picks the checkpoint (``True``: the newest resumable one, as ckpt-check does), checks that it
     can be resumed exactly by this run, reads what it carries, and tells every rank."""
+    trainer = session.trainer
     decision: Picked = (None, None, {})
-    not_writable = writable.refusal_on_any_rank(trainer._agreement, str(trainer.args.output_dir))  # every rank's
+    not_writable = writable.refusal_on_any_rank(session.agreement, str(trainer.args.output_dir))  # every rank's
     if not_writable:
         raise JitRefusal(f"slurm_jit: {not_writable}")
-    if trainer._is_rank0:  # one training per output_dir, and a writable one (output_lock), before any step
-        trainer._jit_output_lock, locked_out = output_lock.acquire(str(trainer.args.output_dir))
+    if session.is_rank0:  # one training per output_dir, and a writable one (output_lock), before any step
+        session.output_lock, locked_out = output_lock.acquire(str(trainer.args.output_dir))
         if not locked_out:  # before any rank's watchdog starts (a collective follows) and any failure is recorded
             stop_record.clear_hang_reports(str(trainer.args.output_dir))
-        decision = (None, locked_out, {}) if locked_out else pick(trainer, resume_from_checkpoint)
-    path, refusal, carried = trainer._agreement.broadcast_after(decision, elastic.HEARTBEAT)
+        decision = (None, locked_out, {}) if locked_out else pick(session, resume_from_checkpoint)
+    path, refusal, carried = session.agreement.broadcast_after(decision, elastic.HEARTBEAT)
     if refusal:
         raise JitRefusal(f"slurm_jit: {refusal}")
-    run = trainer._jit_run
+    run = session.run
     if run is not None:
         run.checkpoint = run.resumed_from = path
         run.lineage = carried.get("run_id") or uuid.uuid4().hex[:LINEAGE_ID_CHARS]
@@ -77,25 +78,26 @@ def resolve(trainer: JitTrainer, resume_from_checkpoint: str | bool | None) -> s
         run.batch_record = None if run.user_batch else run.kept_batch or carried.get("batch_record")
         run.data_position.resumed = data_position.from_record(carried.get("data_position"))
         if run.kept_batch:
-            _keep_batch(trainer, keep_batch.Kept(**run.kept_batch))
-        if run.user_batch and trainer._is_rank0:
+            _keep_batch(session, keep_batch.Kept(**run.kept_batch))
+        if run.user_batch and session.is_rank0:
             logger.warning("slurm_jit: %s", keep_batch.UserBatch(**run.user_batch).line())
         if run.load_from:
             elastic.install_universal_load()
     return path
 
 
-def record_timing(trainer: JitTrainer, run: Run) -> None:
+def record_timing(session: Session, run: Run) -> None:
     """Rank 0, once the timing log is open: what this start did to resume (a conversion, a kept global batch)."""
-    if trainer._is_rank0 and run.timing is not None:
+    if session.is_rank0 and run.timing is not None:
         if run.conversion:
             run.timing.conversion(**run.conversion)
         if run.kept_batch:
             run.timing.kept_batch(run.kept_batch)
 
 
-def pick(trainer: JitTrainer, resume_from_checkpoint: str | bool | None) -> Picked:
+def pick(session: Session, resume_from_checkpoint: str | bool | None) -> Picked:
     """Rank 0: the checkpoint named or found, why it cannot be resumed (or None), and what it carries."""
+    trainer = session.trainer
     path = _named_or_newest(trainer, resume_from_checkpoint)
     if path is None:
         return None, None, {}
@@ -109,11 +111,11 @@ def pick(trainer: JitTrainer, resume_from_checkpoint: str | bool | None) -> Pick
             carried["run_id"] = manifest["run_id"]
         if manifest.get("owed_evaluation") is True:
             carried["owed_evaluation_step"] = manifest["step"]
-        refusal = prepare_load(trainer, path, manifest, carried)
+        refusal = prepare_load(session, path, manifest, carried)
     return path, refusal, carried
 
 
-def _named_or_newest(trainer: JitTrainer, resume_from_checkpoint: str | bool | None) -> str | None:
+def _named_or_newest(trainer: JitTrainerLike, resume_from_checkpoint: str | bool | None) -> str | None:
     if resume_from_checkpoint is not True:
         return str(resume_from_checkpoint) if resume_from_checkpoint else None
     resolution = protocol.find_resumable(str(trainer.args.output_dir))
@@ -127,17 +129,18 @@ def _named_or_newest(trainer: JitTrainer, resume_from_checkpoint: str | bool | N
     return path
 
 
-def prepare_load(trainer: JitTrainer, path: str, manifest: dict[str, Any], carried: dict[str, Any]) -> str | None:
+def prepare_load(session: Session, path: str, manifest: dict[str, Any], carried: dict[str, Any]) -> str | None:
     """Rank 0: why ``path`` cannot be loaded by this run's engine, or None, with what the load needs in
     ``carried`` (an elastic resume's universal copy). The ZeRO stage first, on every world size: a conversion
     keeps the stage's file layout (ZeRO-3 under ZeRO-2 would be converted and then fail in DeepSpeed's load)."""
-    run = trainer._jit_run
+    trainer = session.trainer
+    run = session.run
     refusal, now = frozen_weights.resume_refusal(path, manifest, trainer.model, run.frozen if run else None)
     if refusal and now:  # the frozen weights it left out are this model's, or nothing is loaded (nor converted)
         return refusal
     if refusal:  # other frozen names: the load's model checks say which adapter differs; if not, this after it
         carried["frozen_refusal"] = refusal
-    ds_config = trainer._ds_config()
+    ds_config = session.hooks.ds_config()
     refusal = model_match.stage_refusal(path, manifest, ds_config)
     if refusal:  # a slim save's own words where it has them (its weights are only in the shards)
         return slim_save.resume_refusal(path, manifest, ds_config) or refusal
@@ -161,16 +164,17 @@ def prepare_load(trainer: JitTrainer, path: str, manifest: dict[str, Any], carri
     refusal = model_match.pick_refusal(path, trainer.model) if converting else None
     if refusal:  # names and shapes, by name, before universal/ is written into the checkpoint
         return refusal
-    carried["load_from"], refusal, carried["conversion"] = prepare_elastic(trainer, path, manifest)
+    carried["load_from"], refusal, carried["conversion"] = prepare_elastic(session, path, manifest)
     if not refusal and not carried["load_from"]:  # a universal load rebuilds the weights itself
         refusal = slim_save.resume_refusal(path, manifest, ds_config)
     return refusal
 
 
-def prepare_elastic(trainer: JitTrainer, path: str, manifest: dict[str, Any]) -> elastic.Prepared:
+def prepare_elastic(session: Session, path: str, manifest: dict[str, Any]) -> elastic.Prepared:
     """Rank 0: elastic.prepare for loading ``path`` on this run's world size, heartbeating to the others."""
+    trainer = session.trainer
     beat = elastic.heartbeat_every(elastic.heartbeat_interval_s(trainer.jit_config.side_group_timeout_s),
-                                   lambda s: trainer._agreement.broadcast((elastic.HEARTBEAT, s)))
+                                   lambda s: session.agreement.broadcast((elastic.HEARTBEAT, s)))
     model = trainer.model
     params = model.named_parameters() if model is not None else ()
     frozen = [name for name, p in params if not p.requires_grad]  # ZeRO-3's universal load skips them
@@ -181,7 +185,7 @@ def prepare_elastic(trainer: JitTrainer, path: str, manifest: dict[str, Any]) ->
                            batch_checked=True)
 
 
-def batch_to_keep(trainer: JitTrainer, path: str, manifest: dict[str, Any],
+def batch_to_keep(trainer: JitTrainerLike, path: str, manifest: dict[str, Any],
                   decided: elastic_plan.Plan) -> keep_batch.Decision:
     """Rank 0: the batch this resume trains with (keep_batch.decide): the accumulation that keeps the checkpoint's
     samples per optimizer step where its command runs again (on another number of ranks; on the same number after a
@@ -229,7 +233,7 @@ def batch_to_keep(trainer: JitTrainer, path: str, manifest: dict[str, Any],
     return (None, refusal) if refusal else (batch, None)
 
 
-def _order_refusal(trainer: JitTrainer, written: batch_order.Shape, now: batch_order.Shape,
+def _order_refusal(trainer: JitTrainerLike, written: batch_order.Shape, now: batch_order.Shape,
                    position: tuple[int, int, int] | None, path: str) -> str | None:
     """Rank 0: batch_order's refusal where transformers' sampler orders the epoch by the batch (a dataset with a
     length: upstream's sampler ignores the strategy otherwise; ignore_data_skip: nothing is skipped, no order to
@@ -259,12 +263,13 @@ def _positive(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
-def _keep_batch(trainer: JitTrainer, kept: keep_batch.Kept) -> None:
+def _keep_batch(session: Session, kept: keep_batch.Kept) -> None:
     """Every rank: train with ``kept``'s accumulation (args and DeepSpeed config), before upstream's train()."""
+    trainer = session.trainer
     plugin = trainer.accelerator.state.deepspeed_plugin if trainer.is_deepspeed_enabled else None
     configs = (getattr(plugin, "hf_ds_config", None), getattr(trainer.args, "hf_deepspeed_config", None))
     keep_batch.apply(trainer.args, configs, kept)
-    if trainer._is_rank0:
+    if session.is_rank0:
         logger.warning("slurm_jit: %s", kept.line())
         dataset = trainer.train_dataset
         note = keep_batch.epoch_warning(kept, len(dataset) if has_length(dataset) else None,
@@ -273,14 +278,15 @@ def _keep_batch(trainer: JitTrainer, kept: keep_batch.Kept) -> None:
             logger.warning("slurm_jit: %s", note)
 
 
-def load_best_model(trainer: JitTrainer, upstream: Callable[[], None]) -> None:
+def load_best_model(session: Session, upstream: Callable[[], None]) -> None:
     """Upstream's best-model load, through the best checkpoint's universal copy when another number of ranks
     wrote it; a refusal is a warning (the run has ended well: its last save is complete)."""
+    trainer = session.trainer
     best = trainer.state.best_model_checkpoint
     if not (best and trainer.is_deepspeed_enabled):  # the same on every rank: all or none broadcast
         upstream()
         return
-    load_from, refusal = trainer._agreement.broadcast_after(_best_model_elastic(trainer, best), elastic.HEARTBEAT)
+    load_from, refusal = session.agreement.broadcast_after(_best_model_elastic(session, best), elastic.HEARTBEAT)
     if refusal:
         logger.warning("slurm_jit: not loading the best model: %s", refusal)
         return
@@ -311,11 +317,12 @@ def _not_whole(best: str) -> str | None:
     return f"{best} is {info.status.value} ({info.reason}); the final weights stay"
 
 
-def _best_model_elastic(trainer: JitTrainer, best: str) -> tuple[str | None, str | None]:
+def _best_model_elastic(session: Session, best: str) -> tuple[str | None, str | None]:
     """Rank 0 (None, None elsewhere): the best checkpoint's universal copy when it was written by another
     number of ranks (DeepSpeed refuses its shards here: the run would end in a traceback after its last save,
     and so would every requeue of it), or why it cannot be loaded."""
-    if not trainer._is_rank0:
+    trainer = session.trainer
+    if not session.is_rank0:
         return None, None
     whole = _not_whole(best)
     if whole is not None:
@@ -326,5 +333,5 @@ def _best_model_elastic(trainer: JitTrainer, best: str) -> tuple[str | None, str
     manifest, why = manifest_file.read(Path(best))
     if manifest is None:
         return None, f"{best}: {why}"
-    load_from, refusal, _ = prepare_elastic(trainer, best, manifest)
+    load_from, refusal, _ = prepare_elastic(session, best, manifest)
     return load_from, refusal

@@ -1,7 +1,7 @@
 """The state of one ``JitTrainer.train()`` call, shared by the trainer's rooms (stop, save, resume, evaluation).
 
 Owns :class:`Run` (what this ``train()`` has seen, decided and written) and the two exceptions that leave the
-Trainer's loop early; every other module of ``train/`` reads and writes the run through ``trainer._jit_run``.
+Trainer's loop early; the rooms of ``train/`` reach the run through the session (``session.run``).
 """
 
 from __future__ import annotations

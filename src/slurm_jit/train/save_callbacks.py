@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import transformers
 
 if TYPE_CHECKING:
-    from slurm_jit.train.trainer import JitTrainer
+    from slurm_jit.train.session import JitTrainerLike, Session
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def class_may_write(cls: type) -> bool:
     return not cls.__module__.startswith(READ_ONLY_MODULE_PREFIX)
 
 
-def sync_reason(trainer: JitTrainer) -> str | None:
+def sync_reason(trainer: JitTrainerLike) -> str | None:
     """Why a periodic save of this trainer must be synchronous (one line with a HINT), or None."""
     names = sorted({type(cb).__name__ for cb in trainer.callback_handler.callbacks if may_write(cb)})
     if not names:
@@ -64,33 +64,36 @@ def sync_reason(trainer: JitTrainer) -> str | None:
             "checkpoint is whole")
 
 
-def run_writers(trainer: JitTrainer) -> None:
+def run_writers(session: Session) -> None:
     """Inside a save, before the manifest: the ``on_save`` of the callbacks that may write into the checkpoint."""
-    _on_save(trainer, [cb for cb in trainer.callback_handler.callbacks if may_write(cb)])
+    trainer = session.trainer
+    _on_save(session, [cb for cb in trainer.callback_handler.callbacks if may_write(cb)])
 
 
-def tell_readers(trainer: JitTrainer, step: int, epoch: float | None) -> None:
+def tell_readers(session: Session, step: int, epoch: float | None) -> None:
     """Once checkpoint-``step`` is complete on every rank: the ``on_save`` of every other callback, with the
     state's ``global_step`` and ``epoch`` the checkpoint's for the call (``should_save`` as it was: the step's
     own save decision, where this runs at a later step boundary)."""
+    trainer = session.trainer
     state, control = trainer.state, trainer.control
     now, keep_save = (state.global_step, state.epoch), control.should_save
     state.global_step = step
     if epoch is not None:
         state.epoch = epoch
     try:
-        _on_save(trainer, [cb for cb in trainer.callback_handler.callbacks if not may_write(cb)])
+        _on_save(session, [cb for cb in trainer.callback_handler.callbacks if not may_write(cb)])
     finally:
         state.global_step, state.epoch = now
         trainer.control.should_save = keep_save
 
 
-def _on_save(trainer: JitTrainer, callbacks: list[Any]) -> None:
+def _on_save(session: Session, callbacks: list[Any]) -> None:
+    trainer = session.trainer
     handler = trainer.callback_handler
     every = handler.callbacks
     handler.callbacks = callbacks  # upstream's call_event over the group (its keyword arguments, its control)
     try:
-        trainer.control = trainer._upstream_on_save(trainer.args, trainer.state, trainer.control)
+        trainer.control = session.hooks.upstream_on_save(trainer.args, trainer.state, trainer.control)
     finally:
         if handler.callbacks is callbacks:  # else a callback replaced the list itself: its change stays
             handler.callbacks = every

@@ -36,7 +36,7 @@ from slurm_jit.train import (
 from slurm_jit.train.async_save import periodic as async_periodic
 
 if TYPE_CHECKING:
-    from slurm_jit.train.trainer import JitTrainer
+    from slurm_jit.train.session import JitTrainerLike, Session
 
 logger = logging.getLogger(__name__)
 
@@ -83,69 +83,71 @@ def _duplicate_weights(rel: str, weights: str) -> bool:
     return DUPLICATE_WEIGHT_RE.match(name) is not None
 
 
-def leaves_out_weights(trainer: JitTrainer, output_dir: str | None, internal_call: bool) -> bool:
+def leaves_out_weights(session: Session, output_dir: str | None, internal_call: bool) -> bool:
     """``save_model`` inside a JIT save: True (and only the config written) where the consolidated weights are
     left out; False where upstream's save_model runs."""
-    run = trainer._jit_run
+    trainer = session.trainer
+    run = session.run
     if not (internal_call and run is not None and run.save_kind == "jit"
             and not trainer.jit_config.jit_save_model_weights and trainer.is_deepspeed_enabled):
         return False
     # A resume reads the DeepSpeed shards; the consolidated weights would be a third copy (and a ZeRO-3 gather).
     # Keep the config so that the directory still says what model it holds.
     config = getattr(trainer.model, "config", None)
-    if trainer._is_rank0 and output_dir and config is not None:
+    if session.is_rank0 and output_dir and config is not None:
         config.save_pretrained(output_dir)
     return True
 
 
 @signals.worker_deaths_held(replay=True)  # a worker's death raises after the save, not in it
-def save_checkpoint(trainer: JitTrainer, model: Any, trial: Any, upstream: Upstream) -> None:
+def save_checkpoint(session: Session, model: Any, trial: Any, upstream: Upstream) -> None:
     """One checkpoint of this step, complete by the protocol's definition before anything rotates."""
-    run = trainer._jit_run
+    trainer = session.trainer
+    run = session.run
     step = trainer.state.global_step
-    async_periodic.before_save(trainer)  # an async save in flight is durable and committed before any other save
+    async_periodic.before_save(session)  # an async save in flight is durable and committed before any other save
     if run is not None and run.saved_step == step:
         return  # this step is already saved by this run
     kind = (run.save_kind if run and run.save_kind else None) or (
         "final" if trainer.state.max_steps and step >= trainer.state.max_steps else "periodic")
-    run_dir = Path(trainer._get_output_dir(trial=trial))
+    run_dir = Path(session.hooks.output_dir(trial=trial))
     ckpt = run_dir / f"checkpoint-{step}"
     t0 = time.monotonic()
     phases = _Phases()
-    stop_path.feed(trainer, "save")  # the hang watchdog gives a save its long bound
-    _begin(trainer, ckpt, step, kind)
+    stop_path.feed(session, "save")  # the hang watchdog gives a save its long bound
+    _begin(session, ckpt, step, kind)
     phases.mark("begin")
     with save_errors.disk_full_is_one_line(ckpt):  # one clear line; the sentinel stays, nothing rotates
-        with zip_crc32(trainer.jit_config.zip_crc32), async_periodic.collecting(trainer, kind, ckpt) as collected:
+        with zip_crc32(trainer.jit_config.zip_crc32), async_periodic.collecting(session, kind, ckpt) as collected:
             contents, weights = upstream_save(trainer, model, trial, kind, upstream)
         window = run.capture_window() if run is not None and run.capture_window is not None else None
         if window is not None:  # what the next log after a resume averages
             logging_window.write(ckpt, int(trainer.args.process_index), window)
         phases.mark("write")
-        if async_periodic.submit(trainer, collected, ckpt, step, kind, phases, t0,
-                                 fields=manifest_fields(trainer, contents, weights)):
+        if async_periodic.submit(session, collected, ckpt, step, kind, phases, t0,
+                                 fields=manifest_fields(session, contents, weights)):
             return  # written and committed in the background, on_save told then (train/async_save/periodic.py)
-        save_callbacks.run_writers(trainer)
+        save_callbacks.run_writers(session)
         fault_sleep()
         phases.mark("callbacks")
         protocol.fsync_tree(ckpt)
         phases.mark("fsync")
-        trainer._agreement.barrier()
+        session.agreement.barrier()
         phases.mark("barrier")
-        nbytes = write_manifest(trainer, ckpt, step, kind, manifest_fields(trainer, contents, weights))
+        nbytes = write_manifest(session, ckpt, step, kind, manifest_fields(session, contents, weights))
         phases.mark("manifest")
     if run is not None:
         run.saved_step, run.saved_contents = step, contents
         run.checkpoint = str(ckpt)
         if kind == "jit":
-            stop_path.record_stop(trainer)
-    if trainer._is_rank0:
-        rotate_checkpoints_safely(trainer, run_dir, just_written=ckpt)
-    trainer._agreement.barrier()
+            stop_path.record_stop(session)
+    if session.is_rank0:
+        rotate_checkpoints_safely(session, run_dir, just_written=ckpt)
+    session.agreement.barrier()
     phases.mark("rotate")
-    save_callbacks.tell_readers(trainer, step, trainer.state.epoch)
+    save_callbacks.tell_readers(session, step, trainer.state.epoch)
     phases.mark("told")
-    _done(trainer, step, kind, ckpt, time.monotonic() - t0, nbytes, phases.seconds)
+    _done(session, step, kind, ckpt, time.monotonic() - t0, nbytes, phases.seconds)
 
 
 def fault_sleep() -> None:
@@ -155,16 +157,17 @@ def fault_sleep() -> None:
         time.sleep(fault_sleep_s)
 
 
-def manifest_fields(trainer: JitTrainer, contents: str, weights: str) -> dict[str, Any]:
+def manifest_fields(session: Session, contents: str, weights: str) -> dict[str, Any]:
     """What this save's manifest records beside its files (the synchronous and the async path alike)."""
-    run = trainer._jit_run
+    trainer = session.trainer
+    run = session.run
     return {
         "contents": contents, "weights": weights, "run_id": run.lineage if run and run.lineage else None,
         "owed_evaluation": bool(run and run.eval_owed),
         keep_batch.SAMPLES_KEY: keep_batch.samples_per_step(trainer),
         keep_batch.PER_DEVICE_KEY: keep_batch.per_device_batch(trainer),
         keep_batch.COMMAND_KEY: keep_batch.accumulation_of_command(trainer.args, run.batch_record if run else None),
-        **data_position.manifest_fields(trainer),
+        **data_position.manifest_fields(run.data_position if run else None, int(trainer.state.global_step)),
         **({keep_batch.MANIFEST_KEY: run.batch_record} if run and run.batch_record else {}),
     }
 
@@ -181,9 +184,9 @@ def zip_crc32(enabled: bool) -> Iterator[None]:
         torch_serialization.save.compute_crc32 = before
 
 
-def _begin(trainer: JitTrainer, ckpt: Path, step: int, kind: str) -> None:
+def _begin(session: Session, ckpt: Path, step: int, kind: str) -> None:
     """Rank 0 sets an earlier run's directory of this step aside and writes the sentinel; then all ranks meet."""
-    if trainer._is_rank0:
+    if session.is_rank0:
         if os.path.lexists(ckpt):
             with save_errors.set_aside_is_one_line(ckpt):  # a rename: the save's first write here
                 aside = protocol.set_aside_replaced(ckpt)  # .superseded-<seq> if whole, else .incomplete
@@ -191,21 +194,21 @@ def _begin(trainer: JitTrainer, ckpt: Path, step: int, kind: str) -> None:
                            "this step): moved to %s", ckpt, aside)
         with save_errors.disk_full_is_one_line(ckpt):  # the sentinel is the save's first write
             protocol.write_sentinel(ckpt, step, kind)
-    trainer._agreement.barrier()
+    session.agreement.barrier()
 
 
-def _done(trainer: JitTrainer, step: int, kind: str, ckpt: Path, dur_s: float, nbytes: int,
+def _done(session: Session, step: int, kind: str, ckpt: Path, dur_s: float, nbytes: int,
           phases: dict[str, float]) -> None:
-    run = trainer._jit_run
+    run = session.run
     if run is not None:
         if run.timing is not None:
             run.timing.save(step, kind, dur_s, nbytes, phases)
         run.grace_due.append("first save")
-    logger.log(logging.INFO if trainer._is_rank0 else logging.DEBUG,  # one line per save, not one per rank
+    logger.log(logging.INFO if session.is_rank0 else logging.DEBUG,  # one line per save, not one per rank
                "slurm_jit: %s checkpoint %s complete in %.2f s", kind, ckpt, dur_s)
 
 
-def upstream_save(trainer: JitTrainer, model: Any, trial: Any, kind: str, upstream: Upstream) -> tuple[str, str]:
+def upstream_save(trainer: JitTrainerLike, model: Any, trial: Any, kind: str, upstream: Upstream) -> tuple[str, str]:
     """Upstream's save, without its rotation; a JIT save always holds what an exact resume needs
     (optimizer, scheduler, RNG, DeepSpeed shards) whatever save_only_model says, and under ZeRO-1/2 the module
     weights only once (slim_save.py). Returns the contents and the weights layout."""
@@ -229,15 +232,15 @@ def upstream_save(trainer: JitTrainer, model: Any, trial: Any, kind: str, upstre
         args.save_total_limit, args.save_only_model = limit, only_model
 
 
-def write_manifest(trainer: JitTrainer, ckpt: Path, step: int, kind: str, fields: dict[str, Any]) -> int:
+def write_manifest(session: Session, ckpt: Path, step: int, kind: str, fields: dict[str, Any]) -> int:
     """Each rank hashes the files it wrote (still in its page cache; on a shared file system, no other node's file
     read over the network); rank 0 writes the manifest. Returns the bytes (rank 0)."""
-    agreement = trainer._agreement
-    rels = agreement.broadcast(protocol.payload_files(ckpt) if trainer._is_rank0 else None)
+    agreement = session.agreement
+    rels = agreement.broadcast(protocol.payload_files(ckpt) if session.is_rank0 else None)
     parts = agreement.gather(protocol.file_entries(ckpt, hashed_by(rels, agreement.rank, agreement.world_size)))
-    if not trainer._is_rank0 or parts is None:
+    if not session.is_rank0 or parts is None:
         return 0
-    return seal(trainer, ckpt, step, kind, fields, {rel: entry for part in parts for rel, entry in part.items()})
+    return seal(session, ckpt, step, kind, fields, {rel: entry for part in parts for rel, entry in part.items()})
 
 
 def hashed_by(rels: list[str], rank: int, world_size: int) -> list[str]:
@@ -250,10 +253,11 @@ def hashed_by(rels: list[str], rank: int, world_size: int) -> list[str]:
     return [rel for rel in rels if writer(rel) == rank]
 
 
-def seal(trainer: JitTrainer, ckpt: Path, step: int, kind: str, fields: dict[str, Any],
+def seal(session: Session, ckpt: Path, step: int, kind: str, fields: dict[str, Any],
          files: dict[str, dict[str, Any]]) -> int:
     """Rank 0: the manifest from every file's entry (gathered from the ranks, or from the async save's done
     markers), then the sentinel removed. Returns the bytes."""
+    trainer = session.trainer
     fields = dict(fields)
     weights = fields.pop("weights")
     duplicate = sum(e["size"] for rel, e in files.items() if _duplicate_weights(rel, weights))
@@ -267,7 +271,7 @@ def seal(trainer: JitTrainer, ckpt: Path, step: int, kind: str, fields: dict[str
         deepspeed_tag=tag, files=files, contents=fields.pop("contents"), run_id=fields.pop("run_id"),
         weights=weights,
         extra={"bytes_weights_duplicate": duplicate, "bytes_needed_for_resume": total - duplicate, **fields,
-               **frozen_weights.manifest_fields(weights, trainer._jit_run.frozen if trainer._jit_run else None)},
+               **frozen_weights.manifest_fields(weights, session.run.frozen if session.run else None)},
     )
     logger.info("slurm_jit: %s checkpoint-%d: %d bytes written, %d needed for resume, %d over (model weights "
                 "again beside the fp32 master copy in the optimizer shards); weights: %s",
@@ -275,19 +279,20 @@ def seal(trainer: JitTrainer, ckpt: Path, step: int, kind: str, fields: dict[str
     return total
 
 
-def rotate_checkpoints_safely(trainer: JitTrainer, run_dir: Path, just_written: Path,
+def rotate_checkpoints_safely(session: Session, run_dir: Path, just_written: Path,
                               best_before: str | None = None) -> None:
     """save_total_limit over resumable checkpoints only, after the new one is complete; never the one just
     written, the best one, or the one resumed from until this run has written a newer one. ``best_before``: the
     best checkpoint when an async save was submitted, kept too (rotation then runs in the background while an
     evaluation may already name a best checkpoint not yet written)."""
+    trainer = session.trainer
     limit = trainer.args.save_total_limit
     if not limit or limit <= 0:
         return
     keep = {just_written.resolve()}
     for best in {trainer.state.best_model_checkpoint, best_before} - {None, ""}:
         keep.add(Path(best).resolve())
-    run = trainer._jit_run
+    run = session.run
     if run is not None and run.resumed_from and run.saved_step < 0:
         keep.add(Path(run.resumed_from).resolve())
     protocol.remove_deletion_leftovers(run_dir)

@@ -23,32 +23,34 @@ from slurm_jit.train.run_state import Run, StopBeforeFirstStep, signal_name
 from slurm_jit.train.trackers import log_stop_to_trackers
 
 if TYPE_CHECKING:
-    from slurm_jit.train.trainer import JitTrainer
+    from slurm_jit.train.session import JitTrainerLike, Session
 
 logger = logging.getLogger(__name__)
 
 
-def wish(trainer: JitTrainer, steps_ahead: int = 1) -> tuple[bool, float | None]:
+def wish(session: Session, steps_ahead: int = 1) -> tuple[bool, float | None]:
     """(stop, remaining kill_wait): this rank wants to stop once kill_wait since its first signal passes
     within ``steps_ahead`` steps: the steps until the next chance to stop (1 where this round is read now, 2
     where it is read one step on). The save then waits out the rest, never longer than by waiting."""
-    run = trainer._jit_run
+    trainer = session.trainer
+    run = session.run
     if run is None or run.latch.first_at is None:
         return False, None
     remaining_s = run.latch.first_at + trainer.jit_config.kill_wait_s - time.monotonic()
     return steps_ahead * run.est_step_s >= remaining_s, remaining_s
 
 
-def at_boundary(trainer: JitTrainer) -> Decision:
+def at_boundary(session: Session) -> Decision:
     """The stop round of this optimizer-step boundary; fixes the agreement mode after warm-up."""
-    run = trainer._jit_run
+    trainer = session.trainer
+    run = session.run
     assert run is not None
-    agreement = trainer._agreement
+    agreement = session.agreement
     if run.signal_step is None and run.latch.seen:
         run.signal_step = trainer.state.global_step
     choose = run.steps_done == WARMUP_STEPS + 1  # the first timed step, the same on every rank
-    decision = agreement.at_boundary(*wish(trainer, agreement.latency_steps), step_s=run.est_step_s,
-                                     choose_mode=choose, done_step=_async_done_step(trainer))
+    decision = agreement.at_boundary(*wish(session, agreement.latency_steps), step_s=run.est_step_s,
+                                     choose_mode=choose, done_step=_async_done_step(session))
     run.agreement_mode = agreement.mode
     if choose and agreement.choice is not None:
         choice = agreement.choice
@@ -62,35 +64,36 @@ def at_boundary(trainer: JitTrainer) -> Decision:
     return decision
 
 
-def take(trainer: JitTrainer, decision: Decision) -> bool:
+def take(session: Session, decision: Decision) -> bool:
     """Record an agreed stop and when kill_wait (since the earliest signal on any rank) will have passed."""
-    run = trainer._jit_run
+    run = session.run
     if decision.stop and run is not None and not run.stop_now:
         run.stop_now = True
         run.kill_wait_until = time.monotonic() + decision.wait_s
     return decision.stop
 
 
-def agree_now(trainer: JitTrainer) -> bool:
+def agree_now(session: Session) -> bool:
     """A stop round read at once (after a save or an evaluation), taken when agreed."""
-    return take(trainer, trainer._agreement.agree_now(*wish(trainer)))
+    return take(session, session.agreement.agree_now(*wish(session)))
 
 
-def on_train_begin(trainer: JitTrainer) -> None:
-    run = trainer._jit_run
+def on_train_begin(session: Session) -> None:
+    run = session.run
     if run is None:
         return
-    if trainer._agreement.agree_now(run.latch.seen).stop:
+    if session.agreement.agree_now(run.latch.seen).stop:
         run.stopped = True
         logger.warning("slurm_jit: stop signal before the first step: exiting without a new checkpoint")
         raise StopBeforeFirstStep
     run.in_loop = True
     run.step_t0 = time.monotonic()
-    start_watchdog(trainer, run)
+    start_watchdog(session, run)
 
 
-def on_step_end(trainer: JitTrainer) -> None:
-    run = trainer._jit_run
+def on_step_end(session: Session) -> None:
+    trainer = session.trainer
+    run = session.run
     if run is None:
         return
     run.est_step_s = time.monotonic() - run.step_t0
@@ -101,49 +104,50 @@ def on_step_end(trainer: JitTrainer) -> None:
         run.timing.step(trainer.state.global_step, run.est_step_s)
 
 
-def at_last_step(trainer: JitTrainer) -> bool:
+def at_last_step(trainer: JitTrainerLike) -> bool:
     return bool(trainer.state.max_steps) and trainer.state.global_step >= trainer.state.max_steps
 
 
-def _async_done_step(trainer: JitTrainer) -> int:
+def _async_done_step(session: Session) -> int:
     """The async periodic save this rank's writer has finished (what the stop round carries; async_save/claim.py)."""
     from slurm_jit.train.async_save import claim  # noqa: PLC0415 (the package imports writer -> save_path -> here)
 
-    return claim.done_step(trainer)
+    return claim.done_step(session)
 
 
-def _async_tell(trainer: JitTrainer, agreed_step: int) -> None:
+def _async_tell(session: Session, agreed_step: int) -> None:
     """The round's agreed done step: where it is the save in flight's, its callbacks' on_save now."""
     from slurm_jit.train.async_save import claim  # noqa: PLC0415 (the package imports writer -> save_path -> here)
 
-    claim.tell_committed(trainer, agreed_step)
+    claim.tell_committed(session, agreed_step)
 
 
-def _async_submitted(trainer: JitTrainer) -> int | None:
+def _async_submitted(session: Session) -> int | None:
     """The step of an async periodic save just submitted (its staging is what blocked this boundary)."""
     from slurm_jit.train.async_save import periodic  # noqa: PLC0415 (periodic -> writer -> save_path -> here)
 
-    return periodic.in_flight_step(trainer)
+    return periodic.in_flight_step(session)
 
 
-def _async_contents(trainer: JitTrainer, step: int) -> str | None:
+def _async_contents(session: Session, step: int) -> str | None:
     """What the async periodic save of ``step`` still in flight holds (None: none in flight of that step)."""
     from slurm_jit.train.async_save import periodic  # noqa: PLC0415 (periodic -> writer -> save_path -> here)
 
-    return periodic.in_flight_contents(trainer, step)
+    return periodic.in_flight_contents(session, step)
 
 
-def log_save_evaluate(trainer: JitTrainer, run: Run, upstream: Callable[[], None], model: Any,
+def log_save_evaluate(session: Session, run: Run, upstream: Callable[[], None], model: Any,
                       trial: Any) -> None:
     """``_maybe_log_save_evaluate`` inside the loop: this boundary's stop round, upstream's evaluation and save
     (skipped once a stop is agreed), then the JIT save and the stop, or a calm boundary's grace checks."""
+    trainer = session.trainer
     step = trainer.state.global_step
     last_step = at_last_step(trainer)  # training ends here anyway: nothing to stop
     done_step = None
     if step != run.polled_step:  # once per optimizer step; epoch ends call this again at the same step
         run.polled_step = step
-        decision = at_boundary(trainer)
-        take(trainer, decision)
+        decision = at_boundary(session)
+        take(session, decision)
         done_step = decision.done_step
     if run.stopped:  # an epoch's end after the stop, at its step: the uninterrupted run logs no partial window here
         trainer.control.should_log = False
@@ -153,31 +157,32 @@ def log_save_evaluate(trainer: JitTrainer, run: Run, upstream: Callable[[], None
         trainer.control.should_save = False
     upstream()
     if done_step is not None:  # an async save every rank has written: on_save now, where upstream calls it
-        _async_tell(trainer, done_step)
-    if not run.stop_now and step in (run.saved_step, _async_submitted(trainer)):
-        agree_now(trainer)  # a periodic save just ended: a stop that came during it is taken here, not a step later
-    if _stopping(run, step, last_step, _async_contents(trainer, step)):
+        _async_tell(session, done_step)
+    if not run.stop_now and step in (run.saved_step, _async_submitted(session)):
+        agree_now(session)  # a periodic save just ended: a stop that came during it is taken here, not a step later
+    if _stopping(run, step, last_step, _async_contents(session, step)):
         if run.saved_step != step:
-            save_jit(trainer, model, trial)
-        run.checkpoint = str(Path(trainer._get_output_dir(trial=None)) / f"checkpoint-{step}")
+            save_jit(session, model, trial)
+        run.checkpoint = str(Path(session.hooks.output_dir(trial=None)) / f"checkpoint-{step}")
         first = not run.stopped  # an epoch end calls this again at the same step: one line per stop
         run.stopped = True
-        record_stop(trainer)
+        record_stop(session)
         if first:
-            announce_stop(trainer, run)
+            announce_stop(session, run)
         trainer.control.should_training_stop = True
-        feed(trainer, "end of training")
+        feed(session, "end of training")
     else:
         if not run.stop_now:
-            run_due_grace_checks(trainer)  # never between a stop decision and the exit: it may query Slurm
+            run_due_grace_checks(session)  # never between a stop decision and the exit: it may query Slurm
         run.step_t0 = time.monotonic()
-        feed(trainer, "end of training" if last_step else "step")
+        feed(session, "end of training" if last_step else "step")
 
 
-def save_jit(trainer: JitTrainer, model: Any, trial: Any) -> None:
+def save_jit(session: Session, model: Any, trial: Any) -> None:
     """The stop's checkpoint: once the engine and the Trainer agree on the step and kill_wait has passed, the
     trainer's ``_save_checkpoint`` (train/save_path.py) with the kind ``jit``."""
-    run = trainer._jit_run
+    trainer = session.trainer
+    run = session.run
     assert run is not None
     engine_step = getattr(trainer.model_wrapped, "global_steps", None) if trainer.is_deepspeed_enabled else None
     if engine_step is not None and engine_step != trainer.state.global_step:
@@ -191,12 +196,10 @@ def save_jit(trainer: JitTrainer, model: Any, trial: Any) -> None:
     run.save_kind = "jit"
     run.save_started_at = time.monotonic()
     try:
-        trainer._save_checkpoint(model, trial)
+        session.hooks.save_checkpoint(model, trial)
     finally:
         run.save_kind = None
-    from slurm_jit.train.trainer import JitTrainer  # noqa: PLC0415 (trainer imports this module)
-
-    subclassing.refuse_unsaved_jit(trainer, run.saved_step, JitTrainer)  # an override skipped super() here
+    subclassing.refuse_unsaved_jit(trainer, run.saved_step, session.jit_class)  # an override skipped super() here
     run.save_ended_at = time.monotonic()
 
 
@@ -212,20 +215,22 @@ def _stopping(run: Run, step: int, last_step: bool, in_flight_contents: str | No
     return stopping
 
 
-def start_watchdog(trainer: JitTrainer, run: Run) -> None:
+def start_watchdog(session: Session, run: Run) -> None:
     """This rank's hang watchdog (train/watchdog.py), from the first step on; its old hang report removed."""
+    trainer = session.trainer
     timeout = trainer.jit_config.hang_timeout_s
     if timeout is None or run.watchdog is not None:
         return
     rank = int(trainer.args.process_index)
     stop_record.hang_report_path(str(trainer.args.output_dir), rank).unlink(missing_ok=True)
-    run.watchdog = watchdog.Watchdog(timeout, rank, on_hang=lambda hang: record_hang(trainer, run, hang))
+    run.watchdog = watchdog.Watchdog(timeout, rank, on_hang=lambda hang: record_hang(session, run, hang))
     run.watchdog.start(trainer.state.global_step)
 
 
-def feed(trainer: JitTrainer, phase: str) -> None:
+def feed(session: Session, phase: str) -> None:
     """A boundary: the watchdog's clock starts again, for ``phase``."""
-    run = trainer._jit_run
+    trainer = session.trainer
+    run = session.run
     if run is not None and run.watchdog is not None:
         run.watchdog.feed(phase, trainer.state.global_step)
 
@@ -236,18 +241,19 @@ def stop_watchdog(run: Run) -> None:
         run.watchdog = None
 
 
-def record_hang(trainer: JitTrainer, run: Run, hang: watchdog.Hang) -> None:
+def record_hang(session: Session, run: Run, hang: watchdog.Hang) -> None:
     """The watchdog's thread, before the exit: this rank's hang report; rank 0 (the output_dir's lock holder) also
     the stop record ``hung``, with the reports the other ranks wrote meanwhile."""
+    trainer = session.trainer
     run.hung = True
     out_dir = str(trainer.args.output_dir)
     stop_record.write_hang_report(out_dir, hang.rank, dataclasses.asdict(hang))
-    if not trainer._is_rank0 or trainer.__dict__.get("_jit_output_lock") is None:
+    if not session.is_rank0 or session.output_lock is None:
         return
     dog = run.watchdog  # None once the main thread's train() ended meanwhile
     wait_s = dog.report_wait_s() if dog is not None else watchdog.PEER_REPORT_WAIT_S
     ranks = stop_record.wait_for_reports(out_dir, stop_record.HANG_REPORT_GLOB, int(trainer.args.world_size), wait_s)
-    unreported = _unreported(trainer, ranks)
+    unreported = _unreported(session, ranks)
     with stop_record.WRITE_LOCK:  # the main thread's jit_stop is written whole, and then said, before this reads
         if run.finish_recorded:  # training reached its end, every save complete: nothing to requeue for
             _keep_finished(trainer, hang)
@@ -265,7 +271,7 @@ def record_hang(trainer: JitTrainer, run: Run, hang: watchdog.Hang) -> None:
                                                 "unreported": unreported})
 
 
-def _keep_finished(trainer: JitTrainer, hang: watchdog.Hang) -> None:
+def _keep_finished(trainer: JitTrainerLike, hang: watchdog.Hang) -> None:
     """A hang after rank 0 wrote ``finished`` (the side group's closing barrier, waiting for a peer still ending):
     the record stays ``finished``, as after a lost peer (lost_peers.KEPT_STATES); this line says why exit 87."""
     logger.error("slurm_jit: hang on rank %d after training reached its end (%.0f s in '%s', waiting in %s): the "
@@ -274,21 +280,23 @@ def _keep_finished(trainer: JitTrainer, hang: watchdog.Hang) -> None:
                  hang.frame, trainer.args.output_dir)
 
 
-def _unreported(trainer: JitTrainer, reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _unreported(session: Session, reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The ranks without a hang report when rank 0 writes ``hung``, with their nodes (the side group gathered
     them): a rank whose process or node is gone never reports, and it is the one the others wait for."""
+    trainer = session.trainer
     world = int(trainer.args.world_size)
-    agreement = trainer._jit_agreement
+    agreement = session.open_agreement
     nodes = list(agreement.nodes) if agreement is not None and len(agreement.nodes) == world else [None] * world
     seen = {report.get("rank") for report in reports}
     return [{"rank": rank, "node": nodes[rank]} for rank in range(world) if rank not in seen]
 
 
 @signals.worker_deaths_held()  # a DataLoader worker's death must not cut the record short
-def record_stop(trainer: JitTrainer) -> None:
+def record_stop(session: Session) -> None:
     """Rank 0 records ``jit_stop`` as soon as the stop checkpoint is complete (nothing slow in between)."""
-    run = trainer._jit_run
-    if run is None or run.stop_recorded or not trainer._is_rank0:
+    trainer = session.trainer
+    run = session.run
+    if run is None or run.stop_recorded or not session.is_rank0:
         return
     with stop_record.WRITE_LOCK:  # the watchdog's thread reads stop_recorded under it (record_hang)
         stop_record.write(str(trainer.args.output_dir), "jit_stop", step=trainer.state.global_step,
@@ -296,11 +304,12 @@ def record_stop(trainer: JitTrainer) -> None:
         run.stop_recorded = True
 
 
-def announce_stop(trainer: JitTrainer, run: Run) -> None:
+def announce_stop(session: Session, run: Run) -> None:
     """The JIT stop's one line in the job log, rank 0 only, at warning level so that it shows without any logging
     set up: the signal and the step it came at, the step of the stop (later by the steps run during the kill wait),
     the checkpoint and the seconds (the save's, and since the signal)."""
-    if not trainer._is_rank0:
+    trainer = session.trainer
+    if not session.is_rank0:
         return
     now = time.monotonic()
     save = ""
@@ -331,12 +340,13 @@ def exit_after_stop(is_rank0: bool) -> None:
 
 
 @signals.worker_deaths_held()  # a DataLoader worker's death must not cut the record short
-def record_end(trainer: JitTrainer, run: Run) -> None:
+def record_end(session: Session, run: Run) -> None:
     """``train()`` returned: the trackers and (rank 0) the stop record say ``jit_stop`` or ``finished``."""
+    trainer = session.trainer
     state = "jit_stop" if run.stopped else "finished"
     run.trackers_told = True
     log_stop_to_trackers(trainer, state, trainer.state.global_step, signal_name(run.latch.first_signum))
-    if not trainer._is_rank0:
+    if not session.is_rank0:
         return
     with stop_record.WRITE_LOCK:
         if not run.stop_recorded and not run.hung:  # a watchdog that fired meanwhile writes its own record
@@ -347,13 +357,14 @@ def record_end(trainer: JitTrainer, run: Run) -> None:
 
 
 @signals.worker_deaths_held()  # a DataLoader worker's death must not cut the record short
-def record_failure(trainer: JitTrainer, run: Run, exc: BaseException) -> None:
-    if _lost_peer(trainer, run, exc):
+def record_failure(session: Session, run: Run, exc: BaseException) -> None:
+    trainer = session.trainer
+    if _lost_peer(session, run, exc):
         return
     error = signals.failure_line(exc)[:2000]
     if run.timing is not None and not run.hung:  # rank 0's too: a survivor that sees it gone rewrites its record
         _report_own_failure(trainer, error)  # a survivor may see only this rank gone: it quotes the report
-    if not trainer._is_rank0 or trainer.__dict__.get("_jit_output_lock") is None:
+    if not session.is_rank0 or session.output_lock is None:
         return  # only the output_dir's lock holder writes its stop record (a refused launch is not it)
     if run.hung:
         return  # the watchdog's thread is writing ``hung`` before the exit
@@ -368,7 +379,7 @@ def record_failure(trainer: JitTrainer, run: Run, exc: BaseException) -> None:
                              error_after_stop=error)
 
 
-def _report_own_failure(trainer: JitTrainer, error: str) -> None:
+def _report_own_failure(trainer: JitTrainerLike, error: str) -> None:
     """A rank whose train() raised its own error: its report, written before this process ends (and so before its
     peers see it gone), for the survivor that names it lost (lost_peers.record). Rank 0's too: its own ``failed``
     record is then rewritten by that survivor, which must still say why rank 0 ended (seen: a DataLoader worker's
@@ -381,23 +392,24 @@ def _report_own_failure(trainer: JitTrainer, error: str) -> None:
         logger.error("slurm_jit: rank %d's failure report not written: %s", rank, write_exc)
 
 
-def _lost_peer(trainer: JitTrainer, run: Run, exc: BaseException) -> bool:
+def _lost_peer(session: Session, run: Run, exc: BaseException) -> bool:
     """A collective failed because a peer ended (train/lost_peers.py): every survivor reports, the lowest one
     writes ``failed`` with ``lost_peer``. Not when a peer's watchdog ended it (``hung``) or after the stop's
     checkpoint is complete (still ``jit_stop``)."""
+    trainer = session.trainer
     how = lost_peers.how_lost(exc)
     if how is None or run.hung or run.stop_recorded or stop_record.hang_reports(str(trainer.args.output_dir)):
         return False
     if run.timing is None:  # not started on this rank (a peer gone at the side group's creation): no report into
         return False  # an output_dir that may not be this run's (rank 0 locked out of it, or never made it)
     try:
-        lost_peers.record(trainer, run, how)
+        lost_peers.record(session, run, how)
     except OSError as write_exc:  # a full disk: the record cannot be written; the error itself must go on
         logger.error("slurm_jit: lost-peer record not written: %s", write_exc)
     return True
 
 
-def _write_failure(trainer: JitTrainer, run: Run, error: str) -> None:
+def _write_failure(trainer: JitTrainerLike, run: Run, error: str) -> None:
     if run.stop_recorded:  # the stop checkpoint is complete: still a JIT stop (requeue), with what went wrong
         stop_record.write(str(trainer.args.output_dir), "jit_stop", step=trainer.state.global_step,
                           checkpoint=run.checkpoint, signal=signal_name(run.latch.first_signum),
@@ -410,7 +422,7 @@ def _write_failure(trainer: JitTrainer, run: Run, error: str) -> None:
                           error=error)
 
 
-def record_stop_timing(trainer: JitTrainer, run: Run) -> None:
+def record_stop_timing(trainer: JitTrainerLike, run: Run) -> None:
     """On a JIT stop, where the time from this rank's first signal until now (train() returning) went."""
     if not run.stopped or run.latch.first_at is None or run.timing is None:
         return
@@ -426,9 +438,10 @@ def record_stop_timing(trainer: JitTrainer, run: Run) -> None:
     run.timing.stop(trainer.state.global_step, signal_to_end_s=now - run.latch.first_at, fields=fields)
 
 
-def run_due_grace_checks(trainer: JitTrainer) -> None:
+def run_due_grace_checks(session: Session) -> None:
     """Rank 0, at a boundary where training goes on and no signal is seen here (it may query Slurm)."""
-    run = trainer._jit_run
+    trainer = session.trainer
+    run = session.run
     # Before warm-up has passed the timing log has no step to judge by: the checks wait (they run once each).
     if run is None or not run.grace_due or run.latch.seen or run.steps_done <= WARMUP_STEPS:
         return
@@ -436,7 +449,7 @@ def run_due_grace_checks(trainer: JitTrainer) -> None:
     if run.timing is not None:
         run.timing.flush()
     for when in due:
-        if not trainer.jit_config.grace_check or when in run.grace_checked or not trainer._is_rank0:
+        if not trainer.jit_config.grace_check or when in run.grace_checked or not session.is_rank0:
             continue
         run.grace_checked.add(when)
         runtime_grace.check_and_warn(str(trainer.args.output_dir), trainer.jit_config.kill_wait_s, when,

@@ -137,7 +137,7 @@ def wait_for_reports(output_dir: str | os.PathLike[str], glob: str, count: int, 
 class StopRecordError(CheckpointWriteError, OSError):
     """The stop record could not be written (disk full, quota, read-only); one line with a HINT. The record before
     it is left as it was, no temporary file is left behind, and no checkpoint is touched. An OSError too: a failed
-    train() records its failure where it can and goes on to its own error (trainer._record_failure)."""
+    train() records its failure where it can and goes on to its own error (stop_path.record_failure)."""
 
 
 def write(output_dir: str | os.PathLike[str], state: str, **fields: Any) -> None:

@@ -72,12 +72,10 @@ def refuse_wrong_order(cls: type, jit_cls: type) -> None:
                          f"slurm_jit.with_jit({before[0].__name__})")
 
 
-def with_jit(trainer_cls: type) -> type:
+def with_jit(trainer_cls: type, JitTrainer: type) -> type:  # noqa: N803 - the class itself, as trainer.py passes it
     """``trainer_cls`` (a Trainer subclass such as TRL's SFTTrainer) with JIT checkpoints: the class
     ``Jit<Name>(JitTrainer, trainer_cls)``; the same class on every call, ``trainer_cls`` itself when it already
-    has JitTrainer, JitTrainer for the Trainer itself."""
-    from slurm_jit.train.trainer import JitTrainer
-
+    has JitTrainer, JitTrainer for the Trainer itself (``slurm_jit.with_jit``, trainer.py)."""
     base = real_trainer(JitTrainer)
     if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, base)):  # before the cache: a list is no key
         raise JitRefusal(f"slurm_jit: with_jit({getattr(trainer_cls, '__name__', repr(trainer_cls))}): not a "

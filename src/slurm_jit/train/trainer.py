@@ -21,11 +21,12 @@ A stop records ``jit_stop`` right after the checkpoint's manifest, before anythi
 training (best-model loading and Hub push waits are skipped on a JIT exit). Upstream never rotates or deletes a
 checkpoint: rotation is ours, after the manifest (:func:`slurm_jit.train.save_path.rotate_checkpoints_safely`).
 
-This module is the class users see; its body delegates, by concern, to the rooms of ``train/``:
-``run_state`` (one ``train()``'s state), ``jit_config`` (``JitConfig``), ``stop_path`` (the boundary decision,
-the stop, the stop record), ``save_path`` (every save, the manifest, rotation), ``resume_path`` (pick, refusals,
-elastic load), ``evaluation`` (aborted and owed evaluations, the best metric), ``exact_resume`` (RNG and engine
-state restored).
+This module is the class users see; its body delegates, by concern, to the rooms of ``train/``, which take the
+``session`` (the state they share, the upstream methods they call: ``session.py``), never this class's private
+fields: ``run_state`` (one ``train()``'s state), ``jit_config`` (``JitConfig``), ``stop_path`` (the boundary
+decision, the stop, the stop record), ``save_path`` (every save, the manifest, rotation), ``resume_path`` (pick,
+refusals, elastic load), ``evaluation`` (aborted and owed evaluations, the best metric), ``exact_resume`` (RNG and
+engine state restored).
 
 Every Trainer method JitTrainer overrides, and why (signatures are transformers 5.24's; ``compat.TRAINER_HOOKS``
 checks the private ones at construction):
@@ -87,12 +88,12 @@ from slurm_jit.train import (
     subclassing,
     writable,
 )
-from slurm_jit.train.agreement import StopAgreement
 from slurm_jit.train.async_save import periodic as async_periodic
 from slurm_jit.train.jit_config import JitConfig
 from slurm_jit.train.refusals import JitRefusal, refused_settings
 from slurm_jit.train.run_state import Run, StopBeforeFirstStep
 from slurm_jit.train.save_path import FAULT_SAVE_SLEEP_ENV as FAULT_SAVE_SLEEP_ENV  # where tests set it
+from slurm_jit.train.session import Hooks, Session
 from slurm_jit.train.signals import SignalLatch, mask_workers
 from slurm_jit.train.trackers import continue_wandb_run
 
@@ -104,14 +105,14 @@ class _JitCallback(transformers.TrainerCallback):
         self.trainer = trainer
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.trainer._jit_restore_logging_window()  # before the first step adds to it
-        stop_path.on_train_begin(self.trainer)
+        logging_window.restore(self.trainer._jit_session)  # before the first step adds to it
+        stop_path.on_train_begin(self.trainer._jit_session)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        evaluation.run_owed(self.trainer)  # when no RNG restore ran it (ignore_data_skip)
+        evaluation.run_owed(self.trainer._jit_session)  # when no RNG restore ran it (ignore_data_skip)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        stop_path.on_step_end(self.trainer)
+        stop_path.on_step_end(self.trainer._jit_session)
 
 
 def _already_called_on_save(args: Any, state: Any, control: Any) -> Any:
@@ -124,8 +125,6 @@ class JitTrainer(transformers.Trainer):
     Same constructor as ``Trainer`` plus ``jit_config``. With ``TrainingArguments(enable_jit_checkpoint=True)``
     transformers' own JIT callback is removed, never run beside this one.
     """
-
-    _jit_output_lock: output_lock.OutputLock | None  # rank 0, during train(): the output_dir's lock (resume_path)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -142,8 +141,7 @@ class JitTrainer(transformers.Trainer):
         super().__init__(*args, **kwargs)
         self.jit_config = jit_config or JitConfig()
         self._jit_signums = tuple(parse_signal(s) for s in self.jit_config.signals)
-        self._jit_agreement: StopAgreement | None = None
-        self._jit_run: Run | None = None
+        self._jit_held: Session | None = None  # from its first use to the end of the next train() (session.py)
         self.jit_stopped = False  # after train(): did it stop for a JIT checkpoint?
         compat.drop_upstream_jit(self.callback_handler)
         refusal = refused_settings(save_on_each_node=bool(self.args.save_on_each_node), ds_config=self._ds_config())
@@ -165,14 +163,23 @@ class JitTrainer(transformers.Trainer):
         return self.accelerator.state.deepspeed_plugin.deepspeed_config if self.is_deepspeed_enabled else None
 
     @property
-    def _agreement(self) -> StopAgreement:
-        if self._jit_agreement is None:
-            self._jit_agreement = StopAgreement(self.jit_config.side_group_timeout_s)
-        return self._jit_agreement
+    def _jit_session(self) -> Session:
+        if self._jit_held is None:  # the upstream methods the rooms call, bound late: an override is the one called
+            self._jit_held = Session(self, JitTrainer, Hooks(
+                save_checkpoint=lambda *a: self._save_checkpoint(*a), evaluate=lambda *a: self._evaluate(*a),
+                determine_best_metric=lambda **k: self._determine_best_metric(**k),
+                output_dir=lambda **k: self._get_output_dir(**k), ds_config=lambda: self._ds_config(),
+                upstream_on_save=lambda *a: self._upstream_on_save(*a)))
+        return self._jit_held
 
     @property
-    def _is_rank0(self) -> bool:
-        return int(self.args.process_index) == 0
+    def _jit_run(self) -> Run | None:  # this train()'s state, None outside one (reading it makes no session)
+        return self._jit_held.run if self._jit_held is not None else None
+
+    @property
+    def jit_side_group_open(self) -> bool:
+        """Whether the ranks' side group is open: from its first use (a train(), a save) to the next train()'s end."""
+        return self._jit_held is not None and self._jit_held.open_agreement is not None
 
     def _get_dataloader(self, *args: Any, **kwargs: Any) -> Any:
         loader = super()._get_dataloader(*args, **kwargs)
@@ -190,13 +197,14 @@ class JitTrainer(transformers.Trainer):
     ) -> TrainOutput:
         output = self._jit_train(resume_from_checkpoint, trial, ignore_keys_for_eval)
         if self.jit_stopped and self.jit_config.exit_after_jit_stop:
-            stop_path.exit_after_stop(self._is_rank0)  # nothing after train() runs in the grace period
+            stop_path.exit_after_stop(int(self.args.process_index) == 0)  # nothing more runs in the grace period
         return output
 
     def _jit_train(self, resume_from_checkpoint: str | bool | None, trial: Any,
                    ignore_keys_for_eval: list[str] | None) -> TrainOutput:
         run = Run(latch=SignalLatch(self._jit_signums), trial=trial, ignore_keys_for_eval=ignore_keys_for_eval)
-        self._jit_run = run
+        session = self._jit_session
+        session.run = run
         self.jit_stopped = False
         run.latch.install()
         clean = False
@@ -213,31 +221,14 @@ class JitTrainer(transformers.Trainer):
             if run.chain_first_step is not None and "train_loss" in (output.metrics or {}):  # the chain's
                 loss = logging_window.chain_loss(self, run.chain_first_step)
                 output = TrainOutput(output.global_step, loss, {**output.metrics, "train_loss": loss})
-            stop_path.record_end(self, run)
+            stop_path.record_end(session, run)
             clean = True
             return output
         except BaseException as exc:
-            stop_path.record_failure(self, run, exc)
+            stop_path.record_failure(session, run, exc)
             raise
         finally:
             self._jit_end(run, clean)
-
-    def _jit_restore_logging_window(self) -> None:
-        """The resumed checkpoint's logging window (logging_window.py), once upstream has reset its own: on every
-        rank or on none (a rank without it would make the first gathered mean wrong)."""
-        run = self._jit_run
-        if run is None:
-            return
-        window = logging_window.usable(self, run.resumed_from) if run.resumed_from else None
-        restored = bool(run.resumed_from) and self._agreement.all_true(window is not None)
-        if restored and window is not None:
-            logging_window.apply(self, window)
-        elif run.resumed_from and self._is_rank0:
-            logger.info("slurm_jit: no logging window restored from %s: the first log after the resume averages "
-                        "only the steps since it, train_loss only this run's", run.resumed_from)
-        first = window.chain_first_step if restored and window is not None else logging_window.start_step(self)
-        run.chain_first_step = first
-        run.capture_window = functools.partial(logging_window.capture, self, first)
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         run = self._jit_run
@@ -250,15 +241,15 @@ class JitTrainer(transformers.Trainer):
 
     def _jit_start(self, run: Run, resume_from_checkpoint: str | bool | None) -> str | None:
         """Before upstream's train(): the checkpoint to resume (resume_path), the timing log, ``running``."""
-        out_dir = str(self.args.output_dir)
+        out_dir, session = str(self.args.output_dir), self._jit_session
         slim_save.install_load()  # before elastic's universal load, which goes on top of it
-        run.frozen = frozen_weights.at_start(self.model, self._is_rank0)  # once, before DeepSpeed casts it
-        resume = resume_path.resolve(self, resume_from_checkpoint)  # sets run.checkpoint, run.resumed_from
+        run.frozen = frozen_weights.at_start(self.model, session.is_rank0)  # once, before DeepSpeed casts it
+        resume = resume_path.resolve(session, resume_from_checkpoint)  # sets run.checkpoint, run.resumed_from
         compat.continue_tensorboard_run(self, resume)
-        run_id = self._agreement.broadcast(uuid.uuid4().hex[:12])  # one id for all ranks of this train()
+        run_id = session.agreement.broadcast(uuid.uuid4().hex[:12])  # one id for all ranks of this train()
         run.timing = TimingLog(out_dir, int(self.args.process_index), int(self.args.world_size), run_id)
-        resume_path.record_timing(self, run)
-        if self._is_rank0:
+        resume_path.record_timing(session, run)
+        if session.is_rank0:
             stop_record.write(out_dir, "running", step=None, resumed_from=resume)
         return resume
 
@@ -268,17 +259,23 @@ class JitTrainer(transformers.Trainer):
             self._jit_close(run, clean)
         finally:  # whatever raised above: a watchdog left running would end this process later (a notebook's)
             stop_path.stop_watchdog(run)
-            self._jit_run = None
+            session = self._jit_held
+            if session is not None:
+                session.run = None  # a background commit ending later reads no run, as outside train()
+            if session is not None and session.open_agreement is None and session.output_lock is None:
+                self._jit_held = None  # else the next train() closes what this one could not
 
     def _jit_close(self, run: Run, clean: bool) -> None:
         # First, as nothing below may raise before them: the load wrappers are for this train() only.
         elastic.uninstall_universal_load()
         slim_save.uninstall_load()
-        async_periodic.close_after_failure(self)  # after finish(): nothing left; after a failure: bounded
+        session = self._jit_session
+        async_periodic.close_after_failure(session)  # after finish(): nothing left; after a failure: bounded
         # Every path closes the side group: a failed train() must not leave a round in flight for the next
         # one, nor a gloo group for the interpreter's exit. After a failure no barrier (a peer may be gone).
-        self._close_agreement(clean)
-        output_lock.release(self.__dict__.pop("_jit_output_lock", None))
+        session.close_agreement(clean)
+        lock, session.output_lock = session.output_lock, None
+        output_lock.release(lock)
         run.in_loop = False
         compat.shut_down_persistent_workers(self)
         # After a JIT stop the process is on its way out: a late signal (another node's copy, or Slurm's
@@ -292,11 +289,6 @@ class JitTrainer(transformers.Trainer):
                 exit_watch.start(run.timing.path, {
                     **run.timing.base(), "event": "exit", "step": self.state.global_step})
 
-    def _close_agreement(self, clean: bool) -> None:
-        agreement, self._jit_agreement = self._jit_agreement, None
-        if agreement is not None:
-            agreement.close(wait_for_peers=clean)
-
     # ------------------------------------------------------------ the stop decision
 
     def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
@@ -306,43 +298,49 @@ class JitTrainer(transformers.Trainer):
             upstream()
             return
         model, trial = args[2] if len(args) > 2 else kwargs["model"], args[3] if len(args) > 3 else None
-        stop_path.log_save_evaluate(self, run, upstream, model, trial)
+        stop_path.log_save_evaluate(self._jit_session, run, upstream, model, trial)
 
     def _evaluate(self, trial: Any, ignore_keys_for_eval: Any, skip_scheduler: bool = False, *args: Any,
                   **kwargs: Any) -> dict[str, float]:
         # *args/**kwargs here and in the other pass-through hooks: what a newer Trainer adds goes through
         upstream = functools.partial(super()._evaluate, trial, ignore_keys_for_eval, skip_scheduler, *args, **kwargs)
         run = self._jit_run
-        return upstream() if run is None or not run.in_loop else evaluation.evaluate_in_loop(self, run, upstream)
+        return upstream() if run is None or not run.in_loop else evaluation.evaluate_in_loop(self._jit_session, run,
+                                                                                             upstream)
 
     def _load_rng_state(self, checkpoint: str | None, *args: Any, **kwargs: Any) -> None:
         super()._load_rng_state(checkpoint, *args, **kwargs)
         # The uninterrupted run evaluated before this point; its evaluation draws from the RNG (the DataLoader's
         # base seed), so the owed one runs right after the RNG is restored, before the next batch is trained on.
-        evaluation.run_owed(self)
+        evaluation.run_owed(self._jit_session)
 
     def _determine_best_metric(self, metrics: dict[str, float], trial: Any, *args: Any, **kwargs: Any) -> bool:
-        if evaluation.no_best_from_aborted(self):
+        if evaluation.no_best_from_aborted(self._jit_session):
             return False  # no metrics from an aborted evaluation
         return bool(super()._determine_best_metric(metrics, trial, *args, **kwargs))
 
     def prediction_step(self, model: Any, inputs: Any, prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None) -> Any:
-        evaluation.abort_if_stopping(self)
+        evaluation.abort_if_stopping(self._jit_session)
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
     # ------------------------------------------------------------ exact resume
 
     def set_initial_training_values(self, *args: Any, **kwargs: Any) -> Any:
-        return data_position.training_values(self, super().set_initial_training_values(*args, **kwargs))
+        run = self._jit_run
+        return data_position.training_values(self, run.data_position if run else None,
+                                             super().set_initial_training_values(*args, **kwargs))
 
     def _init_training_state(self, *args: Any, **kwargs: Any) -> Any:
-        return data_position.started(self, *super()._init_training_state(*args, **kwargs))
+        run = self._jit_run
+        started = super()._init_training_state(*args, **kwargs)
+        return data_position.started(self, run.data_position if run else None, *started)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None, *args: Any, **kwargs: Any) -> None:
         # Trainer calls this right after DeepSpeed's load_checkpoint and before the first resumed step.
         super()._load_optimizer_and_scheduler(checkpoint, *args, **kwargs)
-        frozen_weights.raise_deferred(self._jit_run.frozen_refusal if self._jit_run else None)
+        run = self._jit_run
+        frozen_weights.raise_deferred(run.frozen_refusal if run else None)
         if checkpoint is not None and self.is_deepspeed_enabled:
             exact_resume.restore(self.model_wrapped)
 
@@ -358,7 +356,7 @@ class JitTrainer(transformers.Trainer):
                            **kwargs: Any) -> Any:
         # Upstream deletes every checkpoint-* but the best here when save_total_limit == 1 (the JIT checkpoint
         # and quarantined directories included): rotation is ours alone, after each manifest.
-        async_periodic.finish(self)  # an async save in flight committed before the best model is loaded
+        async_periodic.finish(self._jit_session)  # an async save in flight committed before the best model is loaded
         limit = self.args.save_total_limit
         self.args.save_total_limit = None
         run = self._jit_run
@@ -376,7 +374,7 @@ class JitTrainer(transformers.Trainer):
             logger.warning("slurm_jit: JIT stop: not loading the best model (%s); the job is on its way out",
                            self.state.best_model_checkpoint)
             return
-        resume_path.load_best_model(self, functools.partial(super()._load_best_model, *args, **kwargs))
+        resume_path.load_best_model(self._jit_session, functools.partial(super()._load_best_model, *args, **kwargs))
 
     def _finish_current_push(self, *args: Any, **kwargs: Any) -> None:
         if self._jit_run is not None and self._jit_run.stopped:
@@ -389,8 +387,13 @@ class JitTrainer(transformers.Trainer):
     # ------------------------------------------------------------ saving
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        if not save_path.leaves_out_weights(self, output_dir, _internal_call):
+        if not save_path.leaves_out_weights(self._jit_session, output_dir, _internal_call):
             super().save_model(output_dir, _internal_call=_internal_call)
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        save_path.save_checkpoint(self, model, trial, upstream=super()._save_checkpoint)
+        save_path.save_checkpoint(self._jit_session, model, trial, upstream=super()._save_checkpoint)
+
+
+def with_jit(trainer_cls: type) -> type:
+    """``slurm_jit.with_jit``: ``trainer_cls`` (TRL's SFTTrainer, ...) with JIT checkpoints (subclassing.py)."""
+    return subclassing.with_jit(trainer_cls, JitTrainer)

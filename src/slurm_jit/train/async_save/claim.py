@@ -17,15 +17,15 @@ from slurm_jit.train import save_callbacks
 if TYPE_CHECKING:
     from slurm_jit.train.async_save.periodic import AsyncSaves, InFlight
     from slurm_jit.train.async_save.writer import BackgroundWriter
-    from slurm_jit.train.trainer import JitTrainer
+    from slurm_jit.train.session import Session
 
 NOT_DONE = -1  # what a rank sends in the stop round while no save in flight is written (done_step)
 
 
-def taken_as_saved(trainer: JitTrainer, job: InFlight, writer: BackgroundWriter) -> None:
+def taken_as_saved(session: Session, job: InFlight, writer: BackgroundWriter) -> None:
     """Every rank's files of ``job`` durable and rank 0's manifest written (the ranks agreed): the run's saved step,
     the timing log's record, then the callbacks' ``on_save``."""
-    run = trainer._jit_run
+    run = session.run
     if run is None:
         return
     run.saved_step, run.saved_contents, run.checkpoint = job.step, job.contents, str(job.ckpt)
@@ -39,31 +39,31 @@ def taken_as_saved(trainer: JitTrainer, job: InFlight, writer: BackgroundWriter)
             "write_s": round(stats.write_s, 6), "fsync_s": round(stats.fsync_s, 6),
             "commit_s": round(job.after_s, 6), "file_max_s": round(stats.file_max_s, 6),
             "staged_bytes": job.nbytes})
-    save_callbacks.tell_readers(trainer, job.step, job.epoch)
+    save_callbacks.tell_readers(session, job.step, job.epoch)
 
 
-def _saves(trainer: JitTrainer) -> AsyncSaves | None:
-    run = trainer._jit_run
+def _saves(session: Session) -> AsyncSaves | None:
+    run = session.run
     saves: AsyncSaves | None = run.async_saves if run is not None else None
     return saves
 
 
-def done_step(trainer: JitTrainer) -> int:
+def done_step(session: Session) -> int:
     """What this rank sends in the stop round: the step of the save in flight once its writer is done without an
     error (rank 0's: committed), else :data:`NOT_DONE`."""
-    saves = _saves(trainer)
+    saves = _saves(session)
     job = saves.in_flight if saves is not None else None
     return job.step if job is not None and saves is not None and saves.writer.done_ok else NOT_DONE
 
 
-def tell_committed(trainer: JitTrainer, agreed_step: int) -> None:
+def tell_committed(session: Session, agreed_step: int) -> None:
     """At a step boundary, the agreed stop round's :func:`done_step` (the same on every rank): where it is the save
     in flight's, every rank takes it as saved and tells its callbacks, here."""
-    saves = _saves(trainer)
+    saves = _saves(session)
     job = saves.in_flight if saves is not None else None
     if saves is None or job is None or job.step != agreed_step:
         return
     saves.in_flight = None
     if job.gate is not None:
         job.gate.open()  # opened by the optimizer step since (a no-op), unless no step came between
-    taken_as_saved(trainer, job, saves.writer)
+    taken_as_saved(session, job, saves.writer)

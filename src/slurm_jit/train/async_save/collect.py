@@ -25,7 +25,7 @@ import torch
 from slurm_jit.train.async_save import files
 
 if TYPE_CHECKING:
-    from slurm_jit.train.trainer import JitTrainer
+    from slurm_jit.train.session import JitTrainerLike
 
 DEEPSPEED_TAG = re.compile(r"(^|/)global_step\d+(/|$)")  # save_checkpoint's default tag folder (the Trainer's)
 ZERO3 = 3  # ZeRO-3's get_state_dict gathers the partitioned weights: never replaced by the module's state dict
@@ -128,7 +128,7 @@ def safetensors_collected(collector: CollectingEngine) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def trainer_state_collected(trainer: JitTrainer, collector: CollectingEngine) -> Iterator[None]:
+def trainer_state_collected(trainer: JitTrainerLike, collector: CollectingEngine) -> Iterator[None]:
     """The trainer's ``state.save_to_json`` is the collector's for the block (an attribute of that one instance),
     unless something else already replaced it there or in its class."""
     from transformers import TrainerState  # noqa: PLC0415 (the Trainer's own class)
@@ -167,7 +167,7 @@ def deepspeed_lookup_once() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def state_dict_uncloned(trainer: JitTrainer, collector: CollectingEngine) -> Iterator[None]:
+def state_dict_uncloned(trainer: JitTrainerLike, collector: CollectingEngine, jit_class: Any) -> Iterator[None]:
     """accelerate's ``get_state_dict`` under ZeRO-0/1/2 is a clone of the module's state dict (a full copy of the
     weights on every rank, in training's time); here the module's state dict itself, which the staging copies once
     (the weights shared with DeepSpeed's model-states file), with what aliases an earlier entry replaced by a
@@ -177,7 +177,7 @@ def state_dict_uncloned(trainer: JitTrainer, collector: CollectingEngine) -> Ite
     accelerator = trainer.accelerator
     engine: Any = trainer.model_wrapped
     stage = engine.zero_optimization_stage()
-    if "get_state_dict" in accelerator.__dict__ or stage >= ZERO3 or not only_upstream_sees_it(trainer):
+    if "get_state_dict" in accelerator.__dict__ or stage >= ZERO3 or not only_upstream_sees_it(trainer, jit_class):
         yield  # someone else's; ZeRO-3's is a gather; a user's code may change what it gets: accelerate's clone
         return
 
@@ -219,7 +219,7 @@ def unaliased(state: dict[str, Any], sources: dict[int, torch.Tensor], made: lis
     return state
 
 
-def only_upstream_sees_it(trainer: JitTrainer) -> bool:
+def only_upstream_sees_it(trainer: JitTrainerLike, jit_class: Any) -> bool:
     """True when what ``get_state_dict`` returns goes only through code known not to change it in place: the
     JitTrainer's ``save_model``, transformers' ``_save`` and ``save_pretrained`` (PEFT's). The module's own
     tensors are live weights: a user's override that scales or casts them in place (harmless to accelerate's clone)
@@ -227,10 +227,8 @@ def only_upstream_sees_it(trainer: JitTrainer) -> bool:
     got halved the weights of ``model.safetensors``, and the run's next losses)."""
     from transformers import PreTrainedModel, Trainer  # noqa: PLC0415 (the Trainer's own classes)
 
-    from slurm_jit.train.trainer import JitTrainer  # noqa: PLC0415 (trainer imports save_path, which imports us)
-
     cls = type(trainer)
-    if cls.save_model is not JitTrainer.save_model or cls._save is not Trainer._save or {"save_model", "_save"} & set(
+    if cls.save_model is not jit_class.save_model or cls._save is not Trainer._save or {"save_model", "_save"} & set(
             vars(trainer)):
         return False
     known: list[Any] = [PreTrainedModel.save_pretrained]

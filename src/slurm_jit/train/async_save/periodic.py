@@ -72,7 +72,7 @@ from slurm_jit.train.async_save.memory_guard import HostMemoryError
 from slurm_jit.train.async_save.staging import HostStager, StagedSave
 
 if TYPE_CHECKING:
-    from slurm_jit.train.trainer import JitTrainer
+    from slurm_jit.train.session import JitTrainerLike, Session
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class AsyncSaves:
     abort: threading.Event = field(default_factory=threading.Event)  # rank 0's commit gives up (a peer lost)
 
 
-def refusal(trainer: JitTrainer) -> str | None:
+def refusal(trainer: JitTrainerLike) -> str | None:
     """Why ``async_periodic_saves=True`` cannot work with this trainer (one line with a HINT), or None."""
     if not trainer.jit_config.async_periodic_saves:
         return None
@@ -134,24 +134,25 @@ def refusal(trainer: JitTrainer) -> str | None:
     return None
 
 
-def in_flight_step(trainer: JitTrainer) -> int | None:
+def in_flight_step(session: Session) -> int | None:
     """The step of the async save submitted and not yet seen committed (None: none): the stop path reads a stop
     round right after it, as after a synchronous save, so that a signal that came during the staging is taken at
     this step (its checkpoint the periodic one, once committed), not a step later."""
-    saves = _saves(trainer, create=False)
+    saves = _saves(session, create=False)
     return saves.in_flight.step if saves is not None and saves.in_flight is not None else None
 
 
-def in_flight_contents(trainer: JitTrainer, step: int) -> str | None:
+def in_flight_contents(session: Session, step: int) -> str | None:
     """What the async save of ``step`` still in flight holds (``full``, ``model_only``: save_only_model), or None
     where none of that step is: the stop path's model-only guard, before that save is taken as saved."""
-    saves = _saves(trainer, create=False)
+    saves = _saves(session, create=False)
     job = saves.in_flight if saves is not None else None
     return job.contents if job is not None and job.step == step else None
 
 
-def _saves(trainer: JitTrainer, create: bool) -> AsyncSaves | None:
-    run = trainer._jit_run
+def _saves(session: Session, create: bool) -> AsyncSaves | None:
+    trainer = session.trainer
+    run = session.run
     if run is None or not trainer.jit_config.async_periodic_saves:
         return None
     if run.async_saves is None and create:
@@ -159,18 +160,19 @@ def _saves(trainer: JitTrainer, create: bool) -> AsyncSaves | None:
                                                    copy_threads=staging.copy_threads()),
                                      writer_mod.BackgroundWriter(zip_crc32=trainer.jit_config.zip_crc32),
                                      # rank 0 bounds a JIT stop's wait: the writes of the runs before count too
-                                     earlier=stop_wait.earlier_writes(str(trainer.args.output_dir)) if trainer._is_rank0
+                                     earlier=stop_wait.earlier_writes(str(trainer.args.output_dir)) if session.is_rank0
                                      else stop_wait.WriteHistory())
     saves: AsyncSaves | None = run.async_saves
     return saves
 
 
 @contextlib.contextmanager
-def collecting(trainer: JitTrainer, kind: str, ckpt: Path) -> Iterator[CollectingEngine | None]:
+def collecting(session: Session, kind: str, ckpt: Path) -> Iterator[CollectingEngine | None]:
     """Around upstream's save: DeepSpeed's checkpoint engine and safetensors' ``save_file`` collect instead of
     writing, and accelerate's ``get_state_dict`` does not clone (the staging copies), where this save goes to the
     background (yields the collector, else None: a synchronous save)."""
-    saves = _saves(trainer, create=True) if kind == ASYNC_KIND else None
+    trainer = session.trainer
+    saves = _saves(session, create=True) if kind == ASYNC_KIND else None
     engine: Any = trainer.model_wrapped if trainer.is_deepspeed_enabled else None
     if saves is None or saves.disabled or saves.closed or engine is None:
         yield None
@@ -183,34 +185,36 @@ def collecting(trainer: JitTrainer, kind: str, ckpt: Path) -> Iterator[Collectin
         saves.disabled = True
         yield None
         return
-    if _callback_may_write(trainer, saves):
+    if _callback_may_write(session, saves):
         yield None
         return
     collector = CollectingEngine(original, ckpt, safetensors.torch.save_file)
     engine.checkpoint_engine = collector
     try:
-        with collect.safetensors_collected(collector), collect.state_dict_uncloned(trainer, collector), \
+        with collect.safetensors_collected(collector), \
+                collect.state_dict_uncloned(trainer, collector, session.jit_class), \
                 collect.trainer_state_collected(trainer, collector), collect.deepspeed_lookup_once():
             yield collector
     finally:
         engine.checkpoint_engine = original
 
 
-def _callback_may_write(trainer: JitTrainer, saves: AsyncSaves) -> bool:
+def _callback_may_write(session: Session, saves: AsyncSaves) -> bool:
     """Whether a callback's on_save on any rank may write into the checkpoint (the ranks agree: one all-reduce):
     then this save is synchronous, its on_save before the manifest; said once per train()."""
+    trainer = session.trainer
     reason = save_callbacks.sync_reason(trainer)
-    if trainer._agreement.all_true(reason is None):
+    if session.agreement.all_true(reason is None):
         return False
     if not saves.sync_said:
         saves.sync_said = True
-        logger.log(logging.WARNING if trainer._is_rank0 else logging.DEBUG, "%s", reason or (
+        logger.log(logging.WARNING if session.is_rank0 else logging.DEBUG, "%s", reason or (
             "slurm_jit: periodic checkpoints written synchronously: a callback's on_save on another rank may write "
             "into the checkpoint (that rank's line says which)"))
     return True
 
 
-def _stage(trainer: JitTrainer, saves: AsyncSaves, collector: CollectingEngine) -> StagedSave | Exception:
+def _stage(trainer: JitTrainerLike, saves: AsyncSaves, collector: CollectingEngine) -> StagedSave | Exception:
     """The collected states in host memory, keyed by their paths in the checkpoint (stable across steps: the buffers
     are reused), the copies deferred but for the module's weights and buffers: only DeepSpeed's optimizer step
     changes the optimizer's states (its fp32 master and moments), which the gate holds; a callback, a forward hook
@@ -230,14 +234,15 @@ def _stage(trainer: JitTrainer, saves: AsyncSaves, collector: CollectingEngine) 
         return exc  # (a raise here would leave the other ranks in the agreement until the side group's timeout)
 
 
-def _all_staged(trainer: JitTrainer, ok: bool) -> bool:
-    return trainer._agreement.all_true(ok)
+def _all_staged(session: Session, ok: bool) -> bool:
+    return session.agreement.all_true(ok)
 
 
-def _fall_back(trainer: JitTrainer, saves: AsyncSaves, staged: StagedSave | Exception,
+def _fall_back(session: Session, saves: AsyncSaves, staged: StagedSave | Exception,
                collector: CollectingEngine) -> None:
     """Some rank could not stage: every rank writes this save synchronously (the placeholders filled first), and
     every later one."""
+    trainer = session.trainer
     from slurm_jit.train import save_path  # noqa: PLC0415 (save_path imports this module)
 
     if isinstance(staged, HostMemoryError):
@@ -250,7 +255,7 @@ def _fall_back(trainer: JitTrainer, saves: AsyncSaves, staged: StagedSave | Exce
         staged.release()
     saves.stager.free()
     saves.disabled = True
-    if trainer._is_rank0:
+    if session.is_rank0:
         logger.warning("slurm_jit: async periodic saves off for this run: a rank could not stage its save in host "
                        "memory (its line above); every checkpoint is saved synchronously")
     for _, state in collector.collected:
@@ -263,18 +268,19 @@ def _fall_back(trainer: JitTrainer, saves: AsyncSaves, staged: StagedSave | Exce
             files.write(path, state)
 
 
-def submit(trainer: JitTrainer, collector: CollectingEngine | None, ckpt: Path, step: int, kind: str,
+def submit(session: Session, collector: CollectingEngine | None, ckpt: Path, step: int, kind: str,
            phases: Any, t0: float, *, fields: dict[str, Any]) -> bool:
     """After upstream's save: stage the collected states and start their background write (True: the save is
     the background's from here, its on_save told once it is committed), or write them now (False: the caller goes
     on with the synchronous save)."""
-    saves = _saves(trainer, create=False)
+    trainer = session.trainer
+    saves = _saves(session, create=False)
     if collector is None or saves is None:
         return False
     staged = _stage(trainer, saves, collector)
     fault_points.hit("stage", ckpt)  # fault injection: staged in host memory, the ranks not yet agreed
-    if not _all_staged(trainer, isinstance(staged, StagedSave)):
-        _fall_back(trainer, saves, staged, collector)
+    if not _all_staged(session, isinstance(staged, StagedSave)):
+        _fall_back(session, saves, staged, collector)
         return False
     assert isinstance(staged, StagedSave)
     phases.mark("stage")
@@ -283,7 +289,7 @@ def submit(trainer: JitTrainer, collector: CollectingEngine | None, ckpt: Path, 
              for path, state in collector.collected]
     job = InFlight(step, ckpt, fields["contents"], kind, time.monotonic(), staged.nbytes, epoch=trainer.state.epoch)
     share = commit_mod.Share(ckpt, rank, [p for p, _ in items])  # its files never removed once its marker is out
-    after = _after(trainer, job, share, world, kind, fields, [str(p.relative_to(ckpt)) for p, _ in items])
+    after = _after(session, job, share, world, kind, fields, [str(p.relative_to(ckpt)) for p, _ in items])
     if saves.writer.submit(ckpt, items, wait_if_busy=False, after=after, release=staged.release,
                            on_error=share.failed,
                            prepare=lambda: _copy(ckpt, staged)) is writer_mod.Submitted.REFUSED_BUSY:
@@ -295,13 +301,13 @@ def submit(trainer: JitTrainer, collector: CollectingEngine | None, ckpt: Path, 
     saves.waited_s = 0.0
     from slurm_jit.train import stop_path  # noqa: PLC0415 (stop_path imports save_path, which imports this)
 
-    run = trainer._jit_run
+    run = session.run
     job.gate = step_gate.StepGate(
         trainer.model_wrapped, staged, ckpt,
-        record=lambda wait_s: _record_blocked(trainer, job, kind, blocked_s, waited_s, phases, wait_s),
-        feed=lambda phase: stop_path.feed(trainer, phase),
+        record=lambda wait_s: _record_blocked(session, job, kind, blocked_s, waited_s, phases, wait_s),
+        feed=lambda phase: stop_path.feed(session, phase),
         watchdog_bound_s=lambda: run.watchdog.phase_bound_s("save") if run and run.watchdog else None)
-    logger.log(logging.INFO if trainer._is_rank0 else logging.DEBUG, "slurm_jit: %s checkpoint %s: training "
+    logger.log(logging.INFO if session.is_rank0 else logging.DEBUG, "slurm_jit: %s checkpoint %s: training "
                "blocked %.2f s (%d bytes staged, copied beside the next step); written in the background", kind,
                ckpt, blocked_s, staged.nbytes)
     return True
@@ -321,24 +327,25 @@ def _copy(ckpt: Path, staged: StagedSave) -> None:
         staged.copy_pending()
 
 
-def _record_blocked(trainer: JitTrainer, job: InFlight, kind: str, blocked_s: float, waited_s: float,
+def _record_blocked(session: Session, job: InFlight, kind: str, blocked_s: float, waited_s: float,
                     phases: Any, copy_wait_s: float) -> None:
     """The timing log's ``save_blocked``: the save's own seconds and the optimizer step's wait for the copies."""
-    run = trainer._jit_run
+    run = session.run
     if run is not None and run.timing is not None:
         run.timing.save_blocked(job.step, kind, blocked_s + copy_wait_s, job.nbytes,
                                 {"wait_previous": round(waited_s, 6), **phases.seconds,
                                  "copy_wait": round(copy_wait_s, 6)})
 
 
-def _after(trainer: JitTrainer, job: InFlight, share: commit_mod.Share, world: int, kind: str,
+def _after(session: Session, job: InFlight, share: commit_mod.Share, world: int, kind: str,
            fields: dict[str, Any], rels: list[str]) -> Callable[[], None]:
     """What the background thread does once this rank's files are durable: the rest of its share durable, its
     marker; rank 0: the commit and the rotation. A failure after the marker keeps the files (commit.Share)."""
+    trainer = session.trainer
     from slurm_jit.train import save_path  # noqa: PLC0415 (save_path imports this module)
 
     run_dir = job.ckpt.parent
-    abort = run.async_saves.abort if (run := trainer._jit_run) is not None and run.async_saves is not None else None
+    abort = run.async_saves.abort if (run := session.run) is not None and run.async_saves is not None else None
     best_before = trainer.state.best_model_checkpoint  # at the submit: an evaluation may name a newer one meanwhile
 
     def after() -> None:
@@ -352,10 +359,10 @@ def _after(trainer: JitTrainer, job: InFlight, share: commit_mod.Share, world: i
                 own_s = time.monotonic() - job.submitted_at
                 timeout_s = max(commit_mod.COMMIT_WAIT_MIN_S, commit_mod.COMMIT_WAIT_FACTOR * own_s)
                 nbytes = commit_mod.commit(job.ckpt, world, timeout_s,
-                                           lambda files: _seal(trainer, job, kind, fields, files), abort=abort)
+                                           lambda files: _seal(session, job, kind, fields, files), abort=abort)
                 share.committed = True
                 if not job.commit_gate.stop_asked:  # else the stop waits for the manifest only: the JIT save rotates
-                    save_path.rotate_checkpoints_safely(trainer, run_dir, just_written=job.ckpt,
+                    save_path.rotate_checkpoints_safely(session, run_dir, just_written=job.ckpt,
                                                         best_before=best_before)
                     fault_points.hit("rotated", job.ckpt)  # fault injection: a rotation failing in its last step
                 logger.info("slurm_jit: %s checkpoint %s complete in the background, %.2f s after its submission "
@@ -365,7 +372,7 @@ def _after(trainer: JitTrainer, job: InFlight, share: commit_mod.Share, world: i
     return after
 
 
-def _seal(trainer: JitTrainer, job: InFlight, kind: str, fields: dict[str, Any],
+def _seal(session: Session, job: InFlight, kind: str, fields: dict[str, Any],
           files: dict[str, dict[str, Any]]) -> int:
     from slurm_jit.train import save_path  # noqa: PLC0415 (save_path imports this module)
 
@@ -374,13 +381,14 @@ def _seal(trainer: JitTrainer, job: InFlight, kind: str, fields: dict[str, Any],
         raise commit_mod.CommitError(f"slurm_jit: {job.ckpt} not committed: a JIT stop set it aside; it stays "
                                      f"incomplete ({protocol.SENTINEL_NAME} kept). HINT: the JIT checkpoint is the "
                                      "resume point")
-    return save_path.seal(trainer, job.ckpt, job.step, kind, fields, files)
+    return save_path.seal(session, job.ckpt, job.step, kind, fields, files)
 
 
-def before_save(trainer: JitTrainer) -> None:
+def before_save(session: Session) -> None:
     """Before any save: the async save in flight durable and committed (a wait, logged), and taken as saved; at a
     JIT stop, the wait bounded by the signal lead (:mod:`.stop_wait`), past which the save is set aside."""
-    saves = _saves(trainer, create=False)
+    trainer = session.trainer
+    saves = _saves(session, create=False)
     if saves is None or saves.in_flight is None:
         return
     job = saves.in_flight
@@ -390,29 +398,29 @@ def before_save(trainer: JitTrainer) -> None:
                     trainer.state.global_step, job.step)
     from slurm_jit.train import stop_path  # noqa: PLC0415 (stop_path imports save_path, which imports this)
 
-    stop_path.feed(trainer, "save")  # the hang watchdog gives the wait a save's long bound
+    stop_path.feed(session, "save")  # the hang watchdog gives the wait a save's long bound
     saves.in_flight = None
     if job.gate is not None:
         job.gate.open()  # no optimizer step came between (a stop, the end): the copies are waited for here
-    run = trainer._jit_run
+    run = session.run
     if run is not None and run.save_kind == "jit":
-        stop_wait.settle(trainer, saves, job, t0)
+        stop_wait.settle(session, saves, job, t0)
         return
     error = None
     try:
         saves.writer.wait()  # the background write's error (one line), the sentinel kept
     except save_errors.CheckpointWriteError as exc:
         error = exc
-    _raise_on_every_rank(trainer, job, error)
+    _raise_on_every_rank(session, job, error)
     saves.waited_s = time.monotonic() - t0
-    claim.taken_as_saved(trainer, job, saves.writer)
+    claim.taken_as_saved(session, job, saves.writer)
 
 
-def _raise_on_every_rank(trainer: JitTrainer, job: InFlight, error: save_errors.CheckpointWriteError | None,
+def _raise_on_every_rank(session: Session, job: InFlight, error: save_errors.CheckpointWriteError | None,
                          ) -> None:
     """The ranks agree on the save's fate: where any rank's background write failed, every rank raises (its own
     error, or the first failed rank's line), so that no rank goes on into the next save's collectives alone."""
-    agreement = trainer._agreement
+    agreement = session.agreement
     if agreement.all_true(error is None):  # the usual case: one all-reduce; the lines only when a rank failed
         return
     parts = agreement.gather(None if error is None else str(error).splitlines()[0])
@@ -425,13 +433,13 @@ def _raise_on_every_rank(trainer: JitTrainer, job: InFlight, error: save_errors.
             f"slurm_jit: the async save of {job.ckpt} failed on rank {first[0]}: {first[1]}")
 
 
-def finish(trainer: JitTrainer) -> None:
+def finish(session: Session) -> None:
     """The end of training (before the best model is loaded): the save in flight committed, the thread ended,
     the staging buffers freed."""
-    saves = _saves(trainer, create=False)
+    saves = _saves(session, create=False)
     if saves is None or saves.closed:
         return
-    before_save(trainer)
+    before_save(session)
     saves.closed = True
     if saves.set_aside is None:
         saves.writer.close()
@@ -445,10 +453,10 @@ def finish(trainer: JitTrainer) -> None:
     saves.stager.free()
 
 
-def close_after_failure(trainer: JitTrainer) -> None:
+def close_after_failure(session: Session) -> None:
     """train() raised: the save in flight may finish (bounded), its error only logged; the thread ended. Where a
     peer was lost (the error in flight says so) rank 0's commit gives up at once: that peer's marker never comes."""
-    saves = _saves(trainer, create=False)
+    saves = _saves(session, create=False)
     if saves is None or saves.closed:
         return
     saves.closed = True

@@ -45,7 +45,7 @@ from slurm_jit.train.async_save.claim import taken_as_saved
 
 if TYPE_CHECKING:
     from slurm_jit.train.async_save.periodic import AsyncSaves, InFlight
-    from slurm_jit.train.trainer import JitTrainer
+    from slurm_jit.train.session import Session
 
 logger = logging.getLogger(__name__)
 
@@ -146,24 +146,24 @@ def bound_s(*, lead_s: float | None, earliest_signal: float, now: float, submitt
     return min(low - now, lead_s)
 
 
-def settle(trainer: JitTrainer, saves: AsyncSaves, job: InFlight, t0: float) -> None:
+def settle(session: Session, saves: AsyncSaves, job: InFlight, t0: float) -> None:
     """A JIT stop: the save in flight written within the bound on every rank (taken as saved), or set aside; a
     background write that failed is logged, never raised: the JIT save is the stop's to write (a full disk fails
     it with its own line)."""
-    bound = _stop_bound(trainer, saves, job)
+    bound = _stop_bound(session, saves, job)
     error, written = None, True
     try:
         written = saves.writer.wait(bound)
     except save_errors.CheckpointWriteError as exc:
         error = exc
-    agreement = trainer._agreement
+    agreement = session.agreement
     if agreement.all_true(written and error is None):  # the same decision on every rank
         saves.waited_s = time.monotonic() - t0
-        taken_as_saved(trainer, job, saves.writer)
+        taken_as_saved(session, job, saves.writer)
         return
-    kept = agreement.broadcast(not job.commit_gate.close() if trainer._is_rank0 else None)
+    kept = agreement.broadcast(not job.commit_gate.close() if session.is_rank0 else None)
     if not kept:
-        _set_aside(trainer, saves, job, bound, error, time.monotonic() - job.submitted_at)
+        _set_aside(session, saves, job, bound, error, time.monotonic() - job.submitted_at)
         return
     try:  # rank 0's manifest had begun: every rank's files are durable, the commit ends in a moment
         saves.writer.wait()
@@ -172,16 +172,17 @@ def settle(trainer: JitTrainer, saves: AsyncSaves, job: InFlight, t0: float) -> 
     if error is not None:  # rank 0's manifest failed (a full disk): not saved; the JIT save decides
         logger.warning("%s", error)
     if agreement.all_true(error is None):  # every rank takes it as saved, or none: the same save path after
-        taken_as_saved(trainer, job, saves.writer)
+        taken_as_saved(session, job, saves.writer)
 
 
-def _stop_bound(trainer: JitTrainer, saves: AsyncSaves, job: InFlight) -> float | None:
+def _stop_bound(session: Session, saves: AsyncSaves, job: InFlight) -> float | None:
     """Rank 0's bound on the JIT stop's wait (:func:`bound_s`), the same on every rank; None (no bound)
     at the step of the save in flight: that save is the stop's checkpoint, whose directory it is writing. Every rank
     also keeps rank 0's budget for the set-aside file: the end of train()'s wait for it."""
+    trainer = session.trainer
     bound, file_s = None, SET_ASIDE_FILE_UNMEASURED_S
-    run = trainer._jit_run
-    if trainer._is_rank0 and run is not None and run.kill_wait_until > 0 and job.step != trainer.state.global_step:
+    run = session.run
+    if session.is_rank0 and run is not None and run.kill_wait_until > 0 and job.step != trainer.state.global_step:
         carried = run.kill_wait_until - trainer.jit_config.kill_wait_s  # late where the stop came after kill_wait
         earliest = min(carried, run.latch.first_at) if run.latch.first_at is not None else carried
         files = [s for s in (saves.longest_file_s, saves.earlier.file_max_s) if s is not None]
@@ -189,25 +190,26 @@ def _stop_bound(trainer: JitTrainer, saves: AsyncSaves, job: InFlight) -> float 
         bound = bound_s(lead_s=signal_lead_s(), earliest_signal=earliest, now=time.monotonic(),
                         submitted_at=job.submitted_at, set_aside_s=file_s,
                         longest_write_s=max(saves.longest_write_s, saves.earlier.longest_write_s))
-    bound, file_s = trainer._agreement.broadcast((bound, file_s))
+    bound, file_s = session.agreement.broadcast((bound, file_s))
     saves.set_aside_wait_s = float(file_s)
     return None if bound is None else float(bound)
 
 
-def _set_aside(trainer: JitTrainer, saves: AsyncSaves, job: InFlight, bound: float | None,
+def _set_aside(session: Session, saves: AsyncSaves, job: InFlight, bound: float | None,
                error: save_errors.CheckpointWriteError | None, elapsed_s: float) -> None:
     """Some rank's share of the save in flight is late or failed at the stop: every rank's writer stops before its
     next file, rank 0's commit is closed (no manifest: the sentinel stays), the JIT save goes on. The timing log
     gets the write's time so far (a lower bound), so that grace-calc sizes the next lead with it."""
+    trainer = session.trainer
     saves.writer.cancel()
     saves.abort.set()
     saves.set_aside, saves.disabled = job.ckpt, True  # any later save (none after a JIT stop) is synchronous
-    run = trainer._jit_run
+    run = session.run
     if run is not None and run.timing is not None:
         run.timing.save_background(job.step, job.kind, elapsed_s, 0, {"set_aside": True, "staged_bytes": job.nbytes})
     if error is not None:  # this rank's share failed: the JIT save's own outcome decides
         logger.warning("%s", error)
-    if trainer._is_rank0:
+    if session.is_rank0:
         why = "still being written" if error is None else "not written on every rank"
         logger.warning("slurm_jit: the async save of %s is %s %.1f s after its submission (the stop waited %.1f s); "
                        "set aside (it stays incomplete, never claimed) for the JIT save of step %d. HINT: a longer "
