@@ -1,6 +1,6 @@
 """No import circle in src/ (STYLE.md: "No import circle, type-only ones included"): every import statement counts,
-at module level, under TYPE_CHECKING and inside a function (tests/helpers/import_graph.py builds the graph). The
-only circle left is the one named below, and it may only shrink: a new circle, or a module joining it, fails."""
+at module level, under TYPE_CHECKING and inside a function (tests/helpers/import_graph.py builds the graph). Any
+circle fails (the last ones, around trainer.py and the async saver, went with issue #43's session)."""
 
 from __future__ import annotations
 
@@ -10,23 +10,11 @@ from import_graph import cycles, import_graph
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
-# Being removed by issue #43 (the session landed; the async saver object next); empty this list when it is gone.
-CYCLES_BEING_REMOVED = [
-    frozenset({  # the async saver's free functions and the save/stop paths they call back (issue #43's saver object)
-        "slurm_jit.train.stop_path",
-        "slurm_jit.train.save_path",
-        "slurm_jit.train.async_save.claim",
-        "slurm_jit.train.async_save.periodic",
-        "slurm_jit.train.async_save.stop_wait",
-        "slurm_jit.train.async_save.writer",
-    }),
-]
 
-
-def test_src_has_no_import_circle_but_those_being_removed() -> None:
+def test_src_has_no_import_circle() -> None:
     graph = import_graph(SRC)
     assert len(graph) >= 100 and "slurm_jit.timing" in graph, sorted(graph)  # the tree is where this test thinks
-    new = [sorted(c) for c in cycles(graph) if not any(c <= allowed for allowed in CYCLES_BEING_REMOVED)]
+    new = [sorted(c) for c in cycles(graph)]
     assert not new, f"import circles: {new}. HINT: move what both modules need below both (one module per idea)"
 
 

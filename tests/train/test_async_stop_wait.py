@@ -20,7 +20,7 @@ from slurm_jit.checkpoint import protocol
 from slurm_jit.grace.formula import Margin
 from slurm_jit.grace.rules import LEAD_ENV_VAR
 from slurm_jit.train import save_errors, stop_record
-from slurm_jit.train.async_save import fault_points, stop_wait
+from slurm_jit.train.async_save import fault_points, in_flight, stop_wait
 
 
 def test_without_a_lead_there_is_no_bound(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -37,7 +37,7 @@ def test_the_wait_leaves_the_jit_save_the_longest_write_and_its_margin() -> None
     # for the set-aside writer's current file (none measured): waiting until t leaves max(20, t - 4) + 10 + 5 s:
     # t + (t - 4) + 15 == 100 at t = 44.5 (past 24 the save in flight has taken longer than the longest write)
     close_s = stop_wait.set_aside_file_s(None)
-    assert close_s == stop_wait.SET_ASIDE_FILE_UNMEASURED_S == 5.0
+    assert close_s == in_flight.SET_ASIDE_FILE_UNMEASURED_S == 5.0
     bound = stop_wait.bound_s(lead_s=100.0, earliest_signal=0.0, now=5.0, submitted_at=4.0, longest_write_s=20.0)
     assert bound == pytest.approx(39.5, abs=1e-6)
     # a long longest write: it alone decides (t + 60 + 12 + 5 == 100 at t = 23)
@@ -63,14 +63,14 @@ def test_the_set_aside_file_is_budgeted_from_the_longest_file_write_measured() -
 def test_earlier_runs_writes_are_read_from_the_timing_log(tmp_path: Path) -> None:
     """A requeued run's stop knows the writes of the runs before it (the timing log): the longest background write
     (a set-aside one's time so far counts: at least that) and the longest file write of any rank."""
-    assert stop_wait.earlier_writes(tmp_path / "none") == stop_wait.WriteHistory()
+    assert stop_wait.earlier_writes(tmp_path / "none") == in_flight.WriteHistory()
     for rank, (dur_s, file_s) in enumerate([(40.0, 12.0), (44.0, 9.0)]):
         log = timing.TimingLog(tmp_path, rank, 2, "earlier")
         log.save_background(4, "periodic", dur_s, 1000, {"write_s": 30.0, "fsync_s": 1.0, "commit_s": 0.0,
                                                          "file_max_s": file_s})
         log.save_background(8, "periodic", 50.0 + rank, 0, {"set_aside": True})
         log.close()
-    assert stop_wait.earlier_writes(tmp_path) == stop_wait.WriteHistory(longest_write_s=51.0, file_max_s=12.0)
+    assert stop_wait.earlier_writes(tmp_path) == in_flight.WriteHistory(longest_write_s=51.0, file_max_s=12.0)
 
 
 def test_no_time_left_is_no_wait() -> None:
@@ -120,9 +120,9 @@ def test_a_jit_stop_sets_aside_an_async_save_the_lead_cannot_wait_for_and_resume
 
 
 def test_the_commit_gate_lets_one_side_win_for_good() -> None:
-    sealing_first = stop_wait.CommitGate()
+    sealing_first = in_flight.CommitGate()
     assert sealing_first.enter_seal() and not sealing_first.close()  # the manifest had begun: the save is kept
-    closed_first = stop_wait.CommitGate()
+    closed_first = in_flight.CommitGate()
     assert closed_first.close() and not closed_first.enter_seal() and closed_first.close()  # never a manifest
 
 
@@ -243,10 +243,8 @@ class _Writer:
 def test_a_kept_save_whose_manifest_failed_on_rank0_is_taken_as_saved_by_no_rank() -> None:
     """The second review: rank 0's commit had begun its manifest (kept), then failed; rank 1 took the save as saved,
     rank 0 did not: at a stop of that step rank 1 skipped the JIT save and rank 0 waited in its barrier."""
-    from slurm_jit.train.async_save.periodic import InFlight  # noqa: PLC0415
-
     agreement = _TwoRanksInThreads()
-    job = InFlight(8, Path("/nonexistent/checkpoint-8"), "full", "periodic", 0.0, 1)
+    job = in_flight.InFlight(8, Path("/nonexistent/checkpoint-8"), "full", "periodic", 0.0, 1)
     assert job.commit_gate.enter_seal()  # rank 0's thread: the markers read, the manifest begun
     saved: dict[int, int] = {}
 

@@ -19,7 +19,7 @@ from torch.utils.serialization import config as torch_serialization
 from slurm_jit.train import save_errors
 from slurm_jit.train.async_save import BackgroundWriter, HostStager, Submitted
 from slurm_jit.train.save_errors import CheckpointWriteError
-from slurm_jit.train.save_path import zip_crc32
+from slurm_jit.train.zip_crc import zip_crc32
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 WAIT_S = 60  # every wait has a deadline: a hung writer fails its test

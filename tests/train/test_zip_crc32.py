@@ -1,4 +1,4 @@
-"""torch.save's per-record CRC-32 is off in JitTrainer's saves (JitConfig.zip_crc32, train/save_path.py): the
+"""torch.save's per-record CRC-32 is off in JitTrainer's saves (JitConfig.zip_crc32, train/zip_crc.py): the
 files still load with torch.load, the manifest's xxh3-128 is what guards them, and torch's setting is restored.
 Real files: a JitTrainer ZeRO-2 run's checkpoint against a plain Trainer's (the session fixtures)."""
 
@@ -13,7 +13,7 @@ from torch.utils.serialization import config as torch_serialization
 
 from slurm_jit.checkpoint import formats
 from slurm_jit.train.jit_config import JitConfig
-from slurm_jit.train.save_path import zip_crc32
+from slurm_jit.train.zip_crc import zip_crc32
 
 
 def _torch_zips(ckpt: Path) -> list[Path]:

@@ -78,7 +78,7 @@ class Run:
     frozen: Any = None  # rank 0: the frozen weights' fingerprint (frozen_weights.py), computed at the start
     frozen_refusal: str | None = None  # every rank: a frozen-weights refusal raised after the load (not before)
     watchdog: Watchdog | None = None  # this rank's hang watchdog, from the first step until train() ends
-    async_saves: Any = None  # JitConfig(async_periodic_saves=True): train/async_save/periodic.py's AsyncSaves
+    async_saves: Any = None  # JitConfig(async_periodic_saves=True): train/async_save/in_flight.py's AsyncSaves
     hung: bool = False  # the watchdog fired: the process is writing its hang record and exiting
     chain_first_step: int | None = None  # the first step of this requeue chain's training (logging_window.py)
     capture_window: Any = None  # () -> this rank's logging_window.Window now (the trainer reads upstream's fields)

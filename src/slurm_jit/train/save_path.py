@@ -10,16 +10,13 @@ means is :mod:`slurm_jit.checkpoint.protocol`'s.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-from torch.utils.serialization import config as torch_serialization
 
 from slurm_jit.checkpoint import names, protocol
 from slurm_jit.train import (
@@ -33,7 +30,7 @@ from slurm_jit.train import (
     slim_save,
     stop_path,
 )
-from slurm_jit.train.async_save import periodic as async_periodic
+from slurm_jit.train.zip_crc import zip_crc32
 
 if TYPE_CHECKING:
     from slurm_jit.train.session import JitTrainerLike, Session
@@ -105,7 +102,7 @@ def save_checkpoint(session: Session, model: Any, trial: Any, upstream: Upstream
     trainer = session.trainer
     run = session.run
     step = trainer.state.global_step
-    async_periodic.before_save(session)  # an async save in flight is durable and committed before any other save
+    session.saver.before_save()  # an async save in flight is durable and committed before any other save
     if run is not None and run.saved_step == step:
         return  # this step is already saved by this run
     kind = (run.save_kind if run and run.save_kind else None) or (
@@ -118,13 +115,13 @@ def save_checkpoint(session: Session, model: Any, trial: Any, upstream: Upstream
     _begin(session, ckpt, step, kind)
     phases.mark("begin")
     with save_errors.disk_full_is_one_line(ckpt):  # one clear line; the sentinel stays, nothing rotates
-        with zip_crc32(trainer.jit_config.zip_crc32), async_periodic.collecting(session, kind, ckpt) as collected:
+        with zip_crc32(trainer.jit_config.zip_crc32), session.saver.collecting(kind, ckpt) as collected:
             contents, weights = upstream_save(trainer, model, trial, kind, upstream)
         window = run.capture_window() if run is not None and run.capture_window is not None else None
         if window is not None:  # what the next log after a resume averages
             logging_window.write(ckpt, int(trainer.args.process_index), window)
         phases.mark("write")
-        if async_periodic.submit(session, collected, ckpt, step, kind, phases, t0,
+        if session.saver.submit(collected, ckpt, step, kind, phases, t0,
                                  fields=manifest_fields(session, contents, weights)):
             return  # written and committed in the background, on_save told then (train/async_save/periodic.py)
         save_callbacks.run_writers(session)
@@ -170,18 +167,6 @@ def manifest_fields(session: Session, contents: str, weights: str) -> dict[str, 
         **data_position.manifest_fields(run.data_position if run else None, int(trainer.state.global_step)),
         **({keep_batch.MANIFEST_KEY: run.batch_record} if run and run.batch_record else {}),
     }
-
-
-@contextlib.contextmanager
-def zip_crc32(enabled: bool) -> Iterator[None]:
-    """torch.save computes each zip record's CRC-32 inside the block only when ``enabled`` (JitConfig.zip_crc32);
-    torch's own setting is back after."""
-    before = torch_serialization.save.compute_crc32
-    torch_serialization.save.compute_crc32 = enabled
-    try:
-        yield
-    finally:
-        torch_serialization.save.compute_crc32 = before
 
 
 def _begin(session: Session, ckpt: Path, step: int, kind: str) -> None:

@@ -15,9 +15,11 @@ before sessions existed.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 from slurm_jit.train.agreement import StopAgreement
 from slurm_jit.train.output_lock_record import OutputLock
@@ -39,16 +41,33 @@ class Hooks:
     ds_config: Callable[[], dict[str, Any] | None]  # the DeepSpeed config in use, None without DeepSpeed
 
 
+class Saver(Protocol):
+    """The async periodic saves as the save and stop paths call them (``async_save/saver.py``'s AsyncSaver): the
+    paths do not import the saver, which calls them."""
+
+    def before_save(self) -> None: ...
+    def collecting(self, kind: str, ckpt: Path) -> contextlib.AbstractContextManager[Any]: ...
+    def submit(self, collected: Any, ckpt: Path, step: int, kind: str, phases: Any, t0: float, *,
+               fields: dict[str, Any]) -> bool: ...
+    def in_flight_step(self) -> int | None: ...
+    def in_flight_contents(self, step: int) -> str | None: ...
+    def done_step(self) -> int: ...
+    def tell_committed(self, agreed_step: int) -> None: ...
+    def finish(self) -> None: ...
+    def close_after_failure(self) -> None: ...
+
+
 class Session:
     """The state the rooms share, one owner for each piece (the module docstring)."""
 
-    def __init__(self, trainer: Any, jit_class: type, hooks: Hooks) -> None:
+    def __init__(self, trainer: Any, jit_class: type, hooks: Hooks, saver: Callable[[Session], Saver]) -> None:
         self.trainer = trainer  # the JitTrainer: its public attributes only
         self.jit_class = jit_class  # JitTrainer itself: whether one of its methods is overridden (async_save/collect)
         self.hooks = hooks
         self.run: Run | None = None  # this train()'s state, between its start and its end
         self.output_lock: OutputLock | None = None  # rank 0, during train(): the output_dir's lock (resume_path)
         self._agreement: StopAgreement | None = None
+        self.saver = saver(self)  # the async periodic saves (async_save/saver.py), made last
 
     @property
     def is_rank0(self) -> bool:

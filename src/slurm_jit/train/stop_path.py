@@ -50,7 +50,7 @@ def at_boundary(session: Session) -> Decision:
         run.signal_step = trainer.state.global_step
     choose = run.steps_done == WARMUP_STEPS + 1  # the first timed step, the same on every rank
     decision = agreement.at_boundary(*wish(session, agreement.latency_steps), step_s=run.est_step_s,
-                                     choose_mode=choose, done_step=_async_done_step(session))
+                                     choose_mode=choose, done_step=session.saver.done_step())
     run.agreement_mode = agreement.mode
     if choose and agreement.choice is not None:
         choice = agreement.choice
@@ -108,34 +108,6 @@ def at_last_step(trainer: JitTrainerLike) -> bool:
     return bool(trainer.state.max_steps) and trainer.state.global_step >= trainer.state.max_steps
 
 
-def _async_done_step(session: Session) -> int:
-    """The async periodic save this rank's writer has finished (what the stop round carries; async_save/claim.py)."""
-    from slurm_jit.train.async_save import claim  # noqa: PLC0415 (the package imports writer -> save_path -> here)
-
-    return claim.done_step(session)
-
-
-def _async_tell(session: Session, agreed_step: int) -> None:
-    """The round's agreed done step: where it is the save in flight's, its callbacks' on_save now."""
-    from slurm_jit.train.async_save import claim  # noqa: PLC0415 (the package imports writer -> save_path -> here)
-
-    claim.tell_committed(session, agreed_step)
-
-
-def _async_submitted(session: Session) -> int | None:
-    """The step of an async periodic save just submitted (its staging is what blocked this boundary)."""
-    from slurm_jit.train.async_save import periodic  # noqa: PLC0415 (periodic -> writer -> save_path -> here)
-
-    return periodic.in_flight_step(session)
-
-
-def _async_contents(session: Session, step: int) -> str | None:
-    """What the async periodic save of ``step`` still in flight holds (None: none in flight of that step)."""
-    from slurm_jit.train.async_save import periodic  # noqa: PLC0415 (periodic -> writer -> save_path -> here)
-
-    return periodic.in_flight_contents(session, step)
-
-
 def log_save_evaluate(session: Session, run: Run, upstream: Callable[[], None], model: Any,
                       trial: Any) -> None:
     """``_maybe_log_save_evaluate`` inside the loop: this boundary's stop round, upstream's evaluation and save
@@ -157,10 +129,10 @@ def log_save_evaluate(session: Session, run: Run, upstream: Callable[[], None], 
         trainer.control.should_save = False
     upstream()
     if done_step is not None:  # an async save every rank has written: on_save now, where upstream calls it
-        _async_tell(session, done_step)
-    if not run.stop_now and step in (run.saved_step, _async_submitted(session)):
+        session.saver.tell_committed(done_step)
+    if not run.stop_now and step in (run.saved_step, session.saver.in_flight_step()):
         agree_now(session)  # a periodic save just ended: a stop that came during it is taken here, not a step later
-    if _stopping(run, step, last_step, _async_contents(session, step)):
+    if _stopping(run, step, last_step, session.saver.in_flight_contents(step)):
         if run.saved_step != step:
             save_jit(session, model, trial)
         run.checkpoint = str(Path(session.hooks.output_dir(trial=None)) / f"checkpoint-{step}")

@@ -89,6 +89,7 @@ from slurm_jit.train import (
     writable,
 )
 from slurm_jit.train.async_save import periodic as async_periodic
+from slurm_jit.train.async_save.saver import AsyncSaver
 from slurm_jit.train.jit_config import JitConfig
 from slurm_jit.train.refusals import JitRefusal, refused_settings
 from slurm_jit.train.run_state import Run, StopBeforeFirstStep
@@ -157,8 +158,6 @@ class JitTrainer(transformers.Trainer):
         self._upstream_on_save = self.callback_handler.on_save
         setattr(self.callback_handler, "on_save", _already_called_on_save)  # noqa: B010 - an instance override
 
-    # ------------------------------------------------------------ set-up
-
     def _ds_config(self) -> dict[str, Any] | None:
         return self.accelerator.state.deepspeed_plugin.deepspeed_config if self.is_deepspeed_enabled else None
 
@@ -169,7 +168,7 @@ class JitTrainer(transformers.Trainer):
                 save_checkpoint=lambda *a: self._save_checkpoint(*a), evaluate=lambda *a: self._evaluate(*a),
                 determine_best_metric=lambda **k: self._determine_best_metric(**k),
                 output_dir=lambda **k: self._get_output_dir(**k), ds_config=lambda: self._ds_config(),
-                upstream_on_save=lambda *a: self._upstream_on_save(*a)))
+                upstream_on_save=lambda *a: self._upstream_on_save(*a)), AsyncSaver)
         return self._jit_held
 
     @property
@@ -270,7 +269,7 @@ class JitTrainer(transformers.Trainer):
         elastic.uninstall_universal_load()
         slim_save.uninstall_load()
         session = self._jit_session
-        async_periodic.close_after_failure(session)  # after finish(): nothing left; after a failure: bounded
+        session.saver.close_after_failure()  # after finish(): nothing left; after a failure: bounded
         # Every path closes the side group: a failed train() must not leave a round in flight for the next
         # one, nor a gloo group for the interpreter's exit. After a failure no barrier (a peer may be gone).
         session.close_agreement(clean)
@@ -356,7 +355,7 @@ class JitTrainer(transformers.Trainer):
                            **kwargs: Any) -> Any:
         # Upstream deletes every checkpoint-* but the best here when save_total_limit == 1 (the JIT checkpoint
         # and quarantined directories included): rotation is ours alone, after each manifest.
-        async_periodic.finish(self._jit_session)  # an async save in flight committed before the best model is loaded
+        self._jit_session.saver.finish()  # an async save in flight committed before the best model is loaded
         limit = self.args.save_total_limit
         self.args.save_total_limit = None
         run = self._jit_run

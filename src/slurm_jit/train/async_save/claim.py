@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from slurm_jit.train import save_callbacks
 
 if TYPE_CHECKING:
-    from slurm_jit.train.async_save.periodic import AsyncSaves, InFlight
+    from slurm_jit.train.async_save.in_flight import AsyncSaves, InFlight
     from slurm_jit.train.async_save.writer import BackgroundWriter
     from slurm_jit.train.session import Session
 

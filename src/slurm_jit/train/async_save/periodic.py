@@ -1,7 +1,8 @@
 """Asynchronous periodic saves in the JitTrainer (``JitConfig(async_periodic_saves=True)``, issue #23).
 
-Owns the async save in flight of one ``train()`` (:class:`AsyncSaves`, on ``Run.async_saves``) and the hooks
-:mod:`slurm_jit.train.save_path` calls. A periodic save with the flag on goes, on the training thread:
+Works the async saves of one ``train()`` (:class:`~.in_flight.AsyncSaves`, on ``Run.async_saves``) behind the
+calls the save and stop paths make through ``session.saver`` (:mod:`.saver`). A periodic save with the flag on
+goes, on the training thread:
 
 1. the sentinel (``save_path``, as every save), then upstream's save with DeepSpeed's checkpoint engine swapped for
    :class:`~.collect.CollectingEngine`: the model states and each rank's optimizer states are collected, not
@@ -53,23 +54,23 @@ import contextlib
 import logging
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import safetensors.torch
 
 from slurm_jit.checkpoint import protocol
-from slurm_jit.train import save_callbacks, save_errors
+from slurm_jit.train import lost_peers, save_callbacks, save_errors, save_path, stop_path
 from slurm_jit.train.async_save import claim, collect, fault_points, files, staging, step_gate, stop_wait
 from slurm_jit.train.async_save import commit as commit_mod
-from slurm_jit.train.async_save import writer as writer_mod  # the module: writer imports save_path, which imports us
+from slurm_jit.train.async_save import writer as writer_mod
 from slurm_jit.train.async_save.collect import CollectingEngine
+from slurm_jit.train.async_save.in_flight import AsyncSaves, InFlight, WriteHistory
 from slurm_jit.train.async_save.memory_guard import HostMemoryError
 from slurm_jit.train.async_save.staging import HostStager, StagedSave
+from slurm_jit.train.zip_crc import zip_crc32
 
 if TYPE_CHECKING:
     from slurm_jit.train.session import JitTrainerLike, Session
@@ -79,41 +80,6 @@ logger = logging.getLogger(__name__)
 ASYNC_KIND = "periodic"  # the only kind saved in the background: a JIT save and the final one stay synchronous
 TORCH_ENGINE = "TorchCheckpointEngine"  # DeepSpeed's default engine: save() is one torch.save
 FAILED_CLOSE_WAIT_S = 60.0  # after a failed train(): how long the save in flight may still finish
-
-
-@dataclass
-class InFlight:
-    """One async save from its submission until the training thread has seen it committed."""
-
-    step: int
-    ckpt: Path
-    contents: str
-    kind: str
-    submitted_at: float
-    nbytes: int
-    after_s: float = 0.0  # the background thread's marker, and on rank 0 the wait for the others and the commit
-    gate: step_gate.StepGate | None = None  # DeepSpeed's next optimizer step held until the deferred copies are done
-    commit_gate: stop_wait.CommitGate = field(default_factory=stop_wait.CommitGate)  # rank 0's manifest vs a set-aside
-    epoch: float | None = None  # the state's epoch at the save: what the callbacks' on_save is told with it
-
-
-@dataclass
-class AsyncSaves:
-    """The async periodic saves of one ``train()`` (``Run.async_saves``)."""
-
-    stager: HostStager
-    writer: writer_mod.BackgroundWriter
-    disabled: bool = False  # a HostMemoryError: synchronous saves from then on
-    in_flight: InFlight | None = None
-    waited_s: float = 0.0  # the last wait for a save in flight (the next save's blocked time includes it)
-    longest_write_s: float = 0.0  # of this run's background writes, commit included: what a JIT save may need
-    longest_file_s: float | None = None  # of this run's background writes, the longest one file took
-    earlier: stop_wait.WriteHistory = field(default_factory=stop_wait.WriteHistory)  # rank 0: the runs before
-    set_aside: Path | None = None  # a save in flight a JIT stop did not wait for (stop_wait.py): never claimed
-    set_aside_wait_s: float = stop_wait.SET_ASIDE_FILE_UNMEASURED_S  # the end of train()'s wait for its last file
-    sync_said: bool = False  # the line saying why periodic saves are synchronous (a callback that may write) logged
-    closed: bool = False
-    abort: threading.Event = field(default_factory=threading.Event)  # rank 0's commit gives up (a peer lost)
 
 
 def refusal(trainer: JitTrainerLike) -> str | None:
@@ -161,7 +127,7 @@ def _saves(session: Session, create: bool) -> AsyncSaves | None:
                                      writer_mod.BackgroundWriter(zip_crc32=trainer.jit_config.zip_crc32),
                                      # rank 0 bounds a JIT stop's wait: the writes of the runs before count too
                                      earlier=stop_wait.earlier_writes(str(trainer.args.output_dir)) if session.is_rank0
-                                     else stop_wait.WriteHistory())
+                                     else WriteHistory())
     saves: AsyncSaves | None = run.async_saves
     return saves
 
@@ -243,8 +209,6 @@ def _fall_back(session: Session, saves: AsyncSaves, staged: StagedSave | Excepti
     """Some rank could not stage: every rank writes this save synchronously (the placeholders filled first), and
     every later one."""
     trainer = session.trainer
-    from slurm_jit.train import save_path  # noqa: PLC0415 (save_path imports this module)
-
     if isinstance(staged, HostMemoryError):
         logger.warning("%s", staged)
     elif isinstance(staged, Exception):
@@ -263,7 +227,7 @@ def _fall_back(session: Session, saves: AsyncSaves, staged: StagedSave | Excepti
             source = collector.sources.get(tensor.untyped_storage()._cdata)
             if source is not None:
                 tensor.copy_(source)
-    with save_path.zip_crc32(trainer.jit_config.zip_crc32):
+    with zip_crc32(trainer.jit_config.zip_crc32):
         for path, state in collector.collected:
             files.write(path, state)
 
@@ -299,8 +263,6 @@ def submit(session: Session, collector: CollectingEngine | None, ckpt: Path, ste
     phases.mark("submit")
     blocked_s, waited_s = time.monotonic() - t0, saves.waited_s
     saves.waited_s = 0.0
-    from slurm_jit.train import stop_path  # noqa: PLC0415 (stop_path imports save_path, which imports this)
-
     run = session.run
     job.gate = step_gate.StepGate(
         trainer.model_wrapped, staged, ckpt,
@@ -342,8 +304,6 @@ def _after(session: Session, job: InFlight, share: commit_mod.Share, world: int,
     """What the background thread does once this rank's files are durable: the rest of its share durable, its
     marker; rank 0: the commit and the rotation. A failure after the marker keeps the files (commit.Share)."""
     trainer = session.trainer
-    from slurm_jit.train import save_path  # noqa: PLC0415 (save_path imports this module)
-
     run_dir = job.ckpt.parent
     abort = run.async_saves.abort if (run := session.run) is not None and run.async_saves is not None else None
     best_before = trainer.state.best_model_checkpoint  # at the submit: an evaluation may name a newer one meanwhile
@@ -374,8 +334,6 @@ def _after(session: Session, job: InFlight, share: commit_mod.Share, world: int,
 
 def _seal(session: Session, job: InFlight, kind: str, fields: dict[str, Any],
           files: dict[str, dict[str, Any]]) -> int:
-    from slurm_jit.train import save_path  # noqa: PLC0415 (save_path imports this module)
-
     fault_points.hit("manifest", job.ckpt)  # fault injection: the markers removed, the manifest not yet written
     if not job.commit_gate.enter_seal():
         raise commit_mod.CommitError(f"slurm_jit: {job.ckpt} not committed: a JIT stop set it aside; it stays "
@@ -396,8 +354,6 @@ def before_save(session: Session) -> None:
     if saves.writer.in_flight:
         logger.info("slurm_jit: the save of step %d waits for the async save of step %d (still being written)",
                     trainer.state.global_step, job.step)
-    from slurm_jit.train import stop_path  # noqa: PLC0415 (stop_path imports save_path, which imports this)
-
     stop_path.feed(session, "save")  # the hang watchdog gives the wait a save's long bound
     saves.in_flight = None
     if job.gate is not None:
@@ -460,8 +416,6 @@ def close_after_failure(session: Session) -> None:
     if saves is None or saves.closed:
         return
     saves.closed = True
-    from slurm_jit.train import lost_peers  # noqa: PLC0415 (lost_peers -> stop_record; kept out of import time)
-
     error = sys.exc_info()[1]
     if error is not None and lost_peers.how_lost(error) is not None:
         saves.abort.set()

@@ -31,9 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -42,51 +40,20 @@ from slurm_jit.grace.formula import Margin
 from slurm_jit.grace.rules import LEAD_ENV_VAR
 from slurm_jit.train import save_errors
 from slurm_jit.train.async_save.claim import taken_as_saved
+from slurm_jit.train.async_save.in_flight import SET_ASIDE_FILE_UNMEASURED_S, WriteHistory
 
 if TYPE_CHECKING:
-    from slurm_jit.train.async_save.periodic import AsyncSaves, InFlight
+    from slurm_jit.train.async_save.in_flight import AsyncSaves, InFlight
     from slurm_jit.train.session import Session
 
 logger = logging.getLogger(__name__)
 
-# The set-aside writer's current file: how long the stop budgets for it and the end of train() waits for it.
-SET_ASIDE_FILE_UNMEASURED_S = 5.0  # no file write measured yet (a fresh output_dir's first save in flight)
+# The set-aside writer's current file: how long the stop budgets for it and the end of train() waits for it
+# (SET_ASIDE_FILE_UNMEASURED_S, in_flight.py: before any file write is measured).
 SET_ASIDE_FILE_FACTOR = 2.0  # the longest file write measured, twice: beside the JIT save, two writers share the disk
 SET_ASIDE_FILE_MIN_S = 1.0  # a file measured in milliseconds still gets a second (a loaded host's scheduling)
 MAX_LEAD_S = 65535  # Slurm's --signal=<sig>@<N> takes N up to 65535 s: a larger "lead" is no lead Slurm gives
 _BISECT_ROUNDS = 60  # the bound to far below a millisecond for any lead
-
-
-class CommitGate:
-    """Rank 0's commit of one async save against a JIT stop's set-aside: whichever comes first wins, for good."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._sealing = False
-        self._closed = False
-        self.stop_asked = False  # a JIT stop came for it: the commit, if kept, leaves the rotation to the JIT save
-
-    def enter_seal(self) -> bool:
-        """The writer's thread, before the manifest: False once the save was set aside (no manifest then)."""
-        with self._lock:
-            self._sealing = not self._closed
-            return self._sealing
-
-    def close(self) -> bool:
-        """The training thread, setting the save aside: True when no manifest will be written for it; False when
-        the commit has already begun it (every rank's files are durable: the save is kept)."""
-        with self._lock:
-            self.stop_asked = True
-            self._closed = not self._sealing
-            return self._closed
-
-
-@dataclass(frozen=True)
-class WriteHistory:
-    """The background writes of the earlier runs of an output_dir (its timing log), each save's slowest rank."""
-
-    longest_write_s: float = 0.0  # write + fsync + commit (a set-aside write's time so far: at least that)
-    file_max_s: float | None = None  # the longest one file took (None: not recorded)
 
 
 def earlier_writes(output_dir: str | os.PathLike[str]) -> WriteHistory:

@@ -4,7 +4,7 @@ A caller may rely on:
 
 - :meth:`BackgroundWriter.submit` runs ``prepare`` first (the staging's deferred copies), then starts the write of
   a list of ``(path, staged state)`` (``torch.save`` under the project's ``zip_crc32`` setting,
-  :func:`slurm_jit.train.save_path.zip_crc32`, or safetensors: :mod:`.files`), then fsyncs each file and each
+  :func:`slurm_jit.train.zip_crc.zip_crc32`, or safetensors: :mod:`.files`), then fsyncs each file and each
   directory from the files' up to the checkpoint directory, then runs ``after`` (e.g. this rank's "done" marker),
   then ``release`` (the staging buffers are free again; it runs whatever happened).
 - One save in flight at most, never a queue: a ``submit`` while one is in flight waits for it
@@ -43,8 +43,8 @@ from typing import Any
 
 from slurm_jit.checkpoint import protocol
 from slurm_jit.train import save_errors
-from slurm_jit.train import save_path as _save_path  # the module (its zip_crc32 at call time): no import cycle
 from slurm_jit.train.async_save import fault_points, files
+from slurm_jit.train.zip_crc import zip_crc32 as zip_records_crc32
 
 logger = logging.getLogger(__name__)
 
@@ -233,7 +233,7 @@ def _write_durably(job: _Job, zip_crc32: bool, cancel: threading.Event) -> Write
     t0 = time.monotonic()
     directories: set[Path] = set()
     file_max_s = 0.0
-    with _save_path.zip_crc32(zip_crc32):
+    with zip_records_crc32(zip_crc32):
         for i, (path, state) in enumerate(job.items):
             _check(cancel)
             path.parent.mkdir(parents=True, exist_ok=True)
