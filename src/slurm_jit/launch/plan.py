@@ -88,25 +88,27 @@ def plan_lines(launch: Launch, checked: gate.GateResult, *, explain: bool = Fals
     ranks = f"{sizes[0]}-{sizes[-1]}" if nodes.elastic else str(launch.world_size)
     elastic_nodes = node_range.plan_line(nodes, per_node)
     staging = grace_cli.staging_note(launch.output_dir, per_node)
+    first = (f"plan: {nodes.sbatch_value()} node(s) x {per_node} task(s) = {ranks} ranks, one srun task each; "
+             f"--time={launch.time}" + ("" if explain else "; --explain: where each figure comes from"))
     lines = [
-        f"plan: {nodes.sbatch_value()} node(s) x {per_node} task(s) = {ranks} ranks, one srun task each; "
-        f"--time={launch.time}" + ("" if explain else "; --explain: where each figure comes from"),
-        *([f"  nodes:    {elastic_nodes}"] if elastic_nodes else []),
-        f"  signal:   #SBATCH --signal=TERM@{result.lead_s} (no B:, so it reaches the ranks); "
-        f"export SLURM_JIT_SIGNAL_LEAD_S={result.lead_s}",
-        f"  grace:    {grace_sum(result)}",
-        *([f"  staging:  {staging}"] if staging else []),
-        *([f"  saves:    {launch.saves.line}"] if launch.saves else []),
-        f"  requeue:  {_requeue(ex)}",
+        *textwrap.wrap(first, width=WIDTH, subsequent_indent=" " * LABEL, break_long_words=False,
+                       break_on_hyphens=False),
+        *(_labelled("nodes:", elastic_nodes) if elastic_nodes else []),
+        *_labelled("signal:", f"#SBATCH --signal=TERM@{result.lead_s} (no B:, so it reaches the ranks); "
+                              f"export SLURM_JIT_SIGNAL_LEAD_S={result.lead_s}"),
+        *_labelled("grace:", grace_sum(result)),
+        *(_labelled("staging:", staging) if staging else []),
+        *(_labelled("saves:", launch.saves.line) if launch.saves else []),
+        *_labelled("requeue:", _requeue(ex)),
         *_labelled("resume:", finished.resume_line(launch.output_dir, checked)),
-        *([f"  elastic:  {_elastic_line(launch, checked)}"] if checked.elastic is not None else []),
+        *(_labelled("elastic:", _elastic_line(launch, checked)) if checked.elastic is not None else []),
         *_command("training:", what),
         *_labelled("python:", f"{launch.python} (the batch script's and every task's interpreter; --python to change)"),
         *_labelled("ops:", ops.plan_line(ops.job_env(), gpus=bool(ex.parameters.get("gpus_per_node")))),
         *_command("sbatch:", [quoted([a]) for a in ex.sbatch_argv()]),
         *_labelled("logs:", f"{task_logs(launch)} (one per task; task 0's also holds the batch script's lines)"),
     ]
-    return [line for line in lines for line in _fitted(line)] + (explain_lines(launch) if explain else [])
+    return lines + (explain_lines(launch) if explain else [])
 
 
 def submitted_lines(launch: Launch, job_id: str, status: Sequence[str]) -> list[str]:
@@ -149,17 +151,6 @@ def _command(label: str, words: Sequence[str]) -> list[str]:
         line += word if fresh else f" {word}"
         fresh = False
     return [*lines, line]
-
-
-def _fitted(line: str) -> list[str]:
-    """A plan line cut to :data:`WIDTH` where it is longer (a line of the node range or the elastic resume)."""
-    if len(line) <= WIDTH:
-        return [line]
-    if not line.startswith("  "):  # the plan's first line
-        return textwrap.wrap(line, width=WIDTH, subsequent_indent=" " * LABEL, break_long_words=False,
-                             break_on_hyphens=False)
-    label, _, value = line[2:].partition("  ")
-    return _wrapped(label, value.lstrip())
 
 
 def _wrapped(label: str, text: str) -> list[str]:
