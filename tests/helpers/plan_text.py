@@ -4,7 +4,7 @@ its own."""
 
 from __future__ import annotations
 
-LABEL = 12  # "  requeue:  ": launch/plan.py's column
+from slurm_jit.launch.plan import LABEL  # "  requeue:  ": the labels' column
 
 
 def value(text: str, label: str, *, hint: bool = False) -> str:
